@@ -1,0 +1,320 @@
+"""Fused paged attention over all valid pages (dense) or over selected pages (sparse), with split-K.
+
+Sparse mode attends only to the pages that Quest (Tang et al., ICML 2024) / TinyServe
+(arXiv 2509.12211, eq. 2-3) selected by their upper-bound score ``sum_i max(q_i k_min_i, q_i k_max_i)``;
+dense mode walks every valid page and is the baseline.
+
+Program ``(b, h * NUM_MB + mb, s)`` owns KV head ``h`` of row ``b``, query block ``mb`` and split ``s``.
+Its ``BLOCK_M`` rows are the flattened ``(query token t, query head g of the group)`` pairs
+``m = t * G + g``, so every query head of a GQA group and every query token reads each K/V tile once.
+The program walks the list of pages (dense: ``0 .. n-1``; sparse: ``page_indices[b, h]``) as one
+stream of ``len(list) * PAGE_SIZE`` tokens, ``BLOCK_N`` tokens per iteration (``BLOCK_N / PAGE_SIZE``
+pages per iteration when pages are small, part of a page when they are large): one ``[BLOCK_N, BD]``
+K tile and V tile, online softmax in fp32 (base 2, with ``scale * log2(e)`` folded into the logits).
+
+Causality is bottom-right aligned: query ``t`` sits at ``seq_len - Tq + t`` and sees keys at positions
+``<=`` its own. A row that sees no key keeps ``m = -inf, l = 0`` and writes ``out = 0, lse = -inf``.
+
+Split-K: the token stream of a row is cut into ``num_splits`` contiguous ranges; each split writes its
+normalised partial output and base-2 LSE to an fp32 workspace, and ``_merge_splits_kernel`` combines
+them by LSE weights ``exp2(lse_s - max_s lse_s)`` in fp32 (partials are never rounded to 16 bits).
+"""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import needs_upcast, pad_head_dim
+
+LOG2E = 1.4426950408889634
+NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q,  # [B, TQ, HQ, D]
+    k_cache,  # [P, PAGE_SIZE, HKV, D]
+    v_cache,  # [P, PAGE_SIZE, HKV, D]
+    block_table,  # [B, MAXP] int32
+    seq_lens,  # [B] int32
+    page_indices,  # [B, HKV, K] int32 logical pages (SPARSE only)
+    out,  # [B, TQ, HQ, D]                 (not SPLIT)
+    lse,  # [B, TQ, HQ] fp32 natural log   (not SPLIT)
+    ws_o,  # [S, B, TQ, HQ, D] fp32        (SPLIT)
+    ws_lse,  # [S, B, TQ, HQ] fp32 base 2  (SPLIT)
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_ib, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_lt, stride_lh,
+    stride_ws, stride_wb, stride_wt, stride_wh,
+    stride_zs, stride_zb, stride_zt, stride_zh,
+    qk_scale,  # scale * log2(e)
+    TQ, D, NUM_MB, NUM_LIST, NUM_SPLITS,
+    G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BD: tl.constexpr,
+    SPARSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = (tl.program_id(1) // NUM_MB).to(tl.int64)
+    i_mb = tl.program_id(1) % NUM_MB
+    i_s = tl.program_id(2)
+    seq_len = tl.load(seq_lens + i_b)
+
+    # rows of the tile: query token o_t, query head o_hq, absolute position o_qpos
+    o_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_m = o_m < TQ * G
+    o_t = o_m // G
+    o_hq = i_h * G + o_m % G
+    o_qpos = seq_len - TQ + o_t  # [BM]
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_q = (q + i_b * stride_qb + o_t[:, None].to(tl.int64) * stride_qt + o_hq[:, None] * stride_qh
+           + o_d[None, :] * stride_qd)
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+
+    if SPARSE:
+        n_list = NUM_LIST
+    else:
+        # dense: valid pages, cut at the last page the block's newest query can see
+        t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
+        n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
+        n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
+    n_tok = n_list * PAGE_SIZE
+    n_it = tl.cdiv(n_tok, BLOCK_N)
+    it_per_split = tl.cdiv(n_it, NUM_SPLITS)
+    it_lo = i_s * it_per_split
+    it_hi = tl.minimum(it_lo + it_per_split, n_it)
+
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
+    b_l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    b_acc = tl.zeros([BLOCK_M, BD], tl.float32)
+    for it in range(it_lo, it_hi):
+        b_m, b_l, b_acc = _attn_tile(
+            b_q, b_m, b_l, b_acc, it, o_qpos, o_d, m_d, seq_len, n_tok, i_b, i_h,
+            k_cache, v_cache, block_table, page_indices,
+            stride_kp, stride_ks, stride_kh, stride_kd,
+            stride_vp, stride_vs, stride_vh, stride_vd,
+            stride_bt, stride_ib, stride_ih, qk_scale,
+            PAGE_SIZE, BLOCK_N, SPARSE, UPCAST, PRECISION,
+        )
+
+    # rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf (never 0/0)
+    b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]  # [BM, BD]
+    b_lse2 = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l))  # [BM]
+    m_o = m_m[:, None] & m_d[None, :]
+    if SPLIT:
+        p_w = (ws_o + i_s * stride_ws + i_b * stride_wb + o_t[:, None].to(tl.int64) * stride_wt
+               + o_hq[:, None] * stride_wh + o_d[None, :])
+        tl.store(p_w, b_o, mask=m_o)
+        p_z = ws_lse + i_s * stride_zs + i_b * stride_zb + o_t.to(tl.int64) * stride_zt + o_hq * stride_zh
+        tl.store(p_z, b_lse2, mask=m_m)
+    else:
+        p_o = (out + i_b * stride_ob + o_t[:, None].to(tl.int64) * stride_ot + o_hq[:, None] * stride_oh
+               + o_d[None, :] * stride_od)
+        tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
+        p_l = lse + i_b * stride_lb + o_t.to(tl.int64) * stride_lt + o_hq * stride_lh
+        tl.store(p_l, b_lse2 / 1.4426950408889634, mask=m_m)
+
+
+@triton.jit
+def _attn_tile(
+    b_q, b_m, b_l, b_acc, it, o_qpos, o_d, m_d, seq_len, n_tok, i_b, i_h,
+    k_cache, v_cache, block_table, page_indices,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_ib, stride_ih, qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One ``BLOCK_N``-token step of the online softmax; returns the updated ``(m, l, acc)``."""
+    o_u = it * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] index in the token stream of the page list
+    m_u = o_u < n_tok
+    o_slot = o_u % PAGE_SIZE
+    if SPARSE:
+        o_j = tl.load(page_indices + i_b * stride_ib + i_h * stride_ih + o_u // PAGE_SIZE, mask=m_u, other=-1)
+    else:
+        o_j = o_u // PAGE_SIZE  # [BN] logical page
+    o_kpos = o_j * PAGE_SIZE + o_slot  # [BN] absolute key position
+    # a key exists when its page is listed (not -1) and it is before seq_len: never read past it
+    m_n = m_u & (o_j >= 0) & (o_kpos < seq_len)
+    o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_n, other=0).to(tl.int64)  # [BN] physical
+    m_kv = m_n[:, None] & m_d[None, :]  # [BN, BD]
+    p_k = k_cache + o_p[:, None] * stride_kp + o_slot[:, None] * stride_ks + i_h * stride_kh + o_d[None, :] * stride_kd
+    p_v = v_cache + o_p[:, None] * stride_vp + o_slot[:, None] * stride_vs + i_h * stride_vh + o_d[None, :] * stride_vd
+    b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BN, BD]
+    b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BN, BD]
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
+        b_v = b_v.to(tl.float32)
+
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BM, BN]
+    b_s = tl.where(m_n[None, :] & (o_kpos[None, :] <= o_qpos[:, None]), b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BM]
+    # a row with nothing seen so far has m = -inf: shift by 0 so that exp2(-inf - -inf) never occurs
+    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # [BM]
+    b_alpha = tl.exp2(b_m - b_shift)  # [BM]
+    b_p = tl.exp2(b_s - b_shift[:, None])  # [BM, BN]
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    # P in the V dtype (fp16/bf16 tensor-core dot on GPU), accumulator in fp32
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def _merge_splits_kernel(
+    ws_o,  # [S, B, TQ, HQ, D] fp32
+    ws_lse,  # [S, B, TQ, HQ] fp32 base 2
+    out,  # [B, TQ, HQ, D]
+    lse,  # [B, TQ, HQ] fp32
+    stride_ws, stride_wb, stride_wt, stride_wh,
+    stride_zs, stride_zb, stride_zt, stride_zh,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_lt, stride_lh,
+    TQ, HQ, D, NUM_SPLITS,
+    BH: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_b = (tl.program_id(0) // TQ).to(tl.int64)
+    i_t = (tl.program_id(0) % TQ).to(tl.int64)
+    o_h = tl.program_id(1) * BH + tl.arange(0, BH)  # [BH] query heads
+    o_s = tl.arange(0, BS)  # [BS] splits
+    o_d = tl.arange(0, BD)
+    m_hs = (o_h[:, None] < HQ) & (o_s[None, :] < NUM_SPLITS)  # [BH, BS]
+    m_d = o_d < D
+
+    p_z = ws_lse + o_s[None, :].to(tl.int64) * stride_zs + i_b * stride_zb + i_t * stride_zt + o_h[:, None] * stride_zh
+    b_lse = tl.load(p_z, mask=m_hs, other=float("-inf"))  # [BH, BS]
+    b_max = tl.max(b_lse, axis=1)  # [BH]
+    b_w = tl.exp2(b_lse - tl.where(b_max == float("-inf"), 0.0, b_max)[:, None])  # [BH, BS], 0 for empty splits
+    b_sum = tl.sum(b_w, axis=1)  # [BH]
+    p_w = (ws_o + o_s[None, :, None].to(tl.int64) * stride_ws + i_b * stride_wb + i_t * stride_wt
+           + o_h[:, None, None] * stride_wh + o_d[None, None, :])
+    b_po = tl.load(p_w, mask=m_hs[:, :, None] & m_d[None, None, :], other=0.0)  # [BH, BS, BD]
+    b_o = tl.sum(b_w[:, :, None] * b_po, axis=1) / tl.where(b_sum == 0.0, 1.0, b_sum)[:, None]  # [BH, BD]
+    b_lse_out = tl.where(b_sum == 0.0, float("-inf"), (b_max + tl.log2(b_sum)) / 1.4426950408889634)
+
+    m_h = o_h < HQ
+    p_o = out + i_b * stride_ob + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :] * stride_od
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_h[:, None] & m_d[None, :])
+    tl.store(lse + i_b * stride_lb + i_t * stride_lt + o_h * stride_lh, b_lse_out, mask=m_h)
+
+
+def attention_blocks(num_queries: int, group: int, head_dim: int, page_size: int) -> dict:
+    """Constexprs and launch options of ``_attn_fwd_kernel`` (shared with compile.py).
+
+    BLOCK_M: the ``Tq * G`` rows padded to a power of two >= 16 (``tl.dot``), at most 64 (32 when
+    BD = 256), larger prefills get several query blocks. BLOCK_N: 64 tokens per iteration (32 when
+    BD = 256) so that a K and a V tile stay small in shared memory, i.e. ``64 / page_size`` pages.
+    """
+    BD = pad_head_dim(head_dim)
+    cap = 64 if BD <= 128 else 32
+    BLOCK_M = max(16, min(triton.next_power_of_2(num_queries * group), cap))
+    BLOCK_N = 64 if BD <= 128 else 32
+    num_warps = 4 if BLOCK_M * BD <= 64 * 64 else 8
+    return dict(G=group, PAGE_SIZE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BD=BD, num_warps=num_warps)
+
+
+def merge_blocks(num_heads: int, num_splits: int, head_dim: int) -> dict:
+    """Constexprs of ``_merge_splits_kernel`` (shared with compile.py)."""
+    BD = triton.next_power_of_2(head_dim)
+    BS = triton.next_power_of_2(num_splits)
+    BH = max(1, min(triton.next_power_of_2(num_heads), 4096 // (BS * BD)))
+    return dict(BH=BH, BS=BS, BD=BD)
+
+
+def choose_num_splits(num_programs: int, max_tokens: int, block_n: int, num_sms: int) -> int:
+    """Split the pages of a row when the grid would not fill the GPU (decode, long context, small batch).
+
+    Aims at ~one wave of ``num_sms`` programs, but gives each split at least 4 iterations of
+    ``block_n`` tokens so that the merge stays cheap; 1 for short contexts or large grids.
+    """
+    if num_programs >= num_sms:
+        return 1
+    by_work = max_tokens // (4 * block_n)
+    return max(1, min(triton.cdiv(num_sms, num_programs), by_work, 64))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor], scale: float,
+                    out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None) -> None:
+    """Attention of q ``[B, Tq, Hq, D]`` over the paged cache; writes ``out`` (q's shape/dtype) and ``lse``.
+
+    k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
+    ``[B]`` int32 (including the Tq queries); page_indices ``None`` (dense) or ``[B, Hkv, K]`` int32
+    logical pages, deduplicated (-1 entries and pages past the end are skipped; duplicates would be
+    counted twice, the ops layer removes them); lse ``[B, Tq, Hq]`` fp32 natural log.
+    num_splits: ``None`` picks it with ``choose_num_splits``; an int forces it (tests).
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or num_queries == 0 or num_heads == 0:
+        return
+    group = num_heads // num_kv_heads
+    meta = attention_blocks(num_queries, group, head_dim, page_size)
+    num_mb = triton.cdiv(num_queries * group, meta["BLOCK_M"])
+    sparse = page_indices is not None
+    num_list = page_indices.shape[2] if sparse else block_table.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"],
+                                       _num_sms(q.device))
+    split = num_splits > 1
+    if split:
+        ws_o = torch.empty((num_splits, batch, num_queries, num_heads, head_dim), device=q.device,
+                           dtype=torch.float32)
+        ws_lse = torch.empty((num_splits, batch, num_queries, num_heads), device=q.device, dtype=torch.float32)
+    else:
+        ws_o, ws_lse = out, lse  # unused
+    idx = page_indices if sparse else block_table  # unused when dense
+    _attn_fwd_kernel[(batch, num_kv_heads * num_mb, num_splits)](
+        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+        page_indices=idx, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
+        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
+        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
+        stride_bt=block_table.stride(0),
+        stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
+        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
+        stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
+        stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
+        stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
+        stride_zh=ws_lse.stride(3) if split else 0,
+        qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
+        NUM_SPLITS=num_splits, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
+        PRECISION="ieee", **meta,
+    )
+    if split:
+        mmeta = merge_blocks(num_heads, num_splits, head_dim)
+        _merge_splits_kernel[(batch * num_queries, triton.cdiv(num_heads, mmeta["BH"]))](
+            ws_o=ws_o, ws_lse=ws_lse, out=out, lse=lse,
+            stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
+            stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
+            stride_zh=ws_lse.stride(3),
+            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
+            TQ=num_queries, HQ=num_heads, D=head_dim, NUM_SPLITS=num_splits, **mmeta,
+        )

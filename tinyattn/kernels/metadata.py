@@ -1,0 +1,105 @@
+"""Per-page key bounding boxes (Quest, Tang et al., ICML 2024, sec. 3).
+
+For physical page ``p``, KV head ``h`` and channel ``i``::
+
+    k_min[p, h, i] = min_t K[p, t, h, i],   k_max[p, h, i] = max_t K[p, t, h, i]
+
+over the *valid* slots ``t`` of the page only: the last page of a row is partial and its slots
+``>= seq_len - j * page_size`` hold stale or garbage keys that must not widen the box
+(TinyServe, arXiv 2509.12211, eq. 2 is an upper bound only if the box is exact).
+
+Grid: ``(B, cdiv(max_pages, BP), Hkv)``; each program reduces ``BP`` pages of one KV head of one
+row, ``BS`` slots at a time (a ``[BP, BS, BD]`` tile). A page shared by several rows is written by
+each of them with the same value, which is harmless.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import pad_head_dim
+
+# elements of one [BP, BS, BD] tile: ~32 fp32 registers per thread with 4 warps
+TILE_ELEMS = 4096
+
+
+@triton.jit
+def _page_minmax_kernel(
+    k_cache,  # [P, S, HKV, D] any float dtype
+    block_table,  # [B, MAXP] int32
+    seq_lens,  # [B] int32
+    k_min,  # [P, HKV, D]
+    k_max,  # [P, HKV, D]
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_bt,
+    stride_np, stride_nh, stride_nd,
+    stride_xp, stride_xh, stride_xd,
+    MAXP, D,
+    PAGE_SIZE: tl.constexpr,
+    BP: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_pb = tl.program_id(1)
+    i_h = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens + i_b)
+
+    o_j = i_pb * BP + tl.arange(0, BP)  # [BP] logical pages
+    # a page is valid when it holds at least one token; entries past it may be -1 or garbage
+    m_j = (o_j < MAXP) & (o_j * PAGE_SIZE < seq_len)
+    o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_j, other=0).to(tl.int64)  # [BP]
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+
+    b_min = tl.full([BP, BD], float("inf"), tl.float32)
+    b_max = tl.full([BP, BD], float("-inf"), tl.float32)
+    for s0 in tl.static_range(0, PAGE_SIZE, BS):
+        o_s = s0 + tl.arange(0, BS)  # [BS] slots
+        # only slots before seq_len are keys; the rest of the last page is padding
+        m_s = m_j[:, None] & (o_j[:, None] * PAGE_SIZE + o_s[None, :] < seq_len)  # [BP, BS]
+        m_k = m_s[:, :, None] & m_d[None, None, :]  # [BP, BS, BD]
+        p_k = (k_cache + o_p[:, None, None] * stride_kp + o_s[None, :, None] * stride_ks
+               + i_h * stride_kh + o_d[None, None, :] * stride_kd)
+        # min/max are exact in fp32 for every input dtype (also bf16 in the interpreter)
+        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)  # [BP, BS, BD]
+        b_min = tl.minimum(b_min, tl.min(tl.where(m_k, b_k, float("inf")), axis=1))  # [BP, BD]
+        b_max = tl.maximum(b_max, tl.max(tl.where(m_k, b_k, float("-inf")), axis=1))  # [BP, BD]
+
+    m_o = m_j[:, None] & m_d[None, :]  # [BP, BD]
+    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
+    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
+    tl.store(p_n, b_min.to(k_min.dtype.element_ty), mask=m_o)
+    tl.store(p_x, b_max.to(k_max.dtype.element_ty), mask=m_o)
+
+
+def metadata_blocks(page_size: int, head_dim: int, max_pages: int) -> dict:
+    """Constexprs of ``_page_minmax_kernel`` (shared with compile.py)."""
+    BD = pad_head_dim(head_dim)
+    BS = min(page_size, max(1, TILE_ELEMS // BD))
+    BP = max(1, min(triton.next_power_of_2(max(max_pages, 1)), TILE_ELEMS // (BS * BD)))
+    return dict(PAGE_SIZE=page_size, BP=BP, BS=BS, BD=BD)
+
+
+def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         k_min: torch.Tensor, k_max: torch.Tensor) -> None:
+    """Recompute ``k_min``/``k_max`` ``[num_pages, Hkv, D]`` of every valid page of every row, in place.
+
+    k_cache: ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32;
+    seq_lens ``[B]`` int32. Pages that no row touches are left as they are.
+    """
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    batch, max_pages = block_table.shape
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or max_pages == 0:
+        return
+    meta = metadata_blocks(page_size, head_dim, max_pages)
+    grid = (batch, triton.cdiv(max_pages, meta["BP"]), num_kv_heads)
+    _page_minmax_kernel[grid](
+        k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min, k_max=k_max,
+        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
+        stride_bt=block_table.stride(0),
+        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
+        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        MAXP=max_pages, D=head_dim, **meta,
+    )

@@ -1,0 +1,114 @@
+"""Query-aware page scores: an upper bound of ``q . k`` over each page's key bounding box.
+
+Quest (Tang et al., ICML 2024, eq. 1) and TinyServe (arXiv 2509.12211, eq. 2)::
+
+    ub(q, j) = sum_i max(q_i * k_min[j, i], q_i * k_max[j, i])  >=  max_{t in page j} q . k_t
+
+Each term is the largest value ``q_i * k_i`` can take in ``[k_min_i, k_max_i]``, hence the bound.
+For GQA the score of KV head ``h`` is the max over its ``G = Hq // Hkv`` query heads and the
+``Tq`` query tokens: still an upper bound of every logit the group can produce on that page.
+
+Grid: ``(B, Hkv, cdiv(max_pages, BP))``; each program scores ``BP`` pages (a ``[BP, BD]`` box tile)
+against all ``Tq * G`` queries of the group, ``BM`` queries at a time (a ``[BM, BP, BD]`` product).
+Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import pad_head_dim
+
+# elements of the [BM, BP, BD] product tile
+TILE_ELEMS = 8192
+
+
+@triton.jit
+def _page_scores_kernel(
+    q,  # [B, TQ, HQ, D]
+    k_min,  # [P, HKV, D]
+    k_max,  # [P, HKV, D]
+    block_table,  # [B, MAXP] int32
+    seq_lens,  # [B] int32
+    out,  # [B, HKV, MAXP] fp32
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_np, stride_nh, stride_nd,
+    stride_xp, stride_xh, stride_xd,
+    stride_bt,
+    stride_ob, stride_oh, stride_oj,
+    MAXP, TQ, D,
+    G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BM: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_pb = tl.program_id(2)
+    seq_len = tl.load(seq_lens + i_b)
+
+    o_j = i_pb * BP + tl.arange(0, BP)  # [BP] logical pages
+    m_j = (o_j < MAXP) & (o_j * PAGE_SIZE < seq_len)
+    o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_j, other=0).to(tl.int64)  # [BP]
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_box = m_j[:, None] & m_d[None, :]  # [BP, BD]
+    # padded channels load 0 on both sides, so they add 0 to the bound
+    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
+    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
+    b_min = tl.load(p_n, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+    b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+
+    b_s = tl.full([BP], float("-inf"), tl.float32)
+    # rows m of the group: query token m // G, query head i_h * G + m % G
+    for m0 in range(0, TQ * G, BM):
+        o_m = m0 + tl.arange(0, BM)  # [BM]
+        m_m = o_m < TQ * G
+        o_t = (o_m // G).to(tl.int64)
+        o_hq = i_h * G + o_m % G
+        p_q = q + i_b * stride_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
+        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
+        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
+        b_ub = tl.sum(tl.maximum(b_lo, b_hi), axis=2)  # [BM, BP]
+        # padded query rows would score 0 and could beat a negative bound: exclude them
+        b_ub = tl.where(m_m[:, None], b_ub, float("-inf"))
+        b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
+
+    b_s = tl.where(m_j, b_s, float("-inf"))
+    p_o = out + i_b * stride_ob + i_h * stride_oh + o_j * stride_oj
+    tl.store(p_o, b_s, mask=o_j < MAXP)
+
+
+def score_blocks(num_queries: int, group: int, head_dim: int, page_size: int, max_pages: int) -> dict:
+    """Constexprs of ``_page_scores_kernel`` for ``num_queries = Tq`` (shared with compile.py)."""
+    BD = pad_head_dim(head_dim)
+    BP = max(1, min(triton.next_power_of_2(max(max_pages, 1)), 2048 // BD))
+    BM = max(1, min(triton.next_power_of_2(num_queries * group), TILE_ELEMS // (BP * BD)))
+    return dict(G=group, PAGE_SIZE=page_size, BM=BM, BP=BP, BD=BD)
+
+
+def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, *, page_size: int, out: torch.Tensor) -> None:
+    """Write ``ub`` of every logical page into ``out`` ``[B, Hkv, max_pages]`` fp32.
+
+    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32;
+    seq_lens ``[B]`` int32. Pages ``j >= cdiv(seq_len, page_size)`` get ``-inf``.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k_min.shape[1]
+    max_pages = block_table.shape[1]
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or max_pages == 0:
+        return
+    meta = score_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size, max_pages)
+    grid = (batch, num_kv_heads, triton.cdiv(max_pages, meta["BP"]))
+    _page_scores_kernel[grid](
+        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, out=out,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
+        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
+        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        stride_bt=block_table.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_oj=out.stride(2),
+        MAXP=max_pages, TQ=num_queries, D=head_dim, **meta,
+    )

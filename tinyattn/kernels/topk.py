@@ -1,0 +1,96 @@
+"""Page selection: forced recent and sink pages, then the top-scoring pages, within a budget.
+
+Quest (Tang et al., ICML 2024) keeps the top-K pages by their upper-bound score; TinyServe
+(arXiv 2509.12211, sec. 3, eq. 2-3) adds the always-kept recent and sink pages. Per (row, KV head),
+with ``n = cdiv(seq_len, page_size)`` valid pages:
+
+- ``n <= budget``: keep every valid page (sparse == dense exactly);
+- else, in priority order until the budget is full: (1) the last ``R`` pages, ``R = max(recent, 1,
+  pages holding the Tq query tokens)`` (newest first if they alone overflow the budget); (2) the first
+  ``num_sink_pages`` pages; (3) the highest scores among the rest, ties to the lower page index,
+  NaN ranking below ``-inf``, pages past the end never chosen.
+
+Output: ascending page ids, ``-1`` padded. Grid ``(B, Hkv)``; one program holds the row's scores as
+a ``[BP]`` tile of order-preserving int32 keys and picks the top pages with ``tl.argmax`` in a loop
+(``budget`` is small and argmax breaks ties to the lowest index), then compacts with a cumsum.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _select_pages_kernel(
+    scores,  # [B, HKV, MAXP] fp32
+    seq_lens,  # [B] int32
+    out,  # [B, HKV, BUDGET] int32
+    stride_sb, stride_sh, stride_sj,
+    stride_ob, stride_oh, stride_ok,
+    MAXP, BUDGET, NUM_SINK, NUM_RECENT, TQ,
+    PAGE_SIZE: tl.constexpr,
+    BP: tl.constexpr,
+    BK: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens + i_b)
+    n = (seq_len + PAGE_SIZE - 1) // PAGE_SIZE
+
+    o_j = tl.arange(0, BP)  # [BP] logical pages
+    m_j = (o_j < n) & (o_j < MAXP)
+    b_s = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_j * stride_sj, mask=m_j, other=0.0)
+
+    # (1) recent pages, including every page holding a query token (clamped: no negative division)
+    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
+    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
+    keep = m_j & (o_j >= n - n_recent)  # [BP]
+    # (2) sink pages from page 0 with whatever budget is left (overlap with (1) counted once)
+    keep |= m_j & (o_j < tl.minimum(NUM_SINK, BUDGET - n_recent))
+    keep = tl.where(n <= BUDGET, m_j, keep)
+    rest = tl.minimum(n, BUDGET) - tl.sum(keep.to(tl.int32), axis=0)
+
+    # (3) order-preserving int32 image of the score: flip the magnitude bits of negatives;
+    # -0 == +0 so that ties stay ties; NaN just above the "not a candidate" key
+    b_s = tl.where(b_s == 0.0, 0.0, b_s)
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    b_key = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)  # [BP]
+    b_key = tl.where(b_s != b_s, -2147483647, b_key)
+    for _ in range(rest):
+        # argmax returns the first (lowest) index among equal keys
+        b_cand = tl.where(keep | (~m_j), -2147483647 - 1, b_key)  # [BP]
+        i_top = tl.argmax(b_cand, axis=0)
+        keep |= o_j == i_top
+
+    # compact the kept pages in ascending order, then pad with -1
+    o_pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # [BP]
+    n_kept = tl.sum(keep.to(tl.int32), axis=0)
+    p_o = out + i_b * stride_ob + i_h * stride_oh
+    tl.store(p_o + o_pos * stride_ok, o_j, mask=keep)
+    o_k = tl.arange(0, BK)  # [BK]
+    tl.store(p_o + o_k * stride_ok, tl.full([BK], -1, tl.int32), mask=(o_k >= n_kept) & (o_k < BUDGET))
+
+
+def topk_blocks(max_pages: int, page_budget: int, page_size: int) -> dict:
+    """Constexprs of ``_select_pages_kernel`` (shared with compile.py)."""
+    return dict(PAGE_SIZE=page_size, BP=triton.next_power_of_2(max(max_pages, 1)),
+                BK=triton.next_power_of_2(max(page_budget, 1)))
+
+
+def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, page_budget: int,
+                 num_sink_pages: int, num_recent_pages: int, num_query_tokens: int, out: torch.Tensor) -> None:
+    """Write the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``.
+
+    scores ``[B, Hkv, max_pages]`` fp32; seq_lens ``[B]`` int32 (including the ``num_query_tokens``).
+    """
+    batch, num_kv_heads, max_pages = scores.shape
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
+        return
+    meta = topk_blocks(max_pages, page_budget, page_size)
+    _select_pages_kernel[(batch, num_kv_heads)](
+        scores=scores, seq_lens=seq_lens, out=out,
+        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
+        TQ=num_query_tokens, **meta,
+    )

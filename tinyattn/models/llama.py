@@ -1,0 +1,541 @@
+"""LLaMA-family model and a paged, query-aware sparse runtime built on tinyattn's ops.
+
+Architecture (as llama2.c / Meta LLaMA): token embedding, ``n_layers`` pre-norm blocks of
+RMSNorm (eps 1e-5) -> GQA attention with interleaved RoPE (pairs ``(2i, 2i+1)`` of each head,
+theta 10000) -> RMSNorm -> SwiGLU FFN ``w2(silu(w1 x) * w3 x)``, final RMSNorm, linear classifier.
+
+Keys are written to a :class:`tinyattn.cache.PagedKVCache` **after** RoPE, at the token's absolute
+position, so the cache's page bounding boxes are the ones Quest scores.
+
+- Prefill is dense: :func:`tinyattn.paged_attention` with ``Tq`` = number of new tokens
+  (bottom-right causal).
+- Decode uses :func:`tinyattn.sparse_paged_attention` (``k_min``/``k_max`` + ``page_budget``) in every
+  layer from ``dense_layers`` on; the first ``dense_layers`` layers (Quest keeps 2) and every layer
+  when ``page_budget is None`` use dense :func:`tinyattn.paged_attention`.
+
+Public names: :class:`LlamaConfig`, :class:`SparsityConfig`, :class:`LlamaModel`,
+:class:`LlamaRuntime`, :class:`GenerationOutput`, :class:`GenerationStats`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LlamaConfig",
+    "SparsityConfig",
+    "LlamaModel",
+    "LlamaRuntime",
+    "GenerationOutput",
+    "GenerationStats",
+    "rope_tables",
+    "apply_rope",
+]
+
+
+# ---------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a LLaMA-family model (names follow llama2.c)."""
+
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    shared_classifier: bool = True
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """How decode steps attend.
+
+    Args:
+        page_budget: pages kept per (sequence, KV head) at each decode step; ``None`` = dense.
+        num_sink_pages: leading pages always kept.
+        num_recent_pages: trailing pages always kept (the page being written is always kept).
+        dense_layers: number of leading layers that stay dense (Quest keeps 2).
+    """
+
+    page_budget: int | None = None
+    num_sink_pages: int = 0
+    num_recent_pages: int = 1
+    dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.page_budget is not None and (not isinstance(self.page_budget, int) or self.page_budget < 1):
+            raise ValueError(f"page_budget must be None or an int >= 1, got {self.page_budget!r}")
+        for name in ("num_sink_pages", "num_recent_pages", "dense_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.page_budget is not None and self.num_sink_pages + self.num_recent_pages > self.page_budget:
+            raise ValueError(
+                f"num_sink_pages + num_recent_pages ({self.num_sink_pages} + {self.num_recent_pages}) must not "
+                f"exceed page_budget ({self.page_budget})"
+            )
+
+    @property
+    def is_dense(self) -> bool:
+        return self.page_budget is None
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        return self.page_budget is not None and layer >= self.dense_layers
+
+
+# ---------------------------------------------------------------------------- building blocks
+def rope_tables(head_dim: int, num_positions: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[num_positions, head_dim // 2]`` fp32, exactly as llama2.c's ``model.py``
+    computes them (these are the ``freq_cis_real/imag`` tables stored in its checkpoints)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(num_positions, dtype=torch.float32)
+    angles = torch.outer(t, freqs).float()
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs ``(2i, 2i+1)`` of the last dim of ``x`` ``[B, T, H, D]`` by ``cos/sin`` ``[B, T, D/2]``."""
+    xf = x.float().unflatten(-1, (-1, 2))  # [B, T, H, D/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ---------------------------------------------------------------------------- the model
+class LlamaModel(nn.Module):
+    """LLaMA weights + a forward pass over a paged KV cache.
+
+    ``forward`` appends ``T`` new tokens to each of ``B`` sequences of ``cache`` (all rows the same
+    ``T``) and returns their logits; see :class:`LlamaRuntime` for prompts of different lengths,
+    batching and sampling.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.shared_classifier:
+            self.output.weight = self.tok_embeddings.weight
+        self._rope_cos = torch.empty(0)
+        self._rope_sin = torch.empty(0)
+
+    # -------------------------------------------------------------- loading
+    @classmethod
+    def from_llama2c(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> "LlamaModel":
+        """Load a llama2.c legacy checkpoint (see :mod:`tinyattn.models.llama2c`)."""
+        from .llama2c import load_llama2c
+
+        cfg, sd = load_llama2c(path)
+        model = cls(cfg)
+        model.load_state_dict(sd, strict=True)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, T, D/2]`` at absolute ``positions`` ``[B, T]``."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if self._rope_cos.shape[0] < need or self._rope_cos.device != positions.device:
+            n = max(need, self.config.max_seq_len)
+            n = 1 << (n - 1).bit_length()
+            cos, sin = rope_tables(self.config.head_dim, n, self.config.rope_theta)
+            self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
+        return self._rope_cos[positions], self._rope_sin[positions]
+
+    def new_cache(self, *, page_size: int, num_pages: int):
+        """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model."""
+        from tinyattn.cache import PagedKVCache
+
+        cfg = self.config
+        return PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, num_pages=num_pages,
+                            dtype=self.dtype, device=self.device)
+
+    # -------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache, seq_ids: list[int], *, sparse: bool = False,
+                sparsity: SparsityConfig | None = None, backend: str | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Append ``tokens`` ``[B, T]`` to sequences ``seq_ids`` of ``cache``; return logits.
+
+        Args:
+            tokens: ``[B, T]`` token ids, the next ``T`` tokens of each row.
+            cache: a :class:`PagedKVCache` made by :meth:`new_cache`.
+            seq_ids: ``B`` sequence ids of ``cache``.
+            sparse: attend through ``sparse_paged_attention`` in the layers ``sparsity`` makes sparse;
+                ``False`` (prefill) is dense everywhere.
+            sparsity: page budget and friends; ``None`` or ``page_budget=None`` = dense.
+            backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+            last_only: return only the last position's logits ``[B, V]`` instead of ``[B, T, V]``.
+
+        Each new token is rotated at its absolute position (the sequence length before this call
+        plus its offset), and attends to every earlier token of its row and to itself.
+        """
+        import tinyattn
+
+        cfg = self.config
+        if tokens.dim() != 2 or tokens.shape[0] != len(seq_ids):
+            raise ValueError(f"tokens must be [B, T] with B = len(seq_ids) = {len(seq_ids)}, "
+                             f"got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        if T == 0:
+            raise ValueError("tokens must hold at least one token per row (T >= 1), got T = 0")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got min {int(tokens.min())} "
+                             f"max {int(tokens.max())}")
+        tokens = tokens.to(self.device)
+        sparsity = sparsity or SparsityConfig()
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+
+        start = cache.seq_lens(seq_ids).to(device=self.device, dtype=torch.long)  # [B], before extend
+        positions = start[:, None] + torch.arange(T, device=self.device)  # [B, T] absolute positions
+        slots = cache.extend(list(seq_ids), T)  # [B*T], row-major (row b's T tokens together)
+        block_table = cache.block_table(seq_ids)
+        seq_lens = cache.seq_lens(seq_ids)  # lengths including the new tokens
+        cos, sin = self._rope(positions)
+
+        x = self.tok_embeddings(tokens)  # [B, T, dim]
+        for li, layer in enumerate(self.layers):
+            h = layer.attention_norm(x)
+            q = layer.wq(h).view(B, T, Hq, hd)
+            k = layer.wk(h).view(B, T, Hkv, hd)
+            v = layer.wv(h).view(B, T, Hkv, hd)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
+            qa = q[:, 0] if T == 1 else q  # [B, Hq, D] decode, [B, T, Hq, D] otherwise
+            if sparse and sparsity.layer_is_sparse(li):
+                attn = tinyattn.sparse_paged_attention(
+                    qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
+                    k_min=cache.k_min[li], k_max=cache.k_max[li], page_budget=sparsity.page_budget,
+                    num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
+                    backend=backend,
+                )
+            else:
+                attn = tinyattn.paged_attention(qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
+                                                backend=backend)
+            x = x + layer.wo(attn.reshape(B, T, Hq * hd))
+            x = x + layer.ffn(layer.ffn_norm(x))
+        if last_only:
+            x = x[:, -1]
+        return self.output(self.norm(x)).float()
+
+
+# ---------------------------------------------------------------------------- runtime
+@dataclass
+class GenerationStats:
+    """Counters of one :meth:`LlamaRuntime.generate` call.
+
+    Page and byte counts are per decode step summed over rows, layers and KV heads; "dense" is
+    what full attention would read at the same step. Sparse bytes include the page bounding boxes
+    (``k_min`` + ``k_max``) of every valid page, as in DESIGN.md §1.
+    """
+
+    num_sequences: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    pages_read: int = 0
+    pages_dense: int = 0
+    kv_bytes_read: int = 0
+    kv_bytes_dense: int = 0
+    kv_cache_bytes: int = 0
+    pages_used: int = 0
+    page_size: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of decode (excludes prefill)."""
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        t = self.prefill_s + self.decode_s
+        return (self.prompt_tokens + self.generated_tokens) / t if t > 0 else float("nan")
+
+    def _per_step(self, v: float) -> float:
+        return v / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def pages_read_per_step(self) -> float:
+        return self._per_step(self.pages_read)
+
+    @property
+    def pages_dense_per_step(self) -> float:
+        return self._per_step(self.pages_dense)
+
+    @property
+    def kv_bytes_read_per_step(self) -> float:
+        return self._per_step(self.kv_bytes_read)
+
+    @property
+    def kv_bytes_dense_per_step(self) -> float:
+        return self._per_step(self.kv_bytes_dense)
+
+    def format(self) -> str:
+        def ratio(a, b):
+            return f"{a / b:.1%}" if b else "n/a"
+
+        return "\n".join([
+            f"sequences:          {self.num_sequences} ({self.prompt_tokens} prompt tokens, "
+            f"{self.generated_tokens} generated, {self.decode_steps} decode steps)",
+            f"prefill:            {self.prefill_s * 1e3:.1f} ms",
+            f"decode:             {self.decode_s * 1e3:.1f} ms, {self.tokens_per_s:.1f} tokens/s "
+            f"({self.total_tokens_per_s:.1f} tokens/s incl. prefill)",
+            f"pages read / step:  {self.pages_read_per_step:.1f} vs {self.pages_dense_per_step:.1f} dense "
+            f"({ratio(self.pages_read, self.pages_dense)}; summed over rows, layers, KV heads)",
+            f"KV bytes / step:    {_fmt_bytes(self.kv_bytes_read_per_step)} vs "
+            f"{_fmt_bytes(self.kv_bytes_dense_per_step)} dense ({ratio(self.kv_bytes_read, self.kv_bytes_dense)}; "
+            f"sparse includes page min/max)",
+            f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {self.pages_used} pages of "
+            f"{self.page_size} tokens in use at the end",
+        ])
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@dataclass
+class GenerationOutput:
+    """``tokens[i]``: the new tokens of prompt ``i`` (EOS included when it stopped on EOS);
+    ``stopped_on_eos[i]``: whether row ``i`` ended on EOS rather than ``max_new_tokens``."""
+
+    tokens: list[list[int]]
+    stopped_on_eos: list[bool]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class LlamaRuntime:
+    """Batched generation over a paged KV cache with query-aware sparse decode.
+
+    Args:
+        model: a :class:`LlamaModel`.
+        page_size: tokens per KV page.
+        page_budget: pages kept per (sequence, KV head) per decode step; ``None`` = dense.
+        num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence.
+        dense_layers: leading layers that stay dense during decode (Quest keeps 2).
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Example::
+
+        model = LlamaModel.from_llama2c("stories260K.bin")
+        rt = LlamaRuntime(model, page_size=16, page_budget=4)
+        out = rt.generate([tok.encode("Once upon a time")], max_new_tokens=100)
+        print(tok.decode(out.tokens[0])); print(out.stats.format())
+    """
+
+    def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
+                 num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
+                 backend: str | None = None):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if backend not in (None, "torch", "triton"):
+            raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+        self.model = model
+        self.page_size = page_size
+        self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
+                                       num_recent_pages=num_recent_pages, dense_layers=dense_layers)
+        if dense_layers > model.config.n_layers:
+            raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        s = self.sparsity
+        return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
+                f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
+                f"dense_layers={s.dense_layers}, backend={self.backend!r})")
+
+    # -------------------------------------------------------------- building blocks
+    def new_cache(self, max_tokens: list[int]):
+        """A cache with exactly enough pages for sequences of the given maximum lengths."""
+        num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens)
+        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages)
+
+    def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
+        """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(1, -1)
+        logits = self.model(t, cache, [seq_id], sparse=False, backend=self.backend, last_only=last_only)
+        return logits[0]
+
+    def decode(self, cache, seq_ids: list[int], tokens: list[int] | torch.Tensor,
+               stats: GenerationStats | None = None) -> torch.Tensor:
+        """One decode step: append ``tokens[b]`` to ``seq_ids[b]``; logits ``[B, V]`` (sparse per config)."""
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(-1, 1)
+        logits = self.model(t, cache, seq_ids, sparse=True, sparsity=self.sparsity, backend=self.backend,
+                            last_only=True)
+        if stats is not None:
+            self._count_reads(stats, cache.seq_lens(seq_ids))
+        return logits
+
+    def _count_reads(self, stats: GenerationStats, seq_lens: torch.Tensor) -> None:
+        cfg = self.model.config
+        S, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
+        esize = torch.empty((), dtype=self.model.dtype).element_size()
+        lens = seq_lens.long()
+        pages = (lens + S - 1) // S
+        n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
+        n_dense = cfg.n_layers - n_sparse
+        dense_pages = int(pages.sum()) * Hkv
+        dense_bytes = 2 * int(lens.sum()) * D * Hkv * esize
+        stats.pages_dense += dense_pages * cfg.n_layers
+        stats.kv_bytes_dense += dense_bytes * cfg.n_layers
+        stats.pages_read += dense_pages * n_dense
+        stats.kv_bytes_read += dense_bytes * n_dense
+        if n_sparse:
+            budget = self.sparsity.page_budget
+            sel = torch.clamp(pages, max=budget)
+            sparse_all = pages <= budget  # every page selected: the same reads as dense
+            meta = 2 * pages * D  # k_min + k_max of every valid page
+            kv = torch.where(sparse_all, 2 * lens * D, meta + 2 * sel * S * D)
+            stats.pages_read += int(sel.sum()) * Hkv * n_sparse
+            stats.kv_bytes_read += int(kv.sum()) * Hkv * esize * n_sparse
+        stats.decode_steps += 1
+
+    # -------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None, eos_id: int | None = 2) -> GenerationOutput:
+        """Generate continuations of a batch of prompts.
+
+        Each prompt is prefilled alone (dense); then all rows decode together, one token per step,
+        through the sparse path. A row stops after ``max_new_tokens`` tokens or on ``eos_id``
+        (``None`` never stops early). ``temperature == 0`` is greedy; otherwise tokens are sampled
+        from ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists (start with BOS)")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0 or math.isinf(temperature):
+            raise ValueError(f"temperature must be a finite float >= 0, got {temperature!r}")
+        cfg = self.model.config
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > cfg.max_seq_len:
+            warnings.warn(f"sequences reach {longest} tokens, past the model's training context "
+                          f"max_seq_len={cfg.max_seq_len}; quality will degrade", stacklevel=2)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.model.device)
+            gen.manual_seed(seed if seed is not None else torch.seed())
+
+        stats = GenerationStats(num_sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts),
+                                page_size=self.page_size)
+        cache = self.new_cache([len(p) + max_new_tokens for p in prompts])
+        stats.kv_cache_bytes = _cache_bytes(cache)
+        seq_ids = [cache.add_sequence() for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        stopped = [False] * len(prompts)
+
+        t0 = time.perf_counter()
+        logits = torch.stack([self.prefill(cache, sid, p) for sid, p in zip(seq_ids, prompts)])  # [B, V]
+        stats.prefill_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        active = list(range(len(prompts))) if max_new_tokens > 0 else []
+        while active:
+            next_tokens = self._sample(logits, temperature, gen)  # one per active row
+            still = []
+            for row, tok in zip(active, next_tokens):
+                out[row].append(tok)
+                if eos_id is not None and tok == eos_id:
+                    stopped[row] = True
+                elif len(out[row]) < max_new_tokens:
+                    still.append(row)
+            if not still:
+                break
+            keep = [i for i, row in enumerate(active) if row in set(still)]
+            toks = [next_tokens[i] for i in keep]
+            active = still
+            logits = self.decode(cache, [seq_ids[r] for r in active], toks, stats)
+        stats.decode_s = time.perf_counter() - t0
+        stats.generated_tokens = sum(len(o) for o in out)
+        stats.pages_used = sum(int(n) for n in (cache.seq_lens(seq_ids).long() + self.page_size - 1) // self.page_size)
+        for sid in seq_ids:
+            cache.free(sid)
+        return GenerationOutput(tokens=out, stopped_on_eos=stopped, stats=stats)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> list[int]:
+        if temperature == 0:
+            return logits.argmax(-1).tolist()
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for name in ("k_cache", "v_cache", "k_min", "k_max"):
+        for t in getattr(cache, name, []):
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,242 @@
+"""The public ops of DESIGN.md §3: validation, then dispatch to the Triton kernels or the torch backend.
+
+Backends (DESIGN.md §4): CUDA tensors, or any tensor when ``TRITON_INTERPRET=1``, run the Triton
+kernels; CPU tensors otherwise run :mod:`tinyattn.ops.torch_backend`. ``backend="triton" | "torch"``
+forces one.
+
+Method: Quest (Tang et al., ICML 2024) and TinyServe (Liu & Yu, arXiv 2509.12211). The page bound
+is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import torch_backend as T
+from . import validation as V
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(backend, device: torch.device) -> str:
+    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
+    if backend is None:
+        return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
+                         f"imported, got tensors on {device}")
+    return backend
+
+
+def _kernels():
+    from .. import kernels       # imported lazily: a CPU-only user never needs triton
+    return kernels
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32).contiguous()
+
+
+def _restore_q_shape(q, out, lse):
+    if q.dim() == 3:
+        return out.squeeze(1), lse.squeeze(1)
+    return out, lse
+
+
+def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend):
+    """Shared tail of both attention ops: canonical inputs -> out (+ lse)."""
+    if backend == "torch" or q.dtype == torch.float64:
+        out, lse = T.attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale=scale)
+    else:
+        out = torch.empty_like(q4)
+        lse = torch.empty(q4.shape[:3], dtype=torch.float32, device=q.device)
+        _kernels().paged_attention(q4, k_cache, v_cache, _int32(block_table), _int32(seq_lens),
+                                   page_indices=page_indices, scale=scale, out=out, lse=lse)
+    out, lse = _restore_q_shape(q, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
+    """Dense paged attention over every valid page of each row: the baseline of the sparse op.
+
+    Args:
+        q: ``[B, Hq, D]`` (decode) or ``[B, Tq, Hq, D]``, fp16 / bf16 / fp32. With ``Tq > 1`` the queries
+            are the last ``Tq`` tokens of each row, causal with bottom-right alignment: query ``t`` sits at
+            position ``seq_lens[b] - Tq + t`` and sees keys at positions ``<=`` its own::
+
+                Tq=2, seq_len=5     keys: 0 1 2 3 4
+                query 0 (pos 3)           x x x x .
+                query 1 (pos 4)           x x x x x
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` page pool, same dtype as ``q``.
+            ``Hq % Hkv == 0`` (GQA; MQA when ``Hkv == 1``).
+        block_table: ``[B, max_pages_per_seq]`` int32 (int64 accepted): physical page of each logical page;
+            entries past a row's last page are ignored.
+        seq_lens: ``[B]`` int32 (int64 accepted): valid tokens per row, including the ``Tq`` queries; 0 allowed.
+        scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the natural-log log-sum-exp of the scaled logits, fp32 ``[B, Hq]`` or
+            ``[B, Tq, Hq]``, ``-inf`` where a query sees no key.
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``out`` with the shape and dtype of ``q`` (zeros where a query sees no key), and ``lse`` if asked.
+
+    Raises:
+        TypeError / ValueError naming the argument, expected and actual value, for bad shapes, dtypes,
+        devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
+        outside ``[0, num_pages)`` for valid pages.
+    """
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    scale = V.check_scale(scale, shapes.head_dim)
+    backend = resolve_backend(backend, q.device)
+    page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq, shapes.page_size)
+    if backend == "triton":
+        page_indices = None                      # the kernel walks every valid page itself
+    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend)
+
+
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
+    """Recompute the bounding box of every page the rows touch, in place; returns ``None``.
+
+    ``k_min[p, h, i]`` / ``k_max[p, h, i]`` = min / max over the valid tokens of physical page ``p`` of
+    ``k_cache[p, t, h, i]`` (DESIGN.md §1; padding slots of a partial last page are excluded). Pages no row
+    touches are left as they are. A page shared by several rows must hold the same valid tokens in each.
+
+    Args:
+        k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
+        block_table, seq_lens: as in :func:`paged_attention`.
+        k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache`` or fp32; written in place.
+    """
+    V.expect_tensor("k_cache", k_cache)
+    V.expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
+    V.expect_dtype("k_cache", k_cache, V.FLOAT_DTYPES + (torch.float64,))
+    num_pages, page_size, Hkv, D = k_cache.shape
+    V.check_tables(block_table, seq_lens, None, k_cache.device)
+    V.check_table_values(block_table, seq_lens, page_size, num_pages)
+    V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    if resolve_backend(backend, k_cache.device) == "torch" or k_cache.dtype == torch.float64:
+        T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+    else:
+        _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
+
+
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
+    """Quest upper bound of ``q·k`` for every logical page: fp32 ``[B, Hkv, max_pages_per_seq]``.
+
+    ``ub(q, j) = Σ_i max(q_i·k_min[j,h,i], q_i·k_max[j,h,i])`` (Quest §3.2; TinyServe eq. 2), maximised over
+    the ``G = Hq / Hkv`` query heads of each KV head's group and over the ``Tq`` queries, so it bounds every
+    logit the group can produce from page ``j``. Pages past a row's end score ``-inf``. Unscaled (no ``scale``).
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
+        block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
+    """
+    q = V.check_query(q)
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    page_size = V.expect_int("page_size", page_size, 1)
+    V.expect_tensor("k_min", k_min)
+    V.expect_dim("k_min", k_min, (3,), "[num_pages, Hkv, D]")
+    num_pages, Hkv, D = k_min.shape
+    if q4.shape[-1] != D:
+        raise ValueError(f"k_min: expected head_dim {q4.shape[-1]} (that of q) in dim 2, got {D}")
+    if Hkv == 0 or q4.shape[2] % Hkv != 0:
+        raise ValueError(f"q: expected a number of query heads divisible by num_kv_heads={Hkv}, got Hq={q4.shape[2]}")
+    V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
+    V.check_tables(block_table, seq_lens, q4.shape[0], q.device)
+    V.check_table_values(block_table, seq_lens, page_size, num_pages)
+    if resolve_backend(backend, q.device) == "torch" or q.dtype == torch.float64:
+        return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
+    out = torch.empty(q4.shape[0], Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
+    _kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size, out=out)
+    return out
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
+                 num_query_tokens=1, backend=None):
+    """Keep ``page_budget`` logical pages per (row, KV head): int32 ``[B, Hkv, page_budget]``.
+
+    Kept, in this order until the budget is full: the last ``max(num_recent_pages, 1)`` valid pages (the
+    partial last page always; with ``num_query_tokens > 1`` every page holding a query), the first
+    ``num_sink_pages`` pages (attention sinks, StreamingLLM), then the highest ``scores``; ties go to the lower
+    page index. A row with at most ``page_budget`` valid pages keeps them all. Output is ascending, ``-1``
+    padded, never a duplicate, never a page past the row's end. The token budget is ``page_budget * page_size``.
+
+    Args:
+        scores: fp32 ``[B, Hkv, max_pages_per_seq]`` (from :func:`page_scores`). seq_lens: ``[B]`` int.
+        page_size, page_budget (>= 1), num_sink_pages (>= 0), num_recent_pages (>= 0), num_query_tokens (>= 1): ints.
+    """
+    V.expect_tensor("scores", scores)
+    V.expect_dim("scores", scores, (3,), "[B, Hkv, max_pages_per_seq]")
+    V.expect_dtype("scores", scores, (torch.float32,))
+    page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
+        page_budget, num_sink_pages, num_recent_pages)
+    page_size = V.expect_int("page_size", page_size, 1)
+    num_query_tokens = V.expect_int("num_query_tokens", num_query_tokens, 1)
+    V.expect_tensor("seq_lens", seq_lens)
+    V.expect_dim("seq_lens", seq_lens, (1,), "[B]")
+    V.expect_dtype("seq_lens", seq_lens, V.INDEX_DTYPES)
+    if seq_lens.shape[0] != scores.shape[0]:
+        raise ValueError(f"seq_lens: expected {scores.shape[0]} entries (dim 0 of scores), got {seq_lens.shape[0]}")
+    V.expect_device("seq_lens", seq_lens, scores.device, "scores")
+    if V._VALUE_CHECKS and seq_lens.numel():
+        top = int(seq_lens.max())
+        if top > scores.shape[2] * page_size or int(seq_lens.min()) < 0:
+            raise ValueError(f"seq_lens: expected values in [0, {scores.shape[2] * page_size}] (pages in scores x "
+                             f"page_size), got range [{int(seq_lens.min())}, {top}]")
+    V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
+    options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                   num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
+    if resolve_backend(backend, scores.device) == "torch":
+        return T.select_pages(scores, seq_lens, **options)
+    out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
+    _kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
+    return out
+
+
+def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
+                           k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
+                           return_lse=False, backend=None):
+    """Query-aware sparse paged attention: attend only to the selected pages of each (row, KV head).
+
+    Either pass ``page_indices`` (``[B, Hkv, K]`` logical pages, e.g. from :func:`select_pages`), or pass
+    ``k_min``, ``k_max`` and ``page_budget`` and the op scores (:func:`page_scores`) and selects
+    (:func:`select_pages`) itself. All query heads of a GQA group read the pages of their KV head. With every
+    valid page selected the result equals :func:`paged_attention`. Page ids that are ``-1`` or past the row's
+    end are ignored, and so are duplicates (the reference raises on them instead).
+
+    Args:
+        q, k_cache, v_cache, block_table, seq_lens, scale, return_lse, backend: as in :func:`paged_attention`.
+        page_indices: ``[B, Hkv, K]`` int32 (int64 accepted) logical page ids, ``-1`` = padding.
+        k_min, k_max: ``[num_pages, Hkv, D]`` page bounding boxes (:func:`update_page_metadata`).
+        page_budget: pages kept per (row, KV head), >= 1; token budget = ``page_budget * page_size``.
+        num_sink_pages, num_recent_pages: pages always kept at the start and at the end of each row.
+
+    Returns:
+        ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
+
+    Raises:
+        ValueError / TypeError as :func:`paged_attention`, and when neither ``page_indices`` nor
+        ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages.
+
+    Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
+    """
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    scale = V.check_scale(scale, shapes.head_dim)
+    backend = resolve_backend(backend, q.device)
+    if page_indices is None:
+        if k_min is None or k_max is None or page_budget is None:
+            missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
+            raise ValueError(f"page_indices: expected page_indices, or k_min, k_max and page_budget together; "
+                             f"got page_indices=None and no {', '.join(missing)}")
+        scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size, backend=backend)
+        page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
+                                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                                    num_query_tokens=shapes.num_query_tokens, backend=backend)
+    else:
+        V.check_page_indices(page_indices, shapes, q.device)
+        page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
+    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
+                      return_lse, backend)

@@ -1,0 +1,183 @@
+"""Pure-PyTorch twins of the public ops: simple loops, fp32 math, written for clarity, not speed.
+
+Every kernel and the vectorised torch backend are tested against these functions. They follow
+DESIGN.md §1-3 literally (per row, per KV head), so they share no code with the fast paths beyond
+argument validation. Same signatures as the public functions; ``q`` of dtype float64 is computed in
+float64 (for gradcheck), everything else in float32.
+
+Method: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+Inference", ICML 2024, §3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validation as V
+
+__all__ = ["paged_attention", "update_page_metadata", "page_scores", "select_pages", "sparse_paged_attention"]
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _row_keys(cache, block_table, b: int, pages: list[int], page_size: int, h: int, n_tokens: int):
+    """Keys (or values) of logical ``pages`` of row ``b``, KV head ``h``, and their token positions."""
+    chunks, positions = [], []
+    for j in pages:
+        valid = min(page_size, n_tokens - j * page_size)
+        phys = int(block_table[b, j])
+        chunks.append(cache[phys, :valid, h])
+        positions.append(torch.arange(j * page_size, j * page_size + valid))
+    if not chunks:
+        return cache.new_zeros(0, cache.shape[-1]), torch.zeros(0, dtype=torch.long)
+    return torch.cat(chunks), torch.cat(positions)
+
+
+def _attend(q, k_cache, v_cache, block_table, seq_lens, pages_of, scale, return_lse):
+    """Attention of q [B, Tq, Hq, D] over the pages ``pages_of(b, h)`` of each row and KV head."""
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    B, Tq, Hq, D = q4.shape
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    dt = _math_dtype(q)
+    out = torch.zeros(B, Tq, Hq, D, dtype=dt)
+    lse = torch.full((B, Tq, Hq), float("-inf"), dtype=dt)
+    for b in range(B):
+        n_tokens = int(seq_lens[b])
+        for h in range(Hkv):
+            k, pos = _row_keys(k_cache, block_table, b, pages_of(b, h), page_size, h, n_tokens)
+            v, _ = _row_keys(v_cache, block_table, b, pages_of(b, h), page_size, h, n_tokens)
+            k, v = k.to(dt).cpu(), v.to(dt).cpu()
+            for t in range(Tq):
+                q_pos = n_tokens - Tq + t                      # bottom-right causal alignment
+                visible = pos <= q_pos
+                if not bool(visible.any()):
+                    continue                                    # no key: zeros and lse = -inf
+                for g in range(G):
+                    hq = h * G + g
+                    logits = scale * (k[visible] @ q4[b, t, hq].to(dt).cpu())
+                    lse[b, t, hq] = torch.logsumexp(logits, 0)
+                    out[b, t, hq] = torch.softmax(logits, 0) @ v[visible]
+    out = out.to(q.dtype).to(q.device)
+    out = out.squeeze(1) if q.dim() == 3 else out
+    if not return_lse:
+        return out
+    lse = lse.float().to(q.device)
+    return out, (lse.squeeze(1) if q.dim() == 3 else lse)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
+    """Dense paged attention over every valid page. See :func:`tinyattn.paged_attention`."""
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    scale = V.check_scale(scale, shapes.head_dim)
+
+    def all_pages(b, h):
+        return list(range(_cdiv(int(seq_lens[b]), shapes.page_size)))
+
+    return _attend(q, k_cache, v_cache, block_table, seq_lens, all_pages, scale, return_lse)
+
+
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
+    """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place)."""
+    page_size = k_cache.shape[1]
+    for b in range(block_table.shape[0]):
+        n_tokens = int(seq_lens[b])
+        for j in range(_cdiv(n_tokens, page_size)):
+            phys = int(block_table[b, j])
+            keys = k_cache[phys, : min(page_size, n_tokens - j * page_size)]     # [valid, Hkv, D]
+            k_min[phys] = keys.amin(0).to(k_min.dtype)
+            k_max[phys] = keys.amax(0).to(k_max.dtype)
+
+
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
+    """Upper bound ub(q, j) = sum_i max(q_i k_min_i, q_i k_max_i), max over the GQA group and Tq queries.
+
+    Returns fp32 ``[B, Hkv, max_pages_per_seq]``, ``-inf`` for pages past each row's end.
+    """
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    B, Tq, Hq, D = q4.shape
+    Hkv = k_min.shape[1]
+    G = Hq // Hkv
+    dt = _math_dtype(q)
+    scores = torch.full((B, Hkv, block_table.shape[1]), float("-inf"), dtype=torch.float32)
+    for b in range(B):
+        for j in range(_cdiv(int(seq_lens[b]), page_size)):
+            phys = int(block_table[b, j])
+            for h in range(Hkv):
+                qg = q4[b, :, h * G:(h + 1) * G].to(dt).cpu().reshape(-1, D)            # [Tq*G, D]
+                lo, hi = k_min[phys, h].to(dt).cpu(), k_max[phys, h].to(dt).cpu()      # [D]
+                ub = torch.maximum(qg * lo, qg * hi).sum(-1)                          # [Tq*G]
+                scores[b, h, j] = ub.max().float()
+    return scores.to(q.device)
+
+
+def _forced_pages(n: int, first_query_page: int, num_sink_pages: int, num_recent_pages: int) -> list[int]:
+    """Pages kept before any score is read, in priority order: recent (newest first), then sinks."""
+    recent = max(num_recent_pages, 1, n - first_query_page)
+    order = list(range(n - 1, max(n - recent, 0) - 1, -1))
+    order += [j for j in range(min(num_sink_pages, n)) if j not in order]
+    return order
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
+                 num_query_tokens=1, backend=None):
+    """Top-``page_budget`` logical pages per (row, KV head): forced recent and sink pages, then best scores.
+
+    Returns int32 ``[B, Hkv, page_budget]``, ascending, ``-1`` padded. Ties go to the lower page index;
+    NaN scores count as ``-inf``.
+    """
+    page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
+        page_budget, num_sink_pages, num_recent_pages)
+    V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
+    B, Hkv, _ = scores.shape
+    out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32)
+    for b in range(B):
+        n_tokens = int(seq_lens[b])
+        n = _cdiv(n_tokens, page_size)
+        first_query_page = max(n_tokens - num_query_tokens, 0) // page_size
+        for h in range(Hkv):
+            if n <= page_budget:
+                keep = list(range(n))
+            else:
+                keep = _forced_pages(n, first_query_page, num_sink_pages, num_recent_pages)[:page_budget]
+                row = torch.nan_to_num(scores[b, h, :n].float().cpu(), nan=float("-inf"))
+                ranked = sorted(range(n), key=lambda j: (-row[j].item(), j))
+                keep += [j for j in ranked if j not in keep][: page_budget - len(keep)]
+            keep = sorted(keep)
+            out[b, h, : len(keep)] = torch.tensor(keep, dtype=torch.int32)
+    return out.to(scores.device)
+
+
+def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
+                           k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
+                           return_lse=False, backend=None):
+    """Attention over the selected logical pages only. See :func:`tinyattn.sparse_paged_attention`.
+
+    Duplicated page ids in ``page_indices`` raise ``ValueError`` here (the fast paths ignore them).
+    """
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    scale = V.check_scale(scale, shapes.head_dim)
+    if page_indices is None:
+        if k_min is None or k_max is None or page_budget is None:
+            raise ValueError("page_indices: expected either page_indices or all of k_min, k_max and page_budget, "
+                             "got none of page_indices")
+        scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size)
+        page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
+                                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                                    num_query_tokens=shapes.num_query_tokens)
+    V.check_page_indices(page_indices, shapes, q.device)
+
+    def selected(b, h):
+        n = _cdiv(int(seq_lens[b]), shapes.page_size)
+        ids = [int(j) for j in page_indices[b, h] if 0 <= int(j) < n]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"page_indices: expected distinct page ids per (row, kv head), got duplicates at [{b}, {h}]")
+        return sorted(ids)
+
+    return _attend(q, k_cache, v_cache, block_table, seq_lens, selected, scale, return_lse)

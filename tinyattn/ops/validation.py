@@ -1,0 +1,221 @@
+"""Input validation for the public ops.
+
+Every check raises ``ValueError`` (bad shape or value) or ``TypeError`` (bad type or dtype) whose
+message names the argument, the expected and the actual value, and never formats a tensor's
+contents. Value checks that need the data (``seq_lens`` within capacity, block-table ids in range)
+cost one host sync; :func:`value_checks` turns them off for hot loops whose inputs are trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_VALUE_CHECKS = True
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turn the data-dependent checks (one host sync per call) on or off inside a ``with`` block.
+
+    The shape, dtype and device checks always run. Turn value checks off only for inputs built by
+    :class:`tinyattn.cache.PagedKVCache` or already checked once.
+    """
+    global _VALUE_CHECKS
+    previous, _VALUE_CHECKS = _VALUE_CHECKS, enabled
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = previous
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def expect_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def expect_dim(name: str, x: torch.Tensor, dims: tuple[int, ...], layout: str) -> None:
+    if x.dim() not in dims:
+        raise ValueError(f"{name}: expected a {layout} tensor ({' or '.join(map(str, dims))}-D), "
+                         f"got shape {tuple(x.shape)}")
+
+
+def expect_dtype(name: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if x.dtype not in dtypes:
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {_dtype_name(x.dtype)}")
+
+
+def expect_shape(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} {layout}, got {tuple(x.shape)}")
+
+
+def expect_device(name: str, x: torch.Tensor, device: torch.device, ref_name: str) -> None:
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of {ref_name}), got {x.device}")
+
+
+def expect_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        else:
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class PagedShapes:
+    """Sizes read off validated inputs: the names of DESIGN.md §2."""
+
+    batch: int
+    num_query_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    max_pages_per_seq: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def check_query(q) -> torch.Tensor:
+    expect_tensor("q", q)
+    expect_dim("q", q, (3, 4), "[B, Hq, D] or [B, Tq, Hq, D]")
+    expect_dtype("q", q, FLOAT_DTYPES + (torch.float64,))
+    return q
+
+
+def check_tables(block_table, seq_lens, batch: int | None, device: torch.device) -> None:
+    """block_table [B, max_pages] and seq_lens [B], integer, on ``device``; ``batch=None`` takes B from the table."""
+    expect_tensor("block_table", block_table)
+    expect_tensor("seq_lens", seq_lens)
+    expect_dim("block_table", block_table, (2,), "[B, max_pages_per_seq]")
+    expect_dim("seq_lens", seq_lens, (1,), "[B]")
+    expect_dtype("block_table", block_table, INDEX_DTYPES)
+    expect_dtype("seq_lens", seq_lens, INDEX_DTYPES)
+    batch = block_table.shape[0] if batch is None else batch
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (the batch size B of q), got {block_table.shape[0]}")
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens: expected {batch} entries (the batch size B of q), got {seq_lens.shape[0]}")
+    expect_device("block_table", block_table, device, "q")
+    expect_device("seq_lens", seq_lens, device, "q")
+
+
+def check_table_values(block_table, seq_lens, page_size: int, num_pages: int) -> None:
+    """seq_lens in [0, capacity] and every block-table entry of a valid page in [0, num_pages)."""
+    if not _VALUE_CHECKS or seq_lens.numel() == 0:
+        return
+    capacity = block_table.shape[1] * page_size
+    lens = seq_lens.to(torch.int64)
+    n_valid = (lens + page_size - 1) // page_size                              # [B]
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols[None, :] < n_valid[:, None]                                    # [B, P]
+    bad_ids = used & ((block_table < 0) | (block_table >= num_pages))
+    stats = torch.stack([lens.min(), lens.max(), bad_ids.sum()]).tolist()      # one host sync
+    if stats[0] < 0:
+        raise ValueError(f"seq_lens: expected values >= 0, got a minimum of {stats[0]}")
+    if stats[1] > capacity:
+        raise ValueError(f"seq_lens: expected values <= {capacity} (max_pages_per_seq {block_table.shape[1]} "
+                         f"x page_size {page_size}), got a maximum of {stats[1]}")
+    if stats[2] > 0:
+        row, col = bad_ids.nonzero()[0].tolist()
+        raise ValueError(f"block_table: expected physical page ids in [0, {num_pages}) for the valid pages of each "
+                         f"row, got {int(block_table[row, col])} at [{row}, {col}]")
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> tuple[torch.Tensor, PagedShapes]:
+    """Validate the arguments shared by every attention op; return q as [B, Tq, Hq, D] and the sizes."""
+    q = check_query(q)
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    B, Tq, Hq, D = q4.shape
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        expect_tensor(name, x)
+        expect_dim(name, x, (4,), "[num_pages, page_size, Hkv, D]")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} (that of q), got {_dtype_name(x.dtype)}")
+        expect_device(name, x, q.device, "q")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}")
+    num_pages, page_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache: expected head_dim {D} (that of q) in dim 3, got {Dk}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q: expected a number of query heads divisible by num_kv_heads={Hkv}, got Hq={Hq}")
+    if page_size < 1:
+        raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
+    check_tables(block_table, seq_lens, B, q.device)
+    check_table_values(block_table, seq_lens, page_size, num_pages)
+    return q4, PagedShapes(B, Tq, Hq, Hkv, D, num_pages, page_size, block_table.shape[1])
+
+
+def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim: int,
+                      cache_dtype: torch.dtype, device: torch.device) -> None:
+    """k_min / k_max: [num_pages, Hkv, D], dtype of the cache or float32."""
+    for name, x in (("k_min", k_min), ("k_max", k_max)):
+        expect_tensor(name, x)
+        expect_shape(name, x, (num_pages, num_kv_heads, head_dim), "[num_pages, Hkv, D]")
+        allowed = (cache_dtype, torch.float32)
+        if x.dtype not in allowed:
+            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache) or float32, "
+                            f"got {_dtype_name(x.dtype)}")
+        expect_device(name, x, device, "q")
+
+
+def check_page_indices(page_indices, shapes: PagedShapes, device: torch.device) -> None:
+    expect_tensor("page_indices", page_indices)
+    expect_dim("page_indices", page_indices, (3,), "[B, Hkv, page_budget]")
+    expect_dtype("page_indices", page_indices, INDEX_DTYPES)
+    if tuple(page_indices.shape[:2]) != (shapes.batch, shapes.num_kv_heads):
+        raise ValueError(f"page_indices: expected shape [B={shapes.batch}, Hkv={shapes.num_kv_heads}, page_budget], "
+                         f"got {tuple(page_indices.shape)}")
+    expect_device("page_indices", page_indices, device, "q")
+    if _VALUE_CHECKS and page_indices.numel() and int(page_indices.min()) < -1:
+        raise ValueError(f"page_indices: expected logical page ids >= -1 (-1 = padding), "
+                         f"got a minimum of {int(page_indices.min())}")
+
+
+def check_selection_options(page_budget, num_sink_pages, num_recent_pages) -> tuple[int, int, int]:
+    return (expect_int("page_budget", page_budget, 1),
+            expect_int("num_sink_pages", num_sink_pages, 0),
+            expect_int("num_recent_pages", num_recent_pages, 0))
+
+
+def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_budget: int) -> None:
+    """With Tq > 1 every page holding a query must be kept: the budget has to cover them."""
+    if num_query_tokens <= 1 or not _VALUE_CHECKS or seq_lens.numel() == 0:
+        return
+    lens = seq_lens.to(torch.int64)
+    first = (lens - num_query_tokens).clamp(min=0) // page_size
+    needed = int(((lens + page_size - 1) // page_size - first).max())
+    if needed > page_budget:
+        raise ValueError(f"page_budget: expected at least {needed} (the pages holding the Tq={num_query_tokens} "
+                         f"query tokens), got {page_budget}")
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale == scale and abs(scale) != float("inf")):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    return scale
