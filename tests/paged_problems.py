@@ -82,3 +82,30 @@ def problems(draw, dtypes=("fp32",), max_batch=3, max_pages_per_row=6, head_dims
         num_kv_heads=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2, 3, 4])),
         head_dim=draw(st.sampled_from(head_dims)), num_query_tokens=draw(st.integers(1, max_query_tokens)),
         dtype=DTYPES[draw(st.sampled_from(dtypes))], poison=draw(st.sampled_from([float("nan"), 1e30, -1e30])))
+
+
+def relocate(p: Problem, *, num_pages: int, spare_columns: int, poison: float, seed: int) -> Problem:
+    """The same logical rows placed at random physical pages of a pool of ``num_pages``, more table columns.
+
+    Every slot the rows do not own (and every table entry past a row's end) holds garbage, so the answer
+    of any correct op is exactly that of ``p``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B, old_width = p.block_table.shape
+    n_pages = [-(-int(n) // p.page_size) for n in p.seq_lens]
+    assert num_pages >= sum(n_pages)
+    shape = (num_pages, *p.k_cache.shape[1:])
+    k = torch.full(shape, poison, dtype=p.k_cache.dtype)
+    v = torch.full(shape, poison, dtype=p.v_cache.dtype)
+    table = torch.randint(-1, num_pages + 50, (B, old_width + spare_columns), generator=g).to(torch.int32)
+    new_ids = torch.randperm(num_pages, generator=g)
+    i = 0
+    for b, count in enumerate(n_pages):
+        n = int(p.seq_lens[b])
+        for j in range(count):
+            src, dst = int(p.block_table[b, j]), int(new_ids[i])
+            valid = min(p.page_size, n - j * p.page_size)
+            k[dst, :valid], v[dst, :valid] = p.k_cache[src, :valid], p.v_cache[src, :valid]
+            table[b, j] = dst
+            i += 1
+    return Problem(p.q, k, v, table, p.seq_lens, p.page_size)

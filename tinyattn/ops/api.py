@@ -15,6 +15,7 @@ import os
 import torch
 
 from . import torch_backend as T
+from .spans import span
 from . import validation as V
 
 BACKENDS = ("torch", "triton")
@@ -49,13 +50,14 @@ def _restore_q_shape(q, out, lse):
 
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend):
     """Shared tail of both attention ops: canonical inputs -> out (+ lse)."""
-    if backend == "torch" or q.dtype == torch.float64:
-        out, lse = T.attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale=scale)
-    else:
-        out = torch.empty_like(q4)
-        lse = torch.empty(q4.shape[:3], dtype=torch.float32, device=q.device)
-        _kernels().paged_attention(q4, k_cache, v_cache, _int32(block_table), _int32(seq_lens),
-                                   page_indices=page_indices, scale=scale, out=out, lse=lse)
+    with span("attention"):
+        if backend == "torch" or q.dtype == torch.float64:
+            out, lse = T.attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale=scale)
+        else:
+            out = torch.empty_like(q4)
+            lse = torch.empty(q4.shape[:3], dtype=torch.float32, device=q.device)
+            _kernels().paged_attention(q4, k_cache, v_cache, _int32(block_table), _int32(seq_lens),
+                                       page_indices=page_indices, scale=scale, out=out, lse=lse)
     out, lse = _restore_q_shape(q, out, lse)
     return (out, lse) if return_lse else out
 
@@ -117,10 +119,11 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
     V.check_tables(block_table, seq_lens, None, k_cache.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
-    if resolve_backend(backend, k_cache.device) == "torch" or k_cache.dtype == torch.float64:
-        T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
-    else:
-        _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
+    with span("metadata"):
+        if resolve_backend(backend, k_cache.device) == "torch" or k_cache.dtype == torch.float64:
+            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+        else:
+            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
 
 
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
@@ -147,11 +150,12 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
     V.check_tables(block_table, seq_lens, q4.shape[0], q.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
-    if resolve_backend(backend, q.device) == "torch" or q.dtype == torch.float64:
-        return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
-    out = torch.empty(q4.shape[0], Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
-    _kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size, out=out)
-    return out
+    with span("score"):
+        if resolve_backend(backend, q.device) == "torch" or q.dtype == torch.float64:
+            return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
+        out = torch.empty(q4.shape[0], Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
+        _kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size, out=out)
+        return out
 
 
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
@@ -189,11 +193,12 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
     V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
     options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                    num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
-    if resolve_backend(backend, scores.device) == "torch":
-        return T.select_pages(scores, seq_lens, **options)
-    out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
-    _kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
-    return out
+    with span("topk"):
+        if resolve_backend(backend, scores.device) == "torch":
+            return T.select_pages(scores, seq_lens, **options)
+        out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
+        _kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
+        return out
 
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
@@ -231,6 +236,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
             raise ValueError(f"page_indices: expected page_indices, or k_min, k_max and page_budget together; "
                              f"got page_indices=None and no {', '.join(missing)}")
+        V.check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
+                            q.device)
         scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size, backend=backend)
         page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
                                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
