@@ -19,7 +19,6 @@ Split-K: the token stream of a row is cut into ``num_splits`` contiguous ranges;
 normalised partial output and base-2 LSE to an fp32 workspace, and ``_merge_splits_kernel`` combines
 them by LSE weights ``exp2(lse_s - max_s lse_s)`` in fp32 (partials are never rounded to 16 bits).
 """
-import math
 from typing import Optional
 
 import torch
@@ -97,28 +96,34 @@ def _attn_fwd_kernel(
     it_lo = i_s * it_per_split
     it_hi = tl.minimum(it_lo + it_per_split, n_it)
 
+    # loop invariants: per-row base pointers of the block table / page list, per-channel K/V pointers
+    p_bt = block_table + i_b * stride_bt
+    p_idx = page_indices + i_b * stride_ib + i_h * stride_ih
+    o_d64 = o_d.to(tl.int64)
+    p_k0 = k_cache + i_h * stride_kh + o_d64[None, :] * stride_kd  # [1, BD]
+    p_v0 = v_cache + i_h * stride_vh + o_d64[None, :] * stride_vd  # [1, BD]
+    o_n = tl.arange(0, BLOCK_N)
+
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
     b_l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     b_acc = tl.zeros([BLOCK_M, BD], tl.float32)
     for it in range(it_lo, it_hi):
         b_m, b_l, b_acc = _attn_tile(
-            b_q, b_m, b_l, b_acc, it, o_qpos, o_d, m_d, seq_len, n_tok, i_b, i_h,
-            k_cache, v_cache, block_table, page_indices,
-            stride_kp, stride_ks, stride_kh, stride_kd,
-            stride_vp, stride_vs, stride_vh, stride_vd,
-            stride_bt, stride_ib, stride_ih, qk_scale,
-            PAGE_SIZE, BLOCK_N, SPARSE, UPCAST, PRECISION,
+            b_q, b_m, b_l, b_acc, it * BLOCK_N + o_n, o_qpos, m_d, seq_len, n_tok,
+            p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
+            PAGE_SIZE, SPARSE, UPCAST, PRECISION,
         )
 
     # rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf (never 0/0)
-    b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]  # [BM, BD]
-    b_lse2 = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l))  # [BM]
+    b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
+    b_o = b_acc / b_l_safe[:, None]  # [BM, BD]
+    b_lse2 = tl.where(b_l == 0.0, float("-inf"), b_m + tl.log2(b_l_safe))  # [BM]
     m_o = m_m[:, None] & m_d[None, :]
     if SPLIT:
-        p_w = (ws_o + i_s * stride_ws + i_b * stride_wb + o_t[:, None].to(tl.int64) * stride_wt
+        p_w = (ws_o + i_s.to(tl.int64) * stride_ws + i_b * stride_wb + o_t[:, None].to(tl.int64) * stride_wt
                + o_hq[:, None] * stride_wh + o_d[None, :])
         tl.store(p_w, b_o, mask=m_o)
-        p_z = ws_lse + i_s * stride_zs + i_b * stride_zb + o_t.to(tl.int64) * stride_zt + o_hq * stride_zh
+        p_z = ws_lse + i_s.to(tl.int64) * stride_zs + i_b * stride_zb + o_t.to(tl.int64) * stride_zt + o_hq * stride_zh
         tl.store(p_z, b_lse2, mask=m_m)
     else:
         p_o = (out + i_b * stride_ob + o_t[:, None].to(tl.int64) * stride_ot + o_hq[:, None] * stride_oh
@@ -130,34 +135,28 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_tile(
-    b_q, b_m, b_l, b_acc, it, o_qpos, o_d, m_d, seq_len, n_tok, i_b, i_h,
-    k_cache, v_cache, block_table, page_indices,
-    stride_kp, stride_ks, stride_kh, stride_kd,
-    stride_vp, stride_vs, stride_vh, stride_vd,
-    stride_bt, stride_ib, stride_ih, qk_scale,
+    b_q, b_m, b_l, b_acc, o_u, o_qpos, m_d, seq_len, n_tok,
+    p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     SPARSE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One ``BLOCK_N``-token step of the online softmax; returns the updated ``(m, l, acc)``."""
-    o_u = it * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] index in the token stream of the page list
+    """One step of the online softmax over tokens ``o_u`` [BN] of the page list; returns ``(m, l, acc)``."""
     m_u = o_u < n_tok
     o_slot = o_u % PAGE_SIZE
     if SPARSE:
-        o_j = tl.load(page_indices + i_b * stride_ib + i_h * stride_ih + o_u // PAGE_SIZE, mask=m_u, other=-1)
+        o_j = tl.load(p_idx + o_u // PAGE_SIZE, mask=m_u, other=-1)  # [BN] logical page (-1: none)
     else:
         o_j = o_u // PAGE_SIZE  # [BN] logical page
     o_kpos = o_j * PAGE_SIZE + o_slot  # [BN] absolute key position
     # a key exists when its page is listed (not -1) and it is before seq_len: never read past it
     m_n = m_u & (o_j >= 0) & (o_kpos < seq_len)
-    o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_n, other=0).to(tl.int64)  # [BN] physical
+    o_p = tl.load(p_bt + o_j, mask=m_n, other=0).to(tl.int64)  # [BN] physical page, 64-bit before the stride
+    o_slot = o_slot.to(tl.int64)
     m_kv = m_n[:, None] & m_d[None, :]  # [BN, BD]
-    p_k = k_cache + o_p[:, None] * stride_kp + o_slot[:, None] * stride_ks + i_h * stride_kh + o_d[None, :] * stride_kd
-    p_v = v_cache + o_p[:, None] * stride_vp + o_slot[:, None] * stride_vs + i_h * stride_vh + o_d[None, :] * stride_vd
-    b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BN, BD]
-    b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BN, BD]
+    b_k = tl.load(p_k0 + (o_p * stride_kp + o_slot * stride_ks)[:, None], mask=m_kv, other=0.0)  # [BN, BD]
+    b_v = tl.load(p_v0 + (o_p * stride_vp + o_slot * stride_vs)[:, None], mask=m_kv, other=0.0)  # [BN, BD]
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -203,11 +202,12 @@ def _merge_splits_kernel(
     b_max = tl.max(b_lse, axis=1)  # [BH]
     b_w = tl.exp2(b_lse - tl.where(b_max == float("-inf"), 0.0, b_max)[:, None])  # [BH, BS], 0 for empty splits
     b_sum = tl.sum(b_w, axis=1)  # [BH]
+    b_sum_safe = tl.where(b_sum == 0.0, 1.0, b_sum)  # rows no split saw: out 0, lse -inf
     p_w = (ws_o + o_s[None, :, None].to(tl.int64) * stride_ws + i_b * stride_wb + i_t * stride_wt
            + o_h[:, None, None] * stride_wh + o_d[None, None, :])
     b_po = tl.load(p_w, mask=m_hs[:, :, None] & m_d[None, None, :], other=0.0)  # [BH, BS, BD]
-    b_o = tl.sum(b_w[:, :, None] * b_po, axis=1) / tl.where(b_sum == 0.0, 1.0, b_sum)[:, None]  # [BH, BD]
-    b_lse_out = tl.where(b_sum == 0.0, float("-inf"), (b_max + tl.log2(b_sum)) / 1.4426950408889634)
+    b_o = tl.sum(b_w[:, :, None] * b_po, axis=1) / b_sum_safe[:, None]  # [BH, BD]
+    b_lse_out = tl.where(b_sum == 0.0, float("-inf"), (b_max + tl.log2(b_sum_safe)) / 1.4426950408889634)
 
     m_h = o_h < HQ
     p_o = out + i_b * stride_ob + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :] * stride_od

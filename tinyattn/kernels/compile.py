@@ -1,0 +1,192 @@
+"""Compile every kernel specialisation the launchers emit for a real GPU target, without a GPU.
+
+The interpreter checks numerics but accepts code that the GPU compiler rejects (``tl.dot`` with a
+dimension < 16, unsupported casts, shared-memory overflow, ...). This module runs the full Triton
+pipeline down to cubin (ptxas ships in the triton wheel) for ``sm_80`` / ``sm_90``. The constexprs and
+``num_warps`` come from the launchers' own heuristics (``*_blocks`` functions), so what is compiled here
+is what runs.
+
+    python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
+
+Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
+representative subset (16 kernels: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
+dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill), about a minute per arch on
+2 cores; ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
+"""
+import argparse
+import itertools
+import os
+import sys
+import time
+from typing import Dict, Iterator, List, NamedTuple
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from . import attention, metadata, scoring, topk
+
+DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+HEAD_DIMS = (8, 40, 64, 80, 128, 256)  # padded: 16, 64, 64, 128, 128, 256
+PAGE_SIZES = (1, 16, 256)
+
+
+class Spec(NamedTuple):
+    name: str
+    fn: object  # a JITFunction
+    signature: Dict[str, str]
+    constexprs: Dict[str, object]
+    num_warps: int
+
+
+def _signature(fn, pointers: Dict[str, str], floats=(), constexprs=()) -> Dict[str, str]:
+    """Triton signature: given pointers, fp32 scalars, constexprs; every other argument is an i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    return sig
+
+
+def _spec(name, fn, pointers, meta, floats=()) -> Spec:
+    meta = dict(meta)
+    num_warps = meta.pop("num_warps", 4)
+    return Spec(name, fn, _signature(fn, pointers, floats, meta), meta, num_warps)
+
+
+def metadata_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int) -> Spec:
+    meta = metadata.metadata_blocks(page_size, head_dim, max_pages=4096)
+    ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype)
+    return _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
+                 ptrs, meta)
+
+
+def scoring_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int) -> Spec:
+    meta = scoring.score_blocks(tq, group, head_dim, page_size, max_pages=4096)
+    ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", out="fp32")
+    return _spec(f"scores[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group}]",
+                 scoring._page_scores_kernel, ptrs, meta)
+
+
+def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
+    meta = topk.topk_blocks(max_pages, budget, page_size)
+    ptrs = dict(scores="fp32", seq_lens="i32", out="i32")
+    return _spec(f"topk[P={max_pages},K={budget},S={page_size}]", topk._select_pages_kernel, ptrs, meta)
+
+
+def attention_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
+                    split: bool) -> Spec:
+    meta = attention.attention_blocks(tq, group, head_dim, page_size)
+    meta.update(SPARSE=sparse, SPLIT=split, UPCAST=False, PRECISION="ieee")
+    ptrs = dict(q=dtype, k_cache=dtype, v_cache=dtype, block_table="i32", seq_lens="i32", page_indices="i32",
+                out=dtype, lse="fp32", ws_o="fp32", ws_lse="fp32")
+    name = (f"attention[{dtype},D={head_dim},S={page_size},Tq={tq},G={group},"
+            f"{'sparse' if sparse else 'dense'}{',split' if split else ''}]")
+    return _spec(name, attention._attn_fwd_kernel, ptrs, meta, floats=("qk_scale",))
+
+
+def merge_specs(dtype: str, num_heads: int, num_splits: int, head_dim: int) -> Spec:
+    meta = attention.merge_blocks(num_heads, num_splits, head_dim)
+    ptrs = dict(ws_o="fp32", ws_lse="fp32", out=dtype, lse="fp32")
+    return _spec(f"merge[{dtype},H={num_heads},splits={num_splits},D={head_dim}]",
+                 attention._merge_splits_kernel, ptrs, meta)
+
+
+def representative() -> Iterator[Spec]:
+    """Each dtype, padded head dims 16 / 128 / 256, page sizes 1 / 16 / 256, each kernel mode, at least once."""
+    for dtype in DTYPES:
+        yield attention_specs(dtype, 128, 16, 1, 4, sparse=False, split=False)
+    yield attention_specs("fp16", 8, 16, 1, 4, sparse=False, split=False)  # BD = 16: smallest tl.dot
+    yield attention_specs("bf16", 256, 256, 1, 3, sparse=True, split=False)  # BLOCK_N = 32 < page size
+    yield attention_specs("fp16", 64, 1, 1, 8, sparse=True, split=True)  # 64 pages per iteration
+    yield attention_specs("fp16", 128, 16, 512, 4, sparse=False, split=False)  # prefill: BLOCK_M = 64, 8 warps
+    yield merge_specs("fp16", 32, 16, 128)
+    yield merge_specs("bf16", 3, 64, 80)
+    yield metadata_specs("fp16", "fp16", 128, 16)
+    yield metadata_specs("bf16", "fp32", 256, 256)
+    yield metadata_specs("fp32", "fp32", 8, 1)
+    yield scoring_specs("fp16", "fp16", 128, 16, 1, 4)
+    yield scoring_specs("bf16", "fp32", 256, 256, 64, 3)
+    yield topk_specs(2048, 128, 16)
+    yield topk_specs(8, 3, 1)
+
+
+def full() -> Iterator[Spec]:
+    """The cross product of dtypes, head dims, page sizes and kernel modes (slow: minutes)."""
+    for dtype, d, s, (tq, g), sparse, split in itertools.product(
+            DTYPES, HEAD_DIMS, PAGE_SIZES, [(1, 1), (1, 3), (1, 8), (128, 4)], (False, True), (False, True)):
+        yield attention_specs(dtype, d, s, tq, g, sparse, split)
+    for dtype, d, s in itertools.product(DTYPES, HEAD_DIMS, PAGE_SIZES):
+        yield metadata_specs(dtype, dtype, d, s)
+        yield metadata_specs(dtype, "fp32", d, s)
+        yield scoring_specs(dtype, "fp32", d, s, 1, 4)
+    for dtype, d, splits in itertools.product(DTYPES, HEAD_DIMS, (2, 7, 64)):
+        yield merge_specs(dtype, 8, splits, d)
+    for maxp, budget in [(8, 3), (2048, 128), (8192, 512)]:
+        yield topk_specs(maxp, budget, 16)
+
+
+def _dedupe(specs) -> List[Spec]:
+    """Drop specialisations that compile to the same binary (e.g. head dims 40 and 64 both pad to 64)."""
+    seen, out = set(), []
+    for spec in specs:
+        key = (spec.fn.__name__, tuple(sorted(spec.signature.items())), tuple(sorted(spec.constexprs.items())),
+               spec.num_warps)
+        if key not in seen:
+            seen.add(key)
+            out.append(spec)
+    return out
+
+
+def compile_spec(spec: Spec, arch: int):
+    """Compile one specialisation to cubin for ``sm_<arch>``; returns the CompiledKernel."""
+    src = triton.compiler.ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps})
+
+
+def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True) -> List[str]:
+    """Compile ``specs`` for every arch; returns the failures (name, arch, error), prints timings."""
+    failures = []
+    start = time.perf_counter()
+    for arch in archs:
+        for spec in specs:
+            t0 = time.perf_counter()
+            try:
+                kernel = compile_spec(spec, arch)
+                assert kernel.asm.get("cubin"), "no cubin produced"
+                status = "ok"
+            except Exception as exc:  # report every failure, not only the first
+                status = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                failures.append(f"sm_{arch} {spec.name}: {status}")
+            if verbose:
+                print(f"sm_{arch} {spec.name:<60} {time.perf_counter() - t0:6.2f}s {status}", flush=True)
+    if verbose:
+        print(f"compiled {len(specs) * len(archs)} specialisations in {time.perf_counter() - start:.1f}s, "
+              f"{len(failures)} failed", flush=True)
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, action="append", help="SM version, e.g. 80 or 90 (repeatable)")
+    parser.add_argument("--full", action="store_true", help="the whole cross product instead of the subset")
+    parser.add_argument("--list", action="store_true", help="print the specialisations and exit")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: unset it, compile-only needs the real compiler")
+    specs = _dedupe(full() if args.full else representative())
+    if args.list:
+        for spec in specs:
+            print(spec.name, spec.constexprs, f"num_warps={spec.num_warps}")
+        return 0
+    failures = compile_all(args.arch or [80, 90], specs)
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
