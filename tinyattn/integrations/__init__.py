@@ -1,0 +1,10 @@
+"""Adapters that put tinyattn inside other ecosystems.
+
+- :mod:`tinyattn.integrations.hf`: Hugging Face ``transformers``. Importing it registers the attention
+  implementation ``"tinyattn"`` and provides :class:`~tinyattn.integrations.hf.TinyAttnCache`
+  (needs the ``hf`` extra: ``pip install "tinyattn[hf]"``).
+- :mod:`tinyattn.integrations.convert`: llama2.c checkpoint -> Hugging Face Llama checkpoint
+  (``python -m tinyattn.integrations.convert --help``).
+
+Nothing is imported here, so ``import tinyattn.integrations`` never needs ``transformers``.
+"""

@@ -1,0 +1,590 @@
+"""Hugging Face ``transformers`` integration: query-aware sparse decoding by changing two lines.
+
+Importing this module registers an attention implementation named ``"tinyattn"`` (through
+``transformers.AttentionInterface``, with ``transformers``' SDPA mask builder registered for it in
+``AttentionMaskInterface``) and provides :class:`TinyAttnCache`, a ``transformers`` cache backed by
+:class:`tinyattn.cache.PagedKVCache`::
+
+    import tinyattn.integrations.hf                       # registers "tinyattn"
+    from tinyattn.integrations.hf import TinyAttnCache
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tinyattn")
+    out = model.generate(**inputs, cache=TinyAttnCache(model.config, page_size=16, page_budget=64))
+
+(``past_key_values=`` is the older name of the ``cache=`` argument; transformers 5.x still accepts it.)
+
+How a forward pass goes through it, per attention layer:
+
+1. The model projects K/V, applies RoPE (keys are cached **after** RoPE, as Quest's page bounds need)
+   and calls ``cache.update(k, v, layer_idx)``. :meth:`TinyAttnCache.update` only records the new
+   states; it returns them unchanged.
+2. The model calls the registered attention function with those states and the 4D mask. The first
+   layer of each forward reads which new tokens are real from the mask (left padding), allocates
+   pages for the real tokens only, and every layer writes its real keys/values into its page pool
+   (:meth:`PagedKVCache.write` grows each touched page's ``k_min``/``k_max``). Padding never enters a
+   page, so each batch row's block table holds exactly its own tokens and a left-padded batch gives
+   the same result as running each sequence alone.
+3. Attention:
+
+   - **prefill into an empty cache**: ``transformers``' own SDPA function on the new states with the
+     model's mask — bit-for-bit the computation stock ``attn_implementation="sdpa"`` does, which is
+     why it is used rather than :func:`tinyattn.paged_attention` (which agrees to ~1e-7 but not
+     bitwise);
+   - **more tokens into a non-empty cache** (chunked prefill, assisted decoding):
+     :func:`tinyattn.paged_attention` with ``q`` ``[B, T, Hq, D]``, bottom-right causal;
+   - **decode** (one token per row): :func:`tinyattn.sparse_paged_attention` with the cache's page
+     bounds and ``page_budget`` in layers ``>= dense_layers``; :func:`tinyattn.paged_attention` in the
+     first ``dense_layers`` layers and everywhere when ``page_budget is None``.
+
+   The softmax scale is the ``scaling`` argument the model passes (OPT pre-scales its queries and
+   passes ``1.0``; GPT-2's ``scale_attn_by_inverse_layer_idx`` is folded into it).
+
+Used without a :class:`TinyAttnCache` (``use_cache=False``, training, perplexity), ``"tinyattn"`` is
+plain SDPA; used with another cache it is SDPA too, with a one-time warning (that decode is dense).
+
+Supported: causal LMs whose attention goes through ``AttentionInterface`` and calls
+``cache.update(k, v, layer_idx)`` — tested: Llama (GQA), Mistral, Qwen2, GPT-2, OPT. See
+``docs/huggingface.md`` for the feature table and what raises.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import torch
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("tinyattn.integrations.hf needs transformers: pip install 'tinyattn[hf]' "
+                      "(transformers>=5.24,<6 and safetensors)") from e
+
+import tinyattn
+from tinyattn.cache import CacheFullError, PagedKVCache
+
+__all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
+
+ATTN_IMPLEMENTATION = "tinyattn"
+
+# The cache whose ``update`` ran last on this thread; the attention function checks that the key it
+# receives is the very tensor that update returned before it trusts it (see TinyAttnCache._owns).
+_CURRENT = threading.local()
+_warned_dense = False
+
+
+def tinyattn_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``"tinyattn"`` attention function (``AttentionInterface`` signature).
+
+    Args:
+        module: the attention module; ``module.layer_idx`` names the cache layer.
+        query: ``[B, Hq, T, D]``. key, value: ``[B, Hkv, T, D]`` as returned by ``cache.update``.
+        attention_mask: the 4D mask ``transformers`` built (boolean, from ``sdpa_mask``) or ``None``.
+        scaling: softmax scale passed by the model. dropout: must be 0 when the cache is used.
+
+    Returns:
+        ``(attn_output [B, T, Hq, D], None)`` (attention weights are never materialised).
+    """
+    ref = getattr(_CURRENT, "cache", None)
+    cache = ref() if ref is not None else None
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is None or not cache._owns(layer_idx, key):
+        if key.shape[2] > query.shape[2]:
+            _warn_dense_once()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return cache._attend(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _warn_dense_once() -> None:
+    global _warned_dense
+    if not _warned_dense:
+        _warned_dense = True
+        warnings.warn("attn_implementation='tinyattn' is decoding with a cache that is not a TinyAttnCache: "
+                      "attention falls back to dense SDPA. Pass cache=TinyAttnCache(model.config, ...) to "
+                      "generate() for query-aware sparse decoding.", stacklevel=3)
+
+
+def register() -> None:
+    """Register ``"tinyattn"`` in ``AttentionInterface`` and ``AttentionMaskInterface`` (done on import).
+
+    The mask builder is ``transformers``' own ``sdpa_mask``: without a registered mask function,
+    ``transformers`` passes no mask at all to custom attention functions, and padding would be lost.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tinyattn_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+register()
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "may attend" from a boolean or additive float 4D mask."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+class _LayerView:
+    """Stand-in for ``cache.layers[i]`` so that ``transformers``' per-layer introspection works."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "TinyAttnCache", layer_idx: int):
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._cache()._pool is not None
+
+    @property
+    def keys(self):
+        return self._cache().to_dense(self.layer_idx)[0]
+
+    @property
+    def values(self):
+        return self._cache().to_dense(self.layer_idx)[1]
+
+    def get_seq_length(self) -> int:
+        return self._cache().get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def __repr__(self):
+        return f"TinyAttnCacheLayer({self.layer_idx})"
+
+
+class TinyAttnCache(Cache):
+    """A ``transformers`` cache backed by a :class:`tinyattn.cache.PagedKVCache`.
+
+    Each batch row is one sequence of the page pool (real tokens only: left padding is stripped),
+    the pool is shared by all rows and grows by doubling when it runs out of pages, and every
+    page keeps the per-channel ``k_min``/``k_max`` of its keys (after RoPE) that Quest scores.
+
+    Args:
+        config: the model's config (``model.config``): number of layers, and the attention
+            implementation, which must be ``"tinyattn"``.
+        page_size: tokens per page.
+        page_budget: pages attended per (row, KV head) at each decode step in sparse layers;
+            ``None`` = dense decode (the baseline). Token budget = ``page_budget * page_size``.
+        num_sink_pages: leading pages always kept (attention sinks).
+        num_recent_pages: trailing pages always kept (the page being written always is).
+        dense_layers: the first ``dense_layers`` layers stay dense at decode too (Quest keeps 2).
+        num_pages: initial pool size in pages (per layer); ``None`` sizes it from the first forward.
+            The pool doubles whenever it is full.
+        backend: ``None`` (by device: Triton on CUDA or under ``TRITON_INTERPRET=1``, else PyTorch),
+            ``"torch"`` or ``"triton"``, passed to every tinyattn op.
+
+    Beam search (``reorder_cache``), ``num_return_sequences`` and ``batch_select_indices`` /
+    ``batch_repeat_interleave`` copy the pages of the rows that move into fresh pages of the same pool
+    (as ``DynamicCache`` copies its tensors); ``crop`` copies the kept pages and recomputes the bounds
+    of the new last page.
+
+    Raises:
+        ValueError for bad options; at run time, ValueError for right padding or masks with holes,
+        a batch size that changes without ``reorder_cache``, dropout in training mode, a model that
+        does not use ``attn_implementation="tinyattn"``; NotImplementedError for rows longer than a
+        sliding-window layer's window.
+    """
+
+    is_compileable = False
+
+    def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int = 0,
+                 num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
+                 backend: str | None = None):
+        for name, value, low in (("page_size", page_size, 1), ("num_sink_pages", num_sink_pages, 0),
+                                 ("num_recent_pages", num_recent_pages, 0), ("dense_layers", dense_layers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        for name, value in (("page_budget", page_budget), ("num_pages", num_pages)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: expected None or an int >= 1, got {value!r}")
+        if page_budget is not None and num_sink_pages + num_recent_pages > page_budget:
+            raise ValueError(f"page_budget: expected at least num_sink_pages + num_recent_pages = "
+                             f"{num_sink_pages} + {num_recent_pages}, got {page_budget}")
+        if backend not in (None, "torch", "triton"):
+            raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
+        if config is None or not hasattr(config, "get_text_config"):
+            raise ValueError(f"config: expected the model's transformers config (model.config), got {config!r}")
+        text_config = config.get_text_config(decoder=True)
+        self.config = config
+        self.num_layers = int(text_config.num_hidden_layers)
+        if dense_layers > self.num_layers:
+            raise ValueError(f"dense_layers: expected at most the model's {self.num_layers} layers, got {dense_layers}")
+        self.page_size, self.page_budget = page_size, page_budget
+        self.num_sink_pages, self.num_recent_pages, self.dense_layers = num_sink_pages, num_recent_pages, dense_layers
+        self.num_pages, self.backend = num_pages, backend
+        self.sliding_window = self._sliding_window(text_config)
+        super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
+        self._clear()
+
+    @staticmethod
+    def _sliding_window(cfg) -> int | None:
+        types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if types is not None and not any(t in ("sliding_attention", "chunked_attention") for t in types):
+            return None
+        if getattr(cfg, "use_sliding_window", True) is False:
+            return None
+        return window if isinstance(window, int) and window > 0 else None
+
+    def _clear(self) -> None:
+        self._pool: PagedKVCache | None = None
+        self._seq_ids: list[int] = []
+        self._real = torch.zeros(0, 0, dtype=torch.bool)   # [B, hf_len] which columns held real tokens
+        self._hf_len = 0
+        self._chunk = 0
+        self._layer_chunk = [0] * self.num_layers
+        self._chunk_len = 0
+        self._prepared = False
+        self._pending = None
+
+    def __repr__(self):
+        return (f"TinyAttnCache(page_size={self.page_size}, page_budget={self.page_budget}, "
+                f"num_sink_pages={self.num_sink_pages}, num_recent_pages={self.num_recent_pages}, "
+                f"dense_layers={self.dense_layers}, backend={self.backend!r}, batch_size={self.batch_size}, "
+                f"seq_length={self._hf_len})")
+
+    # ------------------------------------------------------------------ the Cache interface
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Record the new ``[B, Hkv, T, D]`` states of ``layer_idx``; return them unchanged.
+
+        They are written into the page pool by the ``"tinyattn"`` attention function, which sees the
+        attention mask (needed to leave left padding out of the pages).
+        """
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise ValueError(f"TinyAttnCache: expected a model loaded with attn_implementation="
+                             f"'{ATTN_IMPLEMENTATION}' (after `import tinyattn.integrations.hf`), got "
+                             f"attn_implementation={impl!r}; with another implementation the model would attend "
+                             f"only to the new tokens")
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}")
+        if key_states.dim() != 4 or value_states.shape != key_states.shape:
+            raise ValueError(f"key_states/value_states: expected two [B, Hkv, T, D] tensors of one shape, got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        B, Hkv, T, D = key_states.shape
+        if self._pool is None:
+            self._init_pool(B, Hkv, D, T, key_states.dtype, key_states.device)
+        elif B != len(self._seq_ids):
+            raise ValueError(f"TinyAttnCache: batch size changed from {len(self._seq_ids)} to {B}; a cache holds "
+                             f"one batch (use a fresh cache, or reorder_cache / batch_select_indices / "
+                             f"batch_repeat_interleave)")
+        elif (Hkv, D) != (self._pool.num_kv_heads, self._pool.head_dim):
+            raise ValueError(f"key_states: expected [B, {self._pool.num_kv_heads}, T, {self._pool.head_dim}], got "
+                             f"{tuple(key_states.shape)}")
+        if self._layer_chunk[layer_idx] == self._chunk:          # first layer of a new forward pass
+            self._chunk += 1
+            self._chunk_len = T
+            self._hf_len += T
+            self._prepared = False
+        elif T != self._chunk_len:
+            raise ValueError(f"key_states: layer {layer_idx} got {T} new tokens, earlier layers of this forward "
+                             f"pass got {self._chunk_len}")
+        self._layer_chunk[layer_idx] = self._chunk
+        self._pending = (layer_idx, key_states, value_states)
+        _CURRENT.cache = weakref.ref(self)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns of the (padded) batch seen so far: what ``transformers`` sizes masks and positions by."""
+        return self._hf_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._hf_len + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._seq_ids) if self._pool is not None else -1
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    def reset(self) -> None:
+        """Forget every sequence (the pool is dropped too)."""
+        self._clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``r`` becomes a copy of old row ``beam_idx[r]``."""
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (in that order)."""
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times, consecutively (as ``torch.repeat_interleave``)."""
+        if self._pool is None:
+            return
+        self._select_rows(torch.arange(len(self._seq_ids)).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (``transformers`` 5 convention: a count <= 0).
+
+        Rows lose the real tokens among those columns; the kept pages are copied and the bounds of
+        each row's new last page are recomputed from its remaining keys.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove: expected an int <= 0 (the number of tokens to remove, negated), "
+                             f"got {tokens_to_remove!r}")
+        if self._pool is None or tokens_to_remove == 0:
+            return
+        keep = max(self._hf_len + tokens_to_remove, 0)
+        self._real = self._real[:, :keep]
+        self._hf_len = keep
+        self._rebuild_rows(list(range(len(self._seq_ids))), self._real.sum(1).tolist())
+
+    # ------------------------------------------------------------------ inspection
+    def seq_lens(self) -> torch.Tensor:
+        """int32 ``[B]``: real (non-padding) tokens cached per row."""
+        self._check_ready()
+        return self._pool.seq_lens(self._seq_ids)
+
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[B, max_pages]``: the rows' physical pages, ``-1`` past each row's end."""
+        self._check_ready()
+        return self._pool.block_table(self._seq_ids)
+
+    @property
+    def pool(self) -> PagedKVCache | None:
+        """The underlying :class:`PagedKVCache` (``None`` before the first forward)."""
+        return self._pool
+
+    def to_dense(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of a layer as ``[B, Hkv, L, D]``, each row's real tokens right-aligned
+        (``L`` = longest row; zeros in front of shorter rows). For inspection and tests."""
+        self._check_ready()
+        pool = self._pool
+        lens = [pool.length(s) for s in self._seq_ids]
+        L = max(lens + [0])
+        shape = (len(lens), pool.num_kv_heads, L, pool.head_dim)
+        keys = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        values = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        S = self.page_size
+        for row, (sid, n) in enumerate(zip(self._seq_ids, lens)):
+            if n == 0:
+                continue
+            pages = torch.tensor(pool.pages(sid), device=pool.device)
+            pos = torch.arange(n, device=pool.device)
+            keys[row, :, L - n:] = pool.k_cache[layer_idx][pages[pos // S], pos % S].transpose(0, 1)
+            values[row, :, L - n:] = pool.v_cache[layer_idx][pages[pos // S], pos % S].transpose(0, 1)
+        return keys, values
+
+    def _check_ready(self) -> None:
+        if self._pool is None:
+            raise ValueError("TinyAttnCache: empty cache (no forward pass has run yet)")
+
+    # ------------------------------------------------------------------ the pool
+    def _init_pool(self, B, Hkv, D, T, dtype, device) -> None:
+        per_row = -(-T // self.page_size) + 4
+        num_pages = self.num_pages or max(B * per_row, 1)
+        self._pool = PagedKVCache(self.num_layers, Hkv, D, page_size=self.page_size, num_pages=num_pages,
+                                  dtype=dtype, device=device)
+        self._seq_ids = [self._pool.add_sequence() for _ in range(B)]
+        self._real = torch.zeros(B, 0, dtype=torch.bool)
+
+    def _pages_for(self, n: int) -> int:
+        return -(-n // self.page_size)
+
+    def _grow(self, min_free: int) -> None:
+        """Move every row into a larger pool (at least ``min_free`` free pages; at least double)."""
+        old = self._pool
+        if old.num_free_pages >= min_free:
+            return
+        num_pages = max(2 * old.num_pages, old.num_pages - old.num_free_pages + min_free)
+        new = PagedKVCache(old.num_layers, old.num_kv_heads, old.head_dim, page_size=old.page_size,
+                           num_pages=num_pages, dtype=old.dtype, device=old.device)
+        src, dst, ids = [], [], []
+        for sid in self._seq_ids:
+            nid = new.add_sequence()
+            new.extend([nid], old.length(sid))
+            src += old.pages(sid)
+            dst += new.pages(nid)
+            ids.append(nid)
+        self._copy_pages(old, new, src, dst)
+        self._pool, self._seq_ids = new, ids
+
+    @staticmethod
+    def _copy_pages(src_pool, dst_pool, src, dst) -> None:
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=src_pool.device)
+        d = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
+        for name in ("k_cache", "v_cache", "k_min", "k_max"):
+            for a, b in zip(getattr(src_pool, name), getattr(dst_pool, name)):
+                b[d] = a[s]
+
+    def _extend(self, counts: list[int]) -> torch.Tensor:
+        try:
+            return self._pool.extend(self._seq_ids, counts)
+        except CacheFullError:
+            pool = self._pool
+            need = sum(max(self._pages_for(pool.length(s) + c) - len(pool.pages(s)), 0)
+                       for s, c in zip(self._seq_ids, counts))
+            self._grow(need)
+            return self._pool.extend(self._seq_ids, counts)
+
+    def _select_rows(self, index) -> None:
+        if self._pool is None:
+            return
+        index = torch.as_tensor(index).reshape(-1).to("cpu", torch.long)
+        B = len(self._seq_ids)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= B):
+            raise ValueError(f"indices: expected values in [0, {B}), got range "
+                             f"[{int(index.min())}, {int(index.max())}]")
+        rows = index.tolist()
+        if rows == list(range(B)):
+            return
+        self._real = self._real[index]
+        lens = [self._pool.length(self._seq_ids[r]) for r in rows]
+        self._rebuild_rows(rows, lens)
+
+    def _rebuild_rows(self, rows: list[int], lens: list[int]) -> None:
+        """New row ``i`` = the first ``lens[i]`` tokens of old row ``rows[i]``. Rows that stay where they
+        were with their full length keep their pages; the others are copied into fresh pages."""
+        pool = self._pool
+        old_ids = list(self._seq_ids)
+        keep = [r == i and lens[i] == pool.length(old_ids[i]) for i, r in enumerate(rows)]
+        need = sum(self._pages_for(n) for n, k in zip(lens, keep) if not k)
+        if pool.num_free_pages < need:
+            self._grow(need)
+            pool, old_ids = self._pool, list(self._seq_ids)
+        new_ids, src, dst, cropped = [], [], [], []
+        for i, (r, n, k) in enumerate(zip(rows, lens, keep)):
+            if k:
+                new_ids.append(old_ids[r])
+                continue
+            nid = pool.add_sequence()
+            pool.extend([nid], n)
+            n_pages = self._pages_for(n)
+            src += pool.pages(old_ids[r])[:n_pages]
+            dst += pool.pages(nid)
+            new_ids.append(nid)
+            if n % self.page_size and n < pool.length(old_ids[r]):
+                cropped.append(nid)
+        self._copy_pages(pool, pool, src, dst)
+        kept = set(new_ids)
+        for sid in old_ids:
+            if sid not in kept:
+                pool.free(sid)
+        self._seq_ids = new_ids
+        if cropped:   # the new last page holds fewer tokens than the page it was copied from: new bounds
+            table, lens_t = pool.block_table(cropped), pool.seq_lens(cropped)
+            for layer in range(pool.num_layers):
+                tinyattn.update_page_metadata(pool.k_cache[layer], table, lens_t, pool.k_min[layer],
+                                              pool.k_max[layer], backend=self.backend)
+        self._pending = None
+
+    # ------------------------------------------------------------------ attention
+    def _owns(self, layer_idx, key) -> bool:
+        return self._pending is not None and self._pending[0] == layer_idx and self._pending[1] is key
+
+    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device) -> None:
+        """First attention call of a forward pass: which new tokens are real, page allocation, tables."""
+        hf_len = self._hf_len
+        if mask is None:
+            real = torch.ones(B, T, dtype=torch.bool)
+            allowed = None
+        else:
+            if mask.dim() != 4 or mask.shape[0] != B or mask.shape[-2] != T or mask.shape[-1] != hf_len:
+                raise ValueError(f"attention_mask: expected a 4D mask [B={B}, 1, T={T}, kv={hf_len}] (the cache "
+                                 f"length plus the new tokens), got {tuple(mask.shape)}")
+            allowed = _allowed(mask[:, 0])                                      # [B, T, kv]
+            t = torch.arange(T, device=mask.device)
+            real = allowed[:, t, hf_len - T + t].cpu()                          # [B, T] a token sees itself
+        if T > 1 and bool((real[:, :-1] & ~real[:, 1:]).any()):
+            raise ValueError("attention_mask: a real token is followed by a padding token in the same forward pass "
+                             "(right padding). TinyAttnCache supports left padding only: set "
+                             "tokenizer.padding_side = 'left'")
+        before = [self._pool.length(s) for s in self._seq_ids]
+        counts = real.sum(1).tolist()
+        if self.sliding_window is not None and max(b + c for b, c in zip(before, counts)) > self.sliding_window:
+            raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's sliding window "
+                                      f"({self.sliding_window} tokens); sliding-window attention is not supported "
+                                      f"by tinyattn's paged ops")
+        self._slots = self._extend(counts)
+        self._gather = real.reshape(-1).nonzero().squeeze(1).to(device)        # row-major, like the slots
+        self._fresh = not any(before)
+        self._block_table = self._pool.block_table(self._seq_ids)
+        self._seq_lens = self._pool.seq_lens(self._seq_ids)
+        self._real = torch.cat([self._real, real], dim=1)
+        if allowed is not None:
+            # the last query of each row that is real must see exactly the row's cached tokens
+            seen = allowed[:, -1].sum(-1).cpu()
+            bad = real[:, -1] & (seen != self._seq_lens.cpu().to(seen.dtype))
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise ValueError(f"attention_mask: row {row} masks out tokens that are not left padding "
+                                 f"(its last token sees {int(seen[row])} keys, the row holds "
+                                 f"{int(self._seq_lens[row])}); TinyAttnCache supports left padding only")
+        self._prepared = True
+
+    def _attend(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+        layer_idx = self._pending[0]
+        self._pending = None
+        if dropout and module.training:
+            raise ValueError("TinyAttnCache: attention dropout is not supported; call model.eval() "
+                             "(or use_cache=False for training)")
+        B, Hq, T, D = query.shape
+        Hkv = key.shape[1]
+        if not self._prepared:
+            self._prepare_chunk(attention_mask, B, T, query.device)
+        pool = self._pool
+        k = key.transpose(1, 2).reshape(B * T, Hkv, D)[self._gather]
+        v = value.transpose(1, 2).reshape(B * T, Hkv, D)[self._gather]
+        pool.write(layer_idx, self._slots, k, v)
+        if self._fresh:
+            # prefill into an empty cache: exactly the stock SDPA computation over the new states
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                                            scaling=scaling, **kwargs)
+            return out, None
+        q = query.transpose(1, 2)                                               # [B, T, Hq, D]
+        if T == 1:
+            q = q[:, 0]                                                         # [B, Hq, D]
+        if q.dtype != pool.dtype:
+            q = q.to(pool.dtype)
+        args = (q, pool.k_cache[layer_idx], pool.v_cache[layer_idx], self._block_table, self._seq_lens)
+        if T == 1 and self.page_budget is not None and layer_idx >= self.dense_layers:
+            out = tinyattn.sparse_paged_attention(
+                *args, k_min=pool.k_min[layer_idx], k_max=pool.k_max[layer_idx], page_budget=self.page_budget,
+                num_sink_pages=self.num_sink_pages, num_recent_pages=self.num_recent_pages, scale=scaling,
+                backend=self.backend)
+        else:
+            out = tinyattn.paged_attention(*args, scale=scaling, backend=self.backend)
+        return out.reshape(B, T, Hq, D).to(query.dtype), None
+
+
+_TESTED_TRANSFORMERS = "5.24"
+if not transformers.__version__.startswith("5."):  # pragma: no cover
+    warnings.warn(f"tinyattn.integrations.hf was tested with transformers {_TESTED_TRANSFORMERS}.x, found "
+                  f"{transformers.__version__}", stacklevel=2)
