@@ -169,27 +169,22 @@ class Tokenizer:
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         alive = [True] * n
-        heap: list[tuple[float, int, int, int, int]] = []
 
-        def push(i: int) -> None:
+        def candidate(i: int):
+            """The heap entry of the pair (node i, its right neighbour), or None if it is not a merge."""
             j = nxt[i]
             if j == -1:
-                return
+                return None
             tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
-            if tid is not None:
-                heap.append((-scores[tid], i, tok[i], tok[j], tid))
+            return None if tid is None else (-scores[tid], i, tok[i], tok[j], tid)
 
-        for i in range(n - 1):
-            push(i)
+        heap = [c for c in map(candidate, range(n - 1)) if c is not None]
         heapq.heapify(heap)
 
-        def push_heap(i: int) -> None:
-            j = nxt[i]
-            if j == -1:
-                return
-            tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
-            if tid is not None:
-                heapq.heappush(heap, (-scores[tid], i, tok[i], tok[j], tid))
+        def push(i: int) -> None:
+            c = candidate(i)
+            if c is not None:
+                heapq.heappush(heap, c)
 
         while heap:
             _, i, ti, tj, tid = heapq.heappop(heap)
@@ -207,8 +202,8 @@ class Tokenizer:
                 prev[k] = i
             p = prev[i]
             if p != -1:
-                push_heap(p)
-            push_heap(i)
+                push(p)
+            push(i)
 
         out = []
         i = 0

@@ -1,0 +1,288 @@
+"""Command line: ``python -m tinyattn {generate,eval}`` (also installed as ``tinyattn``).
+
+``generate`` runs a llama2.c checkpoint with dense prefill and query-aware sparse decode and
+prints the text, then a stats block; ``eval`` prints teacher-forced NLL / perplexity / agreement
+with dense for a list of page budgets. Run ``python -m tinyattn COMMAND --help`` for the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_DEFAULT_MODEL = Path("..") / "shared" / "models" / "stories260K" / "stories260K.bin"
+_DEFAULT_TOKENIZER = Path("..") / "shared" / "models" / "stories260K" / "tok512.bin"
+_DEFAULT_DATA = Path("..") / "shared" / "data" / "tinystories_valid_excerpt.txt"
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class CLIError(Exception):
+    """A user error: printed as ``tinyattn COMMAND: error: ...`` with exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _budget_list(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers >= 1, got {text!r}")
+    return [_positive_int(t) for t in items]
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", type=Path, default=None,
+                   help=f"llama2.c checkpoint (legacy format); default: {_DEFAULT_MODEL} if it exists")
+    g.add_argument("--tokenizer", type=Path, default=None,
+                   help=f"llama2.c tokenizer .bin; default: {_DEFAULT_TOKENIZER} if it exists")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+                   help="weight and KV-cache dtype (default: fp32)")
+    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="PyTorch CPU threads (default: 1 for small models, dim < 512, whose ops are too small to "
+                        "split; PyTorch's default otherwise)")
+
+
+def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None:
+    g = p.add_argument_group("paged / sparse attention")
+    g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
+    if budgets:
+        g.add_argument("--page-budgets", type=_budget_list, default=[2, 4, 8], metavar="K1,K2,...",
+                       help="comma-separated page budgets to evaluate, pages per sequence and KV head "
+                            "(default: 2,4,8)")
+    else:
+        g.add_argument("--page-budget", type=_positive_int, default=None, metavar="K",
+                       help="pages attended per sequence and KV head at each decode step; "
+                            "omit for dense decode")
+    g.add_argument("--num-sink-pages", type=_non_negative_int, default=0,
+                   help="leading pages always kept (default: 0)")
+    g.add_argument("--num-recent-pages", type=_non_negative_int, default=1,
+                   help="trailing pages always kept; the page being written is always kept (default: 1)")
+    g.add_argument("--dense-layers", type=_non_negative_int, default=0,
+                   help="leading layers that stay dense during decode; Quest keeps 2 (default: 0)")
+    g.add_argument("--backend", choices=["torch", "triton"], default=None,
+                   help="attention backend (default: by device: triton on CUDA, torch on CPU); "
+                        "'triton' on a CPU-only machine runs the Triton interpreter (slow)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tinyattn",
+        description="tinyattn: query-aware sparse paged attention (Quest / TinyServe) on a real model.",
+        epilog="examples:\n"
+               "  python -m tinyattn generate --prompt 'Once upon a time' --page-size 16 --page-budget 4\n"
+               "  python -m tinyattn eval --data ../shared/data/tinystories_valid_excerpt.txt "
+               "--page-size 16 --page-budgets 2,4,8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser(
+        "generate", help="generate text with dense prefill and sparse decode",
+        description="Generate text from a llama2.c checkpoint: each prompt is prefilled densely, then the batch "
+                    "decodes together through query-aware sparse paged attention. Prints the text of each prompt "
+                    "then a stats block (tokens/s, pages read per step vs dense, KV bytes).",
+        epilog="example:\n"
+               "  python -m tinyattn generate --model ../shared/models/stories260K/stories260K.bin \\\n"
+               "      --tokenizer ../shared/models/stories260K/tok512.bin --max-new-tokens 200 \\\n"
+               "      --page-size 16 --page-budget 4 --prompt 'Once upon a time' --prompt 'Tom had a dog'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(gen)
+    g = gen.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="prompt text; repeat for a batch (default: one empty prompt, i.e. BOS only)")
+    g.add_argument("--max-new-tokens", type=_non_negative_int, default=200,
+                   help="tokens to generate per prompt; a row also stops at EOS (default: 200)")
+    g.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling torch.Generator (default: 0)")
+    g.add_argument("--no-stats", action="store_true", help="print only the text")
+    _add_attention_options(gen, budgets=False)
+    gen.set_defaults(func=_cmd_generate)
+
+    ev = sub.add_parser(
+        "eval", help="teacher-forced NLL / perplexity / agreement with dense per page budget",
+        description="Teacher-forced evaluation: the stories of FILE (split on <|endoftext|>, or on blank lines) run "
+                    "as a batch; every target token is predicted through the sparse decode path step by step, "
+                    "and compared with one dense pass. Prints a table: the dense row, then one row per budget "
+                    "(mean NLL in nats/token, perplexity, top-1 agreement with dense, KL(dense||sparse), "
+                    "pages read vs dense).",
+        epilog="example:\n"
+               "  python -m tinyattn eval --model ../shared/models/stories260K/stories260K.bin \\\n"
+               "      --tokenizer ../shared/models/stories260K/tok512.bin \\\n"
+               "      --data ../shared/data/tinystories_valid_excerpt.txt --page-size 16 --page-budgets 2,4,8",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(ev)
+    g = ev.add_argument_group("data")
+    g.add_argument("--data", type=Path, default=None,
+                   help=f"text file of stories; default: {_DEFAULT_DATA} if it exists")
+    g.add_argument("--max-stories", type=_positive_int, default=None, metavar="N",
+                   help="evaluate only the first N stories (default: all)")
+    g.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
+                   help="tokens per story including BOS (default: the model's seq_len)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    _add_attention_options(ev, budgets=True)
+    ev.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def _resolve_file(value: Path | None, default: Path, option: str) -> Path:
+    if value is None:
+        if default.is_file():
+            return default
+        raise CLIError(f"{option} is required (no default file at {default})")
+    if not value.exists():
+        raise CLIError(f"{option}: file not found: {value}")
+    if not value.is_file():
+        raise CLIError(f"{option}: not a file: {value}")
+    return value
+
+
+def _prepare_backend(backend: str | None) -> None:
+    """``--backend triton`` without CUDA needs the interpreter, which must be chosen before triton loads."""
+    if backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if "triton" in sys.modules:
+            raise CLIError("--backend triton: no CUDA device, and triton was imported before TRITON_INTERPRET=1 "
+                           "could be set; run with TRITON_INTERPRET=1")
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("note: no CUDA device; running the Triton kernels in the interpreter (TRITON_INTERPRET=1, slow)",
+              file=sys.stderr)
+
+
+def _load(args):
+    import torch
+
+    from .models import LlamaModel, Tokenizer
+
+    model_path = _resolve_file(args.model, _DEFAULT_MODEL, "--model")
+    tok_path = _resolve_file(args.tokenizer, _DEFAULT_TOKENIZER, "--tokenizer")
+    _prepare_backend(args.backend)
+    model = LlamaModel.from_llama2c(model_path, dtype=getattr(torch, _DTYPES[args.dtype]))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif model.config.dim < 512:
+        torch.set_num_threads(1)  # tiny matmuls: threads only add synchronisation (20x slower on a busy machine)
+    tokenizer = Tokenizer(tok_path)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise CLIError(f"--tokenizer: {tok_path} has {tokenizer.vocab_size} tokens but the model {model_path} "
+                       f"expects vocab_size={model.config.vocab_size}")
+    return model, tokenizer
+
+
+def _cmd_generate(args) -> int:
+    import warnings
+
+    from .models import LlamaRuntime
+
+    model, tokenizer = _load(args)
+    runtime = LlamaRuntime(model, page_size=args.page_size, page_budget=args.page_budget,
+                           num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
+                           dense_layers=args.dense_layers, backend=args.backend)
+    texts = args.prompt if args.prompt else [""]
+    prompts = [tokenizer.encode(t, bos=True) for t in texts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # past-context warning: reported below instead
+        out = runtime.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               seed=args.seed, eos_id=tokenizer.eos_id)
+    for i, (p, new) in enumerate(zip(prompts, out.tokens)):
+        if len(prompts) > 1:
+            print(f"=== [{i}] ===")
+        print(tokenizer.decode(p + new))
+    if not args.no_stats:
+        s = runtime.sparsity
+        mode = "dense" if s.page_budget is None else (
+            f"page_budget={s.page_budget} ({s.page_budget * args.page_size} tokens), "
+            f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}")
+        print("---")
+        print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}")
+        print(out.stats.format())
+        longest = max(len(p) + len(n) for p, n in zip(prompts, out.tokens))
+        if longest > model.config.max_seq_len:
+            print(f"warning: sequences reached {longest} tokens, past the model's training context "
+                  f"({model.config.max_seq_len})", file=sys.stderr)
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from .models import evaluate, format_eval_table, load_stories
+
+    data = _resolve_file(args.data, _DEFAULT_DATA, "--data")
+    model, tokenizer = _load(args)
+    # validate the sparsity options once, before the long run
+    from .models import SparsityConfig
+
+    for b in args.page_budgets:
+        SparsityConfig(page_budget=b, num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
+                       dense_layers=args.dense_layers)
+    if args.dense_layers > model.config.n_layers:
+        raise CLIError(f"--dense-layers ({args.dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
+    stories = load_stories(data)
+    if args.max_stories is not None:
+        stories = stories[: args.max_stories]
+    if not stories:
+        raise CLIError(f"--data: no stories in {data}")
+    max_context = args.max_context
+    if max_context is not None and max_context < 2:
+        raise CLIError(f"--max-context must be >= 2, got {max_context}")
+    result = evaluate(model, tokenizer, stories, page_size=args.page_size, page_budgets=args.page_budgets,
+                      num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
+                      dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
+                      progress=not args.no_progress)
+    print(f"data: {data}")
+    print(format_eval_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CLIError, ValueError, OSError) as exc:
+        sub = f"{parser.prog} {args.command}"
+        print(f"{sub}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
