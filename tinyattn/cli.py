@@ -156,7 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     _add_attention_options(ev, budgets=True)
     ev.set_defaults(func=_cmd_eval)
+    _add_convert_command(sub)
     return parser
+
+
+def _add_convert_command(sub) -> None:
+    """``convert``: llama2.c -> Hugging Face Llama checkpoint (needs the ``hf`` extra only when run)."""
+    from .integrations import convert
+
+    c = sub.add_parser("convert", help="llama2.c checkpoint -> Hugging Face Llama checkpoint",
+                       description=convert.DESCRIPTION, epilog=convert.EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_arguments(c)
+    c.set_defaults(func=convert.run)
 
 
 def _resolve_file(value: Path | None, default: Path, option: str) -> Path:
