@@ -74,17 +74,47 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "split; PyTorch's default otherwise)")
 
 
+# the names of tinyattn.selection.POLICIES (kept here so that --help does not import torch; a test checks them)
+_POLICY_NAMES = ("quest", "meanstd", "oracle", "streaming", "h2o", "random")
+_POLICY_HELP = ("quest = query-aware min/max bounding box (Quest/TinyServe); meanstd = the box from per-page key "
+                "mean +- 1 std; oracle = the pages of most true attention mass (upper bound); streaming = sink + "
+                "recent pages (StreamingLLM); h2o = heavy hitters by accumulated attention (H2O); random")
+
+
+def _policy_list(text: str) -> list[str]:
+    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in _POLICY_NAMES]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(_POLICY_NAMES)}, "
+                                         f"got {text!r}")
+    return list(dict.fromkeys(items))
+
+
 def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None:
     g = p.add_argument_group("paged / sparse attention")
-    g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
     if budgets:
-        g.add_argument("--page-budgets", type=_budget_list, default=[2, 4, 8], metavar="K1,K2,...",
+        g.add_argument("--page-size", type=_positive_int, default=16,
+                       help="tokens per KV page (default: 16; see --page-sizes)")
+        g.add_argument("--page-sizes", type=_budget_list, default=None, metavar="S1,S2,...",
+                       help="comma-separated page sizes to evaluate (default: --page-size)")
+        b = g.add_mutually_exclusive_group()
+        b.add_argument("--page-budgets", type=_budget_list, default=None, metavar="K1,K2,...",
                        help="comma-separated page budgets to evaluate, pages per sequence and KV head "
                             "(default: 2,4,8)")
+        b.add_argument("--token-budgets", type=_budget_list, default=None, metavar="T1,T2,...",
+                       help="budgets in tokens instead, divided by each page size (e.g. 32,64,128,256)")
+        g.add_argument("--policies", type=_policy_list, default=["quest"], metavar="P1,P2,...",
+                       help=f"page-selection policies to compare (default: quest): {_POLICY_HELP}")
     else:
+        g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
         g.add_argument("--page-budget", type=_positive_int, default=None, metavar="K",
                        help="pages attended per sequence and KV head at each decode step; "
                             "omit for dense decode")
+        g.add_argument("--policy", choices=_POLICY_NAMES, default="quest",
+                       help=f"page-selection policy (default: quest): {_POLICY_HELP}")
+        g.add_argument("--selection-metrics", action="store_true",
+                       help="also report the hit rate and captured attention mass of the selections against the "
+                            "oracle (a dense attention pass per sparse layer and step)")
     g.add_argument("--num-sink-pages", type=_non_negative_int, default=0,
                    help="leading pages always kept (default: 0)")
     g.add_argument("--num-recent-pages", type=_non_negative_int, default=1,
@@ -136,13 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="teacher-forced NLL / perplexity / agreement with dense per page budget",
         description="Teacher-forced evaluation: the stories of FILE (split on <|endoftext|>, or on blank lines) run "
                     "as a batch; every target token is predicted through the sparse decode path step by step, "
-                    "and compared with one dense pass. Prints a table: the dense row, then one row per budget "
-                    "(mean NLL in nats/token, perplexity, top-1 agreement with dense, KL(dense||sparse), "
-                    "pages read vs dense).",
+                    "and compared with one dense pass. Prints a table per page size and policy: the dense row, "
+                    "then one row per budget (mean NLL in nats/token, perplexity, top-1 agreement with dense, "
+                    "KL(dense||sparse), pages read vs dense, hit rate and captured attention mass against the "
+                    "oracle selection, NLL on the long-range tokens, NLL on the second copy of a story repeated "
+                    "twice); see docs/accuracy.md.",
         epilog="example:\n"
                "  python -m tinyattn eval --model ../shared/models/stories260K/stories260K.bin \\\n"
                "      --tokenizer ../shared/models/stories260K/tok512.bin \\\n"
-               "      --data ../shared/data/tinystories_valid_excerpt.txt --page-size 16 --page-budgets 2,4,8",
+               "      --data ../shared/data/tinystories_valid_excerpt.txt --page-size 16 --page-budgets 2,4,8\n"
+               "  python -m tinyattn eval --page-sizes 8,16 --token-budgets 32,64,128,256 \\\n"
+               "      --policies quest,meanstd,oracle,streaming,h2o,random \\\n"
+               "      --json docs/accuracy/results.json --plot-dir docs/accuracy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(ev)
@@ -154,10 +189,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
                    help="tokens per story including BOS (default: the model's seq_len)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    g.add_argument("--long-range-window", type=_positive_int, default=64, metavar="W",
+                   help="a word of >= 3 letters is long-range when it occurred before, more than W tokens "
+                        "earlier (default: 64)")
+    g.add_argument("--no-repeat-probe", action="store_true",
+                   help="skip the probe that repeats each story's first half (saves about a third of the time)")
+    g.add_argument("--no-selection-metrics", action="store_true",
+                   help="skip the hit rate / captured mass against the oracle (a dense pass per sparse layer)")
+    g = ev.add_argument_group("output")
+    g.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write one row per policy x page size x budget (and the dense row) as JSON")
+    g.add_argument("--csv", type=Path, default=None, metavar="PATH", help="the same rows as CSV")
+    g.add_argument("--plot-dir", type=Path, default=None, metavar="DIR",
+                   help="write PNG plots (NLL, top-1 agreement, long-range NLL, repeat NLL, hit rate, captured "
+                        "mass vs budget; one line per policy, one panel per page size) into DIR")
     _add_attention_options(ev, budgets=True)
     ev.set_defaults(func=_cmd_eval)
     _add_convert_command(sub)
+    _add_finetune_command(sub)
     return parser
+
+
+def _add_finetune_command(sub) -> None:
+    """``finetune``: chunked long-context fine-tuning with KV retention (full / recency / gradient)."""
+    from .training import finetune
+
+    ft = sub.add_parser("finetune", help="chunked long-context fine-tuning with KV retention (full / recency / gradient)",
+                        description=finetune.__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    finetune.add_arguments(ft)
+    ft.set_defaults(func=finetune.run)
 
 
 def _add_convert_command(sub) -> None:
@@ -226,7 +287,8 @@ def _cmd_generate(args) -> int:
     model, tokenizer = _load(args)
     runtime = LlamaRuntime(model, page_size=args.page_size, page_budget=args.page_budget,
                            num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
-                           dense_layers=args.dense_layers, backend=args.backend)
+                           dense_layers=args.dense_layers, backend=args.backend, policy=args.policy,
+                           selection_metrics=args.selection_metrics)
     texts = args.prompt if args.prompt else [""]
     prompts = [tokenizer.encode(t, bos=True) for t in texts]
     with warnings.catch_warnings():
@@ -241,7 +303,8 @@ def _cmd_generate(args) -> int:
         s = runtime.sparsity
         mode = "dense" if s.page_budget is None else (
             f"page_budget={s.page_budget} ({s.page_budget * args.page_size} tokens), "
-            f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}")
+            f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
+            f"policy={s.policy.name}")
         print("---")
         print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}")
         print(out.stats.format())
@@ -254,15 +317,24 @@ def _cmd_generate(args) -> int:
 
 def _cmd_eval(args) -> int:
     from .models import evaluate, format_eval_table, load_stories
+    from .models.evaluate import format_comparison, plot_eval
 
     data = _resolve_file(args.data, _DEFAULT_DATA, "--data")
+    page_sizes = args.page_sizes or [args.page_size]
+    if args.token_budgets is None and args.page_budgets is None:
+        args.page_budgets = [2, 4, 8]
+    for ps in page_sizes:
+        for tb in args.token_budgets or []:
+            if tb % ps:
+                raise CLIError(f"--token-budgets: {tb} tokens is not a whole number of pages of {ps} tokens")
     model, tokenizer = _load(args)
     # validate the sparsity options once, before the long run
     from .models import SparsityConfig
 
-    for b in args.page_budgets:
-        SparsityConfig(page_budget=b, num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
-                       dense_layers=args.dense_layers)
+    for ps in page_sizes:
+        for b in args.page_budgets or [tb // ps for tb in args.token_budgets]:
+            SparsityConfig(page_budget=b, num_sink_pages=args.num_sink_pages,
+                           num_recent_pages=args.num_recent_pages, dense_layers=args.dense_layers)
     if args.dense_layers > model.config.n_layers:
         raise CLIError(f"--dense-layers ({args.dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
     stories = load_stories(data)
@@ -274,11 +346,27 @@ def _cmd_eval(args) -> int:
     if max_context is not None and max_context < 2:
         raise CLIError(f"--max-context must be >= 2, got {max_context}")
     result = evaluate(model, tokenizer, stories, page_size=args.page_size, page_budgets=args.page_budgets,
+                      token_budgets=args.token_budgets, page_sizes=page_sizes, policies=args.policies,
                       num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                       dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
-                      progress=not args.no_progress)
+                      long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
+                      selection_metrics=not args.no_selection_metrics, progress=not args.no_progress)
     print(f"data: {data}")
     print(format_eval_table(result))
+    if len(result.policies) > 1 and len(result.rows) > 1:
+        for metric, relative in (("nll", True), ("top1_agreement", False), ("hit_rate", False),
+                                 ("long_range_nll", True), ("repeat_nll", True)):
+            print(f"\n{metric} by policy:\n")
+            print(format_comparison(result, metric, relative=relative))
+    if args.json is not None:
+        result.save_json(args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.csv is not None:
+        result.save_csv(args.csv)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.plot_dir is not None and len(result.rows) > 1:
+        for path in plot_eval(result, args.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

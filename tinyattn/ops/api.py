@@ -17,6 +17,7 @@ import torch
 from . import torch_backend as T
 from .spans import span
 from . import validation as V
+from .autograd import attention as differentiable_attention, needs_grad
 
 BACKENDS = ("torch", "triton")
 
@@ -50,8 +51,13 @@ def _restore_q_shape(q, out, lse):
 
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend):
     """Shared tail of both attention ops: canonical inputs -> out (+ lse)."""
-    with span("attention"):
-        if backend == "torch" or q.dtype == torch.float64:
+    with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
+              page_indices=page_indices, scale=scale):
+        if needs_grad(q4, k_cache, v_cache):
+            # training: the custom op with a backward (Triton kernels or the torch formula); selection is done
+            out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices,
+                                                scale, backend)
+        elif backend == "torch" or q.dtype == torch.float64:
             out, lse = T.attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale=scale)
         else:
             out = torch.empty_like(q4)
@@ -119,7 +125,7 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
     V.check_tables(block_table, seq_lens, None, k_cache.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
-    with span("metadata"):
+    with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
         if resolve_backend(backend, k_cache.device) == "torch" or k_cache.dtype == torch.float64:
             T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
         else:
@@ -150,7 +156,7 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
     V.check_tables(block_table, seq_lens, q4.shape[0], q.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
-    with span("score"):
+    with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
         if resolve_backend(backend, q.device) == "torch" or q.dtype == torch.float64:
             return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
         out = torch.empty(q4.shape[0], Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
@@ -193,7 +199,7 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
     V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
     options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                    num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
-    with span("topk"):
+    with span("topk", scores=scores, seq_lens=seq_lens, page_budget=page_budget):
         if resolve_backend(backend, scores.device) == "torch":
             return T.select_pages(scores, seq_lens, **options)
         out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
@@ -238,7 +244,9 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
                              f"got page_indices=None and no {', '.join(missing)}")
         V.check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
                             q.device)
-        scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size, backend=backend)
+        # selection has no gradient: score a detached q
+        scores = page_scores(q.detach(), k_min, k_max, block_table, seq_lens, page_size=shapes.page_size,
+                             backend=backend)
         page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
                                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                     num_query_tokens=shapes.num_query_tokens, backend=backend)

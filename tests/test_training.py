@@ -1,0 +1,238 @@
+"""Chunked fine-tuning with a paged KV memory: model equivalence, gradients into the memory, retention policies,
+and the finetune command."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinyattn.models import LlamaConfig, LlamaModel, apply_rope, rope_tables
+from tinyattn.training import (ChunkedKVMemory, FullRetention, GradientRetention, RecencyRetention, chunk_forward,
+                               make_policy, run_sequences)
+from tinyattn.training import finetune as ft
+
+BACKENDS = ["torch", "triton"]
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(dim=16, hidden_dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, max_seq_len=64)
+    model = LlamaModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def reference_forward(model, tokens, memory_kv=None):
+    """Dense causal forward of ``tokens`` [B, n] after ``memory_kv`` (per layer (k, v) [B, m, Hkv, hd] leaves)."""
+    cfg = model.config
+    B, n = tokens.shape
+    hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    m = 0 if memory_kv is None else memory_kv[0][0].shape[1]
+    cos, sin = rope_tables(hd, m + n)
+    cos, sin = cos[m:].expand(B, n, -1), sin[m:].expand(B, n, -1)
+    x = model.tok_embeddings(tokens)
+    kvs = []
+    for li, layer in enumerate(model.layers):
+        h = layer.attention_norm(x)
+        q = apply_rope(layer.wq(h).view(B, n, Hq, hd), cos, sin)
+        k = apply_rope(layer.wk(h).view(B, n, Hkv, hd), cos, sin)
+        v = layer.wv(h).view(B, n, Hkv, hd)
+        kvs.append((k, v))
+        if memory_kv is not None:
+            k = torch.cat([memory_kv[li][0], k], 1)
+            v = torch.cat([memory_kv[li][1], v], 1)
+        mask = torch.ones(n, m + n, dtype=torch.bool).tril(m)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(Hq // Hkv, 1),
+                                             v.transpose(1, 2).repeat_interleave(Hq // Hkv, 1), attn_mask=mask)
+        x = x + layer.wo(att.transpose(1, 2).reshape(B, n, Hq * hd))
+        x = x + layer.ffn(layer.ffn_norm(x))
+    return model.output(model.norm(x)).float(), kvs
+
+
+# ---- the chunked forward is the model ------------------------------------------------------------------
+def test_full_retention_chunks_equal_one_dense_pass_of_the_real_model(shared_dir):
+    model = LlamaModel.from_llama2c(shared_dir / "models" / "stories260K" / "stories260K.bin")
+    tokens = torch.randint(3, 512, (2, 97), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(page_size=16, num_pages=16)
+    want = model(tokens[:, :-1], cache, [cache.add_sequence(), cache.add_sequence()], backend="torch")
+    memory = ChunkedKVMemory(5, 4, 8, batch=2, seq_len=96, chunk_size=32, page_size=16, capacity=None,
+                             policy=FullRetention())
+    got = []
+    for start in range(0, 96, 32):
+        memory.begin_chunk(32)
+        with torch.no_grad():
+            got.append(chunk_forward(model, tokens[:, start:start + 32], memory, backend="torch"))
+        memory.commit()
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_reach_the_weights_and_the_memory_pages(backend):
+    """Chunk 2 of a row: weight gradients and the memory's page gradients equal dense autograd with memory leaves."""
+    model = tiny_model()
+    tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+    memory = ChunkedKVMemory(2, 2, 4, batch=2, seq_len=16, chunk_size=8, page_size=4, capacity=None,
+                             policy=FullRetention())
+    memory.begin_chunk(8)
+    with torch.no_grad():
+        chunk_forward(model, tokens[:, :8], memory, backend=backend)
+    memory.commit()
+    memory.begin_chunk(8)
+    logits = chunk_forward(model, tokens[:, 8:], memory, backend=backend, track_gradients=True)
+    pools = list(memory._pools)
+    logits.square().mean().backward()
+    got_w = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    with torch.no_grad():
+        _, first = reference_forward(model, tokens[:, :8])
+    leaves = [(k.clone().requires_grad_(), v.clone().requires_grad_()) for k, v in first]
+    want, _ = reference_forward(model, tokens[:, 8:], leaves)
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    want.square().mean().backward()
+    for g, p in zip(got_w, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+    for layer, (k_leaf, v_leaf) in enumerate(leaves):
+        k_pool, v_pool = pools[layer]
+        for b in range(2):
+            pages = memory.phys[layer][b, :2]                                  # logical pages 0, 1 = chunk 1
+            torch.testing.assert_close(k_pool.grad[pages].reshape(8, 2, 4), k_leaf.grad[b], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v_pool.grad[pages].reshape(8, 2, 4), v_leaf.grad[b], atol=1e-5, rtol=1e-4)
+
+
+def test_evicted_pages_get_no_gradient_and_positions_do_not_shift():
+    model = tiny_model()
+    tokens = torch.randint(0, 40, (1, 25), generator=torch.Generator().manual_seed(2))
+    policy = RecencyRetention()
+    memory = ChunkedKVMemory(2, 2, 4, batch=1, seq_len=24, chunk_size=4, page_size=2, capacity=5, policy=policy,
+                             num_sink_pages=1, num_recent_pages=1)
+    for start in range(0, 24, 4):
+        memory.begin_chunk(4)
+        logits = chunk_forward(model, tokens[:, start:start + 4], memory, backend="torch", track_gradients=True)
+        logits.sum().backward()
+        held = memory.held(0)[0]
+        k_pool = memory._pools[0][0]
+        used = set(memory.phys[0][0, held].tolist())
+        for page in range(k_pool.shape[0]):
+            if page not in used:
+                assert torch.equal(k_pool.grad[page], torch.zeros_like(k_pool.grad[page]))
+        memory.commit()
+    # recency: sink page 0, then the newest pages; 12 logical pages of 2 tokens, capacity 5
+    assert memory.held(0)[0].nonzero().squeeze(1).tolist() == [0, 8, 9, 10, 11]
+    # the same tokens through a dense pass that only sees the kept positions: RoPE and causality unchanged
+    assert memory.peak_pages == 5 and memory.evicted == 2 * 7
+
+
+# ---- retention bookkeeping -----------------------------------------------------------------------------
+class ScriptedPolicy(GradientRetention):
+    """Gradient policy whose observations are replaced by fixed page scores."""
+
+    def __init__(self, page_scores):
+        super().__init__(decay=0.0)
+        self.page_scores = page_scores
+
+    def observe(self, layer, norms, held):
+        super().observe(layer, self.page_scores.expand_as(norms) * held, held)
+
+
+def test_gradient_policy_frees_the_lowest_scores_but_never_sinks_or_recent_pages():
+    model = tiny_model()
+    scores = torch.tensor([0.0, 5.0, 1.0, 9.0, 0.5, 7.0, 3.0, 8.0, 2.0, 6.0, 4.0, 1.5])
+    policy = ScriptedPolicy(scores)
+    memory = ChunkedKVMemory(2, 2, 4, batch=2, seq_len=24, chunk_size=4, page_size=2, capacity=6, policy=policy,
+                             num_sink_pages=1, num_recent_pages=2)
+    tokens = torch.randint(0, 40, (2, 25), generator=torch.Generator().manual_seed(3))
+    for start in range(0, 24, 4):
+        memory.begin_chunk(4)
+        held = memory.held(1)
+        assert int(held.sum(1).max()) <= 6
+        assert held[:, 0].all()                                     # the sink
+        newest = math.ceil((start + 4) / 2)
+        assert held[:, newest - 4:newest].all()                     # recent pages + the chunk's pages
+        logits = chunk_forward(model, tokens[:, start:start + 4], memory, backend="torch", track_gradients=True)
+        logits.sum().backward()
+        memory.observe_gradients()
+        memory.commit()
+    kept = memory.held(1)[0].nonzero().squeeze(1).tolist()
+    # the end: sink 0, recent 8, 9, chunk 10, 11, and one more chosen by score among the pages still held
+    assert kept[0] == 0 and kept[-4:] == [8, 9, 10, 11] and len(kept) == 6
+    assert kept[1] in (3, 7)                                        # the highest scores survive
+    # physical pages are reused: never more than capacity * batch in the pool
+    assert memory.k[1].shape[0] == 12
+
+
+def test_gradient_policy_ema():
+    p = GradientRetention(decay=0.5)
+    p.reset(1, 1, 3)
+    held = torch.tensor([[True, True, False]])
+    p.observe(0, torch.tensor([[4.0, 2.0, 9.0]]), held)
+    assert p.ema[0].tolist() == [[4.0, 2.0, 0.0]]                    # first observation: the value itself
+    p.observe(0, torch.tensor([[0.0, 6.0, 1.0]]), torch.tensor([[True, True, True]]))
+    assert p.ema[0].tolist() == [[2.0, 4.0, 1.0]]
+
+
+def test_memory_and_policy_validation():
+    with pytest.raises(ValueError, match="chunk_size: expected a multiple of page_size=4"):
+        ChunkedKVMemory(1, 1, 4, batch=1, seq_len=16, chunk_size=6, page_size=4, capacity=4, policy=FullRetention())
+    with pytest.raises(ValueError, match=r"capacity: expected at least .* = 4 pages, got 3"):
+        ChunkedKVMemory(1, 1, 4, batch=1, seq_len=32, chunk_size=8, page_size=4, capacity=3,
+                        policy=RecencyRetention(), num_sink_pages=1, num_recent_pages=1)
+    with pytest.raises(ValueError, match="retention: expected one of"):
+        make_policy("lru")
+    with pytest.raises(ValueError, match="decay"):
+        GradientRetention(decay=1.0)
+
+
+@pytest.mark.parametrize("name", ["full", "recency", "gradient"])
+def test_run_sequences_trains_and_holds_the_budget(name):
+    model = tiny_model()
+    tokens = torch.randint(0, 40, (2, 33), generator=torch.Generator().manual_seed(4))
+    stats = run_sequences(model, tokens, make_policy(name), chunk_size=8, page_size=4, capacity=5, num_sink_pages=1,
+                          num_recent_pages=1, train=True, backend="torch")
+    assert stats.num_tokens == 64 and math.isfinite(stats.nll)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    page_bytes = 2 * 4 * 2 * 4 * 4                                  # K+V, page_size 4, Hkv 2, hd 4, fp32
+    pages = 8 if name == "full" else 5
+    assert stats.peak_kv_bytes == 2 * 2 * pages * page_bytes           # layers * rows * pages
+    assert (stats.evicted_pages > 0) == (name != "full")
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def test_finetune_command_writes_the_json(shared_dir, tmp_path):
+    model_dir = shared_dir / "models" / "stories260K"
+    data = shared_dir / "data" / "tinystories_valid_excerpt.txt"
+    results = {}
+    for retention in ("full", "recency", "gradient"):
+        out = tmp_path / f"{retention}.json"
+        status = ft.main(["--model", str(model_dir / "stories260K.bin"), "--tokenizer", str(model_dir / "tok512.bin"),
+                          "--data", str(data), "--seq-len", "64", "--chunk-size", "16", "--page-size", "8",
+                          "--retention", retention, "--kv-budget-pages", "5", "--steps", "2", "--batch-size", "2",
+                          "--eval-sequences", "2", "--json", str(out), "--no-progress", "--backend", "torch"])
+        assert status == 0
+        results[retention] = json.loads(out.read_text())
+    for r in results.values():
+        assert {"retention", "peak_kv_bytes", "peak_memory_bytes", "train_loss", "eval_nll"} <= set(r)
+        assert math.isfinite(r["train_loss"]) and math.isfinite(r["eval_nll"])
+    assert results["full"]["peak_kv_bytes"] == 5 * 2 * 8 * (2 * 8 * 4 * 8 * 4)    # layers, rows, pages, page bytes
+    assert results["recency"]["peak_kv_bytes"] == results["gradient"]["peak_kv_bytes"]
+    assert results["gradient"]["peak_kv_bytes"] * 8 == results["full"]["peak_kv_bytes"] * 5
+
+
+def test_finetune_command_errors(shared_dir, tmp_path, capsys):
+    model_dir = shared_dir / "models" / "stories260K"
+    args = ["--model", str(model_dir / "stories260K.bin"), "--tokenizer", str(model_dir / "tok512.bin"),
+            "--data", str(shared_dir / "data" / "tinystories_valid_excerpt.txt"), "--steps", "1",
+            "--json", str(tmp_path / "x.json"), "--retention", "gradient"]
+    assert ft.main(args + ["--chunk-size", "12", "--kv-budget-pages", "8"]) == 2
+    assert "--chunk-size (12) must be a multiple of --page-size (16)" in capsys.readouterr().err
+    assert ft.main(args + ["--chunk-size", "16"]) == 2
+    assert "--kv-budget-pages is required" in capsys.readouterr().err
+
+
+def test_story_splitting():
+    text = "Once upon a time A.\n\nThen B.\n\nOnce there was C.\n\n  \n\nOnce, D."
+    assert ft.split_stories(text) == ["Once upon a time A.\n\nThen B.", "Once there was C.", "Once, D."]
+    assert ft.split_stories("a<|endoftext|> b <|endoftext|>") == ["a", "b"]

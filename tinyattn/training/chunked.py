@@ -1,0 +1,142 @@
+"""Differentiable chunked forward of a :class:`tinyattn.models.LlamaModel` over a :class:`ChunkedKVMemory`.
+
+:func:`chunk_forward` is the model's forward (same weights, same math as ``LlamaModel.forward``) for the
+next chunk of each row, reading earlier chunks' K/V from the memory through
+:func:`tinyattn.sparse_paged_attention` (held pages only) with autograd on. :func:`run_sequences` drives
+a whole batch of sequences chunk by chunk: evict, forward, loss, backward, observe page gradients,
+commit; it is used both for training (weight gradients accumulate over the chunks) and for evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import tinyattn
+from ..models import apply_rope, rope_tables
+from .memory import ChunkedKVMemory
+from .retention import RetentionPolicy
+
+__all__ = ["chunk_forward", "run_sequences", "SequenceStats", "SavedTensorMeter"]
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd saves for backward (unique storages), via ``saved_tensors_hooks``.
+
+    This is the activation memory of a chunk: what a GPU would hold between forward and backward.
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (fake, sparse): not counted
+            pass
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+def chunk_forward(model, tokens: torch.Tensor, memory: ChunkedKVMemory, *, backend: str | None = None,
+                  track_gradients: bool = False, rope=None) -> torch.Tensor:
+    """Logits ``[B, n, V]`` (fp32) of the next ``n`` tokens of each row; ``memory.begin_chunk(n)`` first.
+
+    Each layer writes the chunk's K/V (after RoPE at absolute positions) into an out-of-place copy of its
+    pool and attends over the held pages (the chunk's own pages included, causal bottom-right).
+    """
+    cfg = model.config
+    B, n = tokens.shape
+    hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    cos_t, sin_t = rope if rope is not None else rope_tables(hd, memory.seq_len, cfg.rope_theta)
+    pos = torch.arange(memory.length, memory.length + n, device=tokens.device)
+    cos, sin = cos_t[pos].expand(B, n, -1), sin_t[pos].expand(B, n, -1)
+    seq_lens = memory.seq_lens()
+    x = model.tok_embeddings(tokens)
+    with tinyattn.value_checks(False):                  # tables built by ChunkedKVMemory
+        for li, layer in enumerate(model.layers):
+            h = layer.attention_norm(x)
+            q = apply_rope(layer.wq(h).view(B, n, Hq, hd), cos, sin)
+            k = apply_rope(layer.wk(h).view(B, n, Hkv, hd), cos, sin)
+            v = layer.wv(h).view(B, n, Hkv, hd)
+            k_pool, v_pool = memory.write(li, k, v, track_gradients=track_gradients)
+            attn = tinyattn.sparse_paged_attention(q, k_pool, v_pool, memory.block_table(li), seq_lens,
+                                                   page_indices=memory.page_indices(li, Hkv), backend=backend)
+            x = x + layer.wo(attn.reshape(B, n, Hq * hd))
+            x = x + layer.ffn(layer.ffn_norm(x))
+    return model.output(model.norm(x)).float()
+
+
+@dataclass
+class SequenceStats:
+    """What one batch of sequences cost and scored."""
+
+    nll_sum: float = 0.0            # nats, summed over target tokens
+    num_tokens: int = 0
+    peak_kv_bytes: int = 0          # K/V held by the memory at its fullest
+    pool_bytes: int = 0             # K/V pools as allocated
+    peak_chunk_bytes: int = 0       # max over chunks: saved activations + pool-shaped gradients
+    evicted_pages: int = 0
+
+    @property
+    def nll(self) -> float:
+        return self.nll_sum / max(self.num_tokens, 1)
+
+
+def run_sequences(model, tokens: torch.Tensor, policy: RetentionPolicy, *, chunk_size: int, page_size: int,
+                  capacity: int | None, num_sink_pages: int = 1, num_recent_pages: int | None = None,
+                  train: bool, backend: str | None = None) -> SequenceStats:
+    """Run ``tokens`` ``[B, L + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) chunk by chunk.
+
+    ``train``: each chunk's mean loss, divided by the number of chunks, is back-propagated (weight gradients
+    accumulate; the caller steps the optimizer). Otherwise only the gradient policy runs a backward (its
+    page scores need the pages' gradients; no weight gradient is computed), and the others run under
+    ``torch.no_grad()``.
+    """
+    cfg = model.config
+    B, L1 = tokens.shape
+    L = L1 - 1
+    memory = ChunkedKVMemory(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, batch=B, seq_len=L, chunk_size=chunk_size,
+                             page_size=page_size, capacity=capacity, policy=policy, num_sink_pages=num_sink_pages,
+                             num_recent_pages=num_recent_pages, dtype=model.tok_embeddings.weight.dtype,
+                             device=tokens.device)
+    rope = rope_tables(cfg.head_dim, L, cfg.rope_theta)
+    rope = (rope[0].to(tokens.device), rope[1].to(tokens.device))
+    track = policy.needs_gradients
+    backward = train or track
+    stats = SequenceStats()
+    num_chunks = math.ceil(L / chunk_size)
+    for start in range(0, L, chunk_size):
+        n = min(chunk_size, L - start)
+        memory.begin_chunk(n)
+        meter = SavedTensorMeter()
+        with meter.hooks(), (nullcontext() if backward else torch.no_grad()):
+            logits = chunk_forward(model, tokens[:, start:start + n], memory, backend=backend,
+                                   track_gradients=track, rope=rope)
+            loss = F.cross_entropy(logits.reshape(B * n, -1), tokens[:, start + 1:start + n + 1].reshape(-1))
+        grad_bytes = 0
+        if backward:
+            (loss / num_chunks if train else loss).backward()
+            if track:
+                grad_bytes = sum(p.grad.numel() * p.grad.element_size()
+                                 for pools in memory._pools if pools is not None for p in pools if p.grad is not None)
+                memory.observe_gradients()
+        memory.commit()
+        stats.nll_sum += float(loss.detach()) * B * n
+        stats.num_tokens += B * n
+        stats.peak_chunk_bytes = max(stats.peak_chunk_bytes, meter.bytes + grad_bytes)
+    stats.peak_kv_bytes = memory.peak_kv_bytes
+    stats.pool_bytes = memory.pool_bytes
+    stats.evicted_pages = memory.evicted
+    return stats
