@@ -307,3 +307,12 @@ def test_7_duplicates_and_pages_past_the_end_are_ignored(backend):
     got = tinyattn.sparse_paged_attention(*args, page_indices=messy, backend=backend)
     want = reference.sparse_paged_attention(*args, page_indices=clean)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_5_triton_backend_rejects_a_page_size_that_is_not_a_power_of_two():
+    p = make_problem(55, batch=2, seq_lens=[5, 11], page_size=6, num_kv_heads=1, group=2, head_dim=8)
+    with pytest.raises(ValueError, match="page_size: expected a power of two for the Triton backend.*got 6"):
+        tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="triton")
+    # the torch backend takes any page size
+    got = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
+    torch.testing.assert_close(got, reference.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))

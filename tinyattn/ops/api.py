@@ -100,9 +100,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
-    page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq, shapes.page_size)
     if backend == "triton":
-        page_indices = None                      # the kernel walks every valid page itself
+        V.check_kernel_page_size(shapes.page_size)
+    page_indices = None                          # the Triton kernel walks every valid page itself
+    if backend == "torch" or q.dtype == torch.float64:
+        page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq,
+                                            shapes.page_size)
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend)
 
 
@@ -125,8 +128,11 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
     V.check_tables(block_table, seq_lens, None, k_cache.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    backend = resolve_backend(backend, k_cache.device)
+    if backend == "triton":
+        V.check_kernel_page_size(page_size)
     with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
-        if resolve_backend(backend, k_cache.device) == "torch" or k_cache.dtype == torch.float64:
+        if backend == "torch" or k_cache.dtype == torch.float64:
             T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
         else:
             _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
@@ -156,10 +162,18 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
     V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
     V.check_tables(block_table, seq_lens, q4.shape[0], q.device)
     V.check_table_values(block_table, seq_lens, page_size, num_pages)
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        V.check_kernel_page_size(page_size)
+    return _page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
+
+
+def _page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend):
+    """page_scores on validated inputs (sparse_paged_attention calls it without validating twice)."""
     with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
-        if resolve_backend(backend, q.device) == "torch" or q.dtype == torch.float64:
+        if backend == "torch" or q4.dtype == torch.float64:
             return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
-        out = torch.empty(q4.shape[0], Hkv, block_table.shape[1], dtype=torch.float32, device=q.device)
+        out = torch.empty(q4.shape[0], k_min.shape[1], block_table.shape[1], dtype=torch.float32, device=q4.device)
         _kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size, out=out)
         return out
 
@@ -199,10 +213,15 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
     V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
     options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                    num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
-    with span("topk", scores=scores, seq_lens=seq_lens, page_budget=page_budget):
-        if resolve_backend(backend, scores.device) == "torch":
+    return _select_pages(scores, seq_lens, options, resolve_backend(backend, scores.device))
+
+
+def _select_pages(scores, seq_lens, options, backend):
+    """select_pages on validated inputs; ``options`` holds its keyword arguments."""
+    with span("topk", scores=scores, seq_lens=seq_lens, page_budget=options["page_budget"]):
+        if backend == "torch":
             return T.select_pages(scores, seq_lens, **options)
-        out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
+        out = torch.empty(*scores.shape[:2], options["page_budget"], dtype=torch.int32, device=scores.device)
         _kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
         return out
 
@@ -237,6 +256,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        V.check_kernel_page_size(shapes.page_size)
     if page_indices is None:
         if k_min is None or k_max is None or page_budget is None:
             missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
@@ -244,12 +265,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
                              f"got page_indices=None and no {', '.join(missing)}")
         V.check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
                             q.device)
-        # selection has no gradient: score a detached q
-        scores = page_scores(q.detach(), k_min, k_max, block_table, seq_lens, page_size=shapes.page_size,
-                             backend=backend)
-        page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
-                                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                                    num_query_tokens=shapes.num_query_tokens, backend=backend)
+        options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
+                           V.check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
+        V.check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
+        # inputs are validated once above; selection has no gradient, so it scores a detached q
+        scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
+        page_indices = _select_pages(scores, seq_lens, dict(options, page_size=shapes.page_size,
+                                                            num_query_tokens=shapes.num_query_tokens), backend)
     else:
         V.check_page_indices(page_indices, shapes, q.device)
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)

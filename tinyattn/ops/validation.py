@@ -219,3 +219,10 @@ def check_scale(scale, head_dim: int) -> float:
     if not (scale == scale and abs(scale) != float("inf")):
         raise ValueError(f"scale: expected a finite float, got {scale}")
     return scale
+
+
+def check_kernel_page_size(page_size: int) -> None:
+    """The Triton kernels tile pages with ``tl.arange(0, page_size)``: a power of two (vLLM uses 8/16/32)."""
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size: expected a power of two for the Triton backend (or backend='torch'), "
+                         f"got {page_size}")
