@@ -9,7 +9,8 @@ position, so the cache's page bounding boxes are the ones Quest scores.
 
 - Prefill is dense: :func:`tinyattn.paged_attention` with ``Tq`` = number of new tokens
   (bottom-right causal).
-- Decode uses :func:`tinyattn.sparse_paged_attention` (``k_min``/``k_max`` + ``page_budget``) in every
+- Decode uses :func:`tinyattn.sparse_paged_attention` (pages chosen by a :mod:`tinyattn.selection` policy,
+  Quest by default: ``k_min``/``k_max`` + ``page_budget``) in every
   layer from ``dense_layers`` on; the first ``dense_layers`` layers (Quest keeps 2) and every layer
   when ``page_budget is None`` use dense :func:`tinyattn.paged_attention`.
 
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tinyattn import selection
 
 __all__ = [
     "LlamaConfig",
@@ -79,14 +82,21 @@ class SparsityConfig:
         num_sink_pages: leading pages always kept.
         num_recent_pages: trailing pages always kept (the page being written is always kept).
         dense_layers: number of leading layers that stay dense (Quest keeps 2).
+        policy: how pages are chosen: a name of :data:`tinyattn.selection.POLICIES` (``"quest"``, the
+            default, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a
+            :class:`tinyattn.selection.SelectionPolicy` instance; stored as an instance.
     """
 
     page_budget: int | None = None
     num_sink_pages: int = 0
     num_recent_pages: int = 1
     dense_layers: int = 0
+    policy: object = "quest"
 
     def __post_init__(self):
+        from tinyattn.selection import get_policy
+
+        object.__setattr__(self, "policy", get_policy(self.policy))
         if self.page_budget is not None and (not isinstance(self.page_budget, int) or self.page_budget < 1):
             raise ValueError(f"page_budget must be None or an int >= 1, got {self.page_budget!r}")
         for name in ("num_sink_pages", "num_recent_pages", "dense_layers"):
@@ -219,7 +229,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache, seq_ids: list[int], *, sparse: bool = False,
                 sparsity: SparsityConfig | None = None, backend: str | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, selection_metrics=None) -> torch.Tensor:
         """Append ``tokens`` ``[B, T]`` to sequences ``seq_ids`` of ``cache``; return logits.
 
         Args:
@@ -231,6 +241,12 @@ class LlamaModel(nn.Module):
             sparsity: page budget and friends; ``None`` or ``page_budget=None`` = dense.
             backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
             last_only: return only the last position's logits ``[B, V]`` instead of ``[B, T, V]``.
+            selection_metrics: a :class:`tinyattn.selection.SelectionMetrics` that sparse layers add their
+                hit rate / captured mass against the oracle to (a dense pass per sparse layer); ``None`` = off.
+
+        Sparse layers select pages with ``sparsity.policy`` (:mod:`tinyattn.selection`); Quest without
+        metrics takes the op's fused path (``k_min``/``k_max`` + ``page_budget``). A stateful policy (H2O)
+        also observes the dense attention of a prefill (``sparse=False``) in the layers it will select in.
 
         Each new token is rotated at its absolute position (the sequence length before this call
         plus its offset), and attends to every earlier token of its row and to itself.
@@ -268,21 +284,37 @@ class LlamaModel(nn.Module):
             k = apply_rope(k, cos, sin)
             cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
             qa = q[:, 0] if T == 1 else q  # [B, Hq, D] decode, [B, T, Hq, D] otherwise
-            if sparse and sparsity.layer_is_sparse(li):
+            policy = sparsity.policy
+            if sparse and sparsity.layer_is_sparse(li) and policy.fused and selection_metrics is None:
                 attn = tinyattn.sparse_paged_attention(
                     qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
                     k_min=cache.k_min[li], k_max=cache.k_max[li], page_budget=sparsity.page_budget,
                     num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
                     backend=backend,
                 )
+            elif sparse and sparsity.layer_is_sparse(li):
+                attn = selection.attend(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
+                                                                        seq_ids, sparsity, backend),
+                                        selection_metrics)
             else:
                 attn = tinyattn.paged_attention(qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
                                                 backend=backend)
+                if policy.stateful and sparsity.layer_is_sparse(li):
+                    selection.observe_prefill(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
+                                                                              seq_ids, sparsity, backend))
             x = x + layer.wo(attn.reshape(B, T, Hq * hd))
             x = x + layer.ffn(layer.ffn_norm(x))
         if last_only:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
+
+    @staticmethod
+    def _selection_context(li, q, cache, block_table, seq_lens, seq_ids, sparsity, backend):
+        return selection.SelectionContext(
+            layer=li, q=q, k_cache=cache.k_cache[li], v_cache=cache.v_cache[li], k_min=cache.k_min[li],
+            k_max=cache.k_max[li], block_table=block_table, seq_lens=seq_lens, page_budget=sparsity.page_budget,
+            num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
+            seq_ids=list(seq_ids), backend=backend)
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -308,6 +340,7 @@ class GenerationStats:
     kv_cache_bytes: int = 0
     pages_used: int = 0
     page_size: int = 0
+    selection: object = None  # a tinyattn.selection.SelectionMetrics when the runtime tracks selection quality
 
     @property
     def tokens_per_s(self) -> float:
@@ -355,7 +388,8 @@ class GenerationStats:
             f"sparse includes page min/max)",
             f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {self.pages_used} pages of "
             f"{self.page_size} tokens in use at the end",
-        ])
+        ] + ([f"selection:          {self.selection.format()} (sparse layers, steps that selected)"]
+             if self.selection is not None and self.selection.samples else []))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -386,6 +420,10 @@ class LlamaRuntime:
         num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence.
         dense_layers: leading layers that stay dense during decode (Quest keeps 2).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+        policy: page-selection policy, a name (``"quest"``, the default, ``"meanstd"``, ``"oracle"``,
+            ``"streaming"``, ``"h2o"``, ``"random"``) or a :class:`tinyattn.selection.SelectionPolicy`.
+        selection_metrics: measure each sparse step against the oracle selection (hit rate, captured
+            attention mass; in ``GenerationStats.selection``); costs a dense attention pass per sparse layer.
 
     Example::
 
@@ -397,7 +435,7 @@ class LlamaRuntime:
 
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
-                 backend: str | None = None):
+                 backend: str | None = None, policy="quest", selection_metrics: bool = False):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
@@ -405,7 +443,9 @@ class LlamaRuntime:
         self.model = model
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
-                                       num_recent_pages=num_recent_pages, dense_layers=dense_layers)
+                                       num_recent_pages=num_recent_pages, dense_layers=dense_layers,
+                                       policy=policy)
+        self.selection_metrics = bool(selection_metrics)
         if dense_layers > model.config.n_layers:
             raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
         self.backend = backend
@@ -414,7 +454,7 @@ class LlamaRuntime:
         s = self.sparsity
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
-                f"dense_layers={s.dense_layers}, backend={self.backend!r})")
+                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r})")
 
     # -------------------------------------------------------------- building blocks
     def new_cache(self, max_tokens: list[int]):
@@ -425,15 +465,21 @@ class LlamaRuntime:
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(1, -1)
-        logits = self.model(t, cache, [seq_id], sparse=False, backend=self.backend, last_only=last_only)
+        logits = self.model(t, cache, [seq_id], sparse=False, sparsity=self.sparsity, backend=self.backend,
+                            last_only=last_only)  # dense; a stateful policy (h2o) observes it
         return logits[0]
 
     def decode(self, cache, seq_ids: list[int], tokens: list[int] | torch.Tensor,
-               stats: GenerationStats | None = None) -> torch.Tensor:
-        """One decode step: append ``tokens[b]`` to ``seq_ids[b]``; logits ``[B, V]`` (sparse per config)."""
+               stats: GenerationStats | None = None, selection_metrics=None) -> torch.Tensor:
+        """One decode step: append ``tokens[b]`` to ``seq_ids[b]``; logits ``[B, V]`` (sparse per config).
+
+        ``selection_metrics`` (a :class:`tinyattn.selection.SelectionMetrics`, default ``stats.selection``)
+        accumulates the step's hit rate and captured mass against the oracle."""
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(-1, 1)
+        if selection_metrics is None and stats is not None:
+            selection_metrics = stats.selection
         logits = self.model(t, cache, seq_ids, sparse=True, sparsity=self.sparsity, backend=self.backend,
-                            last_only=True)
+                            last_only=True, selection_metrics=selection_metrics)
         if stats is not None:
             self._count_reads(stats, cache.seq_lens(seq_ids))
         return logits
@@ -491,6 +537,9 @@ class LlamaRuntime:
 
         stats = GenerationStats(num_sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts),
                                 page_size=self.page_size)
+        if self.selection_metrics and not self.sparsity.is_dense:
+            stats.selection = selection.SelectionMetrics()
+        self.sparsity.policy.reset()  # per-sequence state is keyed by the ids of the new cache
         cache = self.new_cache([len(p) + max_new_tokens for p in prompts])
         stats.kv_cache_bytes = _cache_bytes(cache)
         seq_ids = [cache.add_sequence() for _ in prompts]

@@ -1,0 +1,571 @@
+"""Page-selection policies for sparse decode: Quest and the baselines it is compared with.
+
+A :class:`SelectionPolicy` picks, at each decode step and for each sparse layer, the logical pages every
+(row, KV head) attends to. The model runtime (:class:`tinyattn.models.LlamaRuntime`, option ``policy=``)
+builds a :class:`SelectionContext` per layer, calls :meth:`SelectionPolicy.select`, and passes the result to
+:func:`tinyattn.sparse_paged_attention` as ``page_indices``. Stateful policies (H2O) also get
+:meth:`SelectionPolicy.observe` with the attention mass each attended page received.
+
+Policies (names for :func:`get_policy`, ``LlamaRuntime(policy=...)`` and ``--policy`` / ``--policies``):
+
+============  ===================================================================================================
+``quest``     query-aware bounding box (Quest §3.2, TinyServe eq. 2): ``page_scores`` + ``select_pages``; the
+              default, and exactly the fused ``sparse_paged_attention(k_min=, k_max=, page_budget=)`` path
+``meanstd``   the bounding box rebuilt from a per-page mean ``mu`` and spread ``sigma`` of the keys instead of
+              min/max: ``score = max over the group of  q·mu + alpha · |q|·sigma``  (a box of centre ``mu``
+              and half-width ``alpha·sigma``; ``alpha = 1`` by default), less sensitive to one outlier key
+``oracle``    the pages holding the most true attention mass (dense softmax of the layer, summed over the
+              group's query heads): an upper bound of what any selection can do; costs a dense pass
+``streaming`` StreamingLLM: the first page (attention sink) and the most recent pages
+``h2o``       H2O heavy hitters: pages with the largest attention accumulated over the steps they were
+              attended (a running score), kept with the recent pages; a page dropped once is evicted for good
+``random``    the forced pages, then pages drawn uniformly at random (seeded)
+============  ===================================================================================================
+
+Every policy keeps the same forced pages as :func:`tinyattn.select_pages` (the last
+``max(num_recent_pages, 1)`` pages, then the first ``num_sink_pages``), returns ``[B, Hkv, page_budget]``
+int32 logical pages, ascending, ``-1`` padded, without duplicates, never past a row's end, and every
+valid page when the row has at most ``page_budget`` pages.
+
+:class:`SelectionMetrics` measures a selection against the oracle: **hit rate** (the share of the oracle's
+pages the policy also picked) and **captured mass** (the share of the true attention mass that falls on
+the selected pages), averaged over the (row, KV head) pairs of every sparse layer and step where the row
+held more pages than the budget (before that every policy reads every page and both are 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops import api as _api
+
+__all__ = [
+    "SelectionContext",
+    "SelectionPolicy",
+    "QuestPolicy",
+    "MeanStdPolicy",
+    "OraclePolicy",
+    "StreamingPolicy",
+    "H2OPolicy",
+    "RandomPolicy",
+    "SelectionMetrics",
+    "POLICIES",
+    "get_policy",
+    "page_attention_mass",
+    "page_mean_std",
+    "attend",
+    "observe_prefill",
+]
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
+
+
+def _as_q4(q: torch.Tensor) -> torch.Tensor:
+    return q.unsqueeze(1) if q.dim() == 3 else q
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        *, page_indices: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention probability mass each page receives, summed over the GQA group and the ``Tq`` queries.
+
+    The softmax runs over the keys of ``page_indices`` (the attention a sparse step really computed) or,
+    when ``page_indices`` is ``None``, over every valid key of the row (the true attention). Causal with
+    bottom-right alignment for ``Tq > 1``, as the ops.
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_cache: ``[num_pages, page_size, Hkv, D]``.
+        block_table, seq_lens: as :func:`tinyattn.paged_attention`.
+        page_indices: ``[B, Hkv, K]`` logical pages (``-1`` / past-the-end entries get mass 0), or ``None``.
+        scale: softmax scale (default ``D ** -0.5``).
+
+    Returns:
+        fp32 (fp64 for fp64 inputs) ``[B, Hkv, K]`` aligned with ``page_indices``, or ``[B, Hkv, max_pages]``
+        over the logical pages when ``page_indices`` is ``None``. Each (row, KV head) sums to the number of
+        queries ``Tq * G`` that see at least one key.
+    """
+    q4 = _as_q4(q)
+    B, Tq, Hq, D = q4.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    dt = _math_dtype(q4)
+    device = q4.device
+    lens = seq_lens.to(device=device, dtype=torch.int64)
+    n = _valid_pages(lens, S)
+    if page_indices is None:
+        P = block_table.shape[1]
+        sel = torch.arange(P, device=device).expand(B, Hkv, P)
+    else:
+        sel = page_indices.to(device=device, dtype=torch.int64)
+    K = sel.shape[2]
+    ok = (sel >= 0) & (sel < n[:, None, None])                                        # [B, Hkv, K]
+    bt = block_table.to(device=device, dtype=torch.int64)
+    phys = torch.gather(bt, 1, sel.clamp(min=0, max=bt.shape[1] - 1).reshape(B, -1)).reshape(B, Hkv, K)
+    phys = torch.where(ok, phys, 0).clamp(min=0)
+    heads = torch.arange(Hkv, device=device)[None, :, None]
+    keys = k_cache.permute(0, 2, 1, 3)[phys, heads].to(dt)                            # [B, Hkv, K, S, D]
+    pos = sel[..., None] * S + torch.arange(S, device=device)                         # [B, Hkv, K, S]
+    key_ok = ok[..., None] & (pos < lens[:, None, None, None])
+    q_pos = lens[:, None] - Tq + torch.arange(Tq, device=device)                      # [B, Tq]
+    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])  # [B, Hkv, Tq, K, S]
+    qg = q4.to(dt).view(B, Tq, Hkv, G, D).permute(0, 2, 1, 3, 4)                      # [B, Hkv, Tq, G, D]
+    logits = torch.einsum("bhtgd,bhksd->bhtgks", qg, keys) * scale
+    logits = logits.masked_fill(~visible[:, :, :, None], NEG_INF).flatten(-2)        # [B, Hkv, Tq, G, K*S]
+    m = logits.amax(-1, keepdim=True)
+    p = torch.exp(logits - torch.where(torch.isfinite(m), m, 0.0))
+    p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
+    return p.view(B, Hkv, Tq, G, K, S).sum((-1, 2, 3))                                # [B, Hkv, K]
+
+
+def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page mean and standard deviation (population, over the valid tokens) of the keys.
+
+    Returns two ``[B, max_pages, Hkv, D]`` tensors (fp32, fp64 for fp64 caches) over the logical pages of
+    each row; pages past the row's end hold zeros. A serving system would keep these as running sums
+    next to ``k_min``/``k_max``; here they are recomputed from the cache (an evaluation-only cost).
+    """
+    B, P = block_table.shape
+    S = k_cache.shape[1]
+    dt = _math_dtype(k_cache)
+    device = k_cache.device
+    lens = seq_lens.to(device=device, dtype=torch.int64)
+    j = torch.arange(P, device=device)
+    page_ok = j[None, :] < _valid_pages(lens, S)[:, None]                             # [B, P]
+    phys = torch.where(page_ok, block_table.to(device=device, dtype=torch.int64), 0).clamp(min=0)
+    keys = k_cache[phys].to(dt)                                                       # [B, P, S, Hkv, D]
+    count = (lens[:, None] - j[None, :] * S).clamp(min=0, max=S)                      # [B, P]
+    slot_ok = (torch.arange(S, device=device)[None, None, :] < count[..., None])[..., None, None]
+    keys = torch.where(slot_ok, keys, 0.0)
+    denom = count.clamp(min=1).to(dt)[:, :, None, None]
+    mean = keys.sum(2) / denom
+    var = (torch.where(slot_ok, keys - mean[:, :, None], 0.0) ** 2).sum(2) / denom
+    return mean, var.sqrt()
+
+
+# ---------------------------------------------------------------------------------------------- context
+@dataclass
+class SelectionContext:
+    """What a policy sees at one sparse layer of one step (tensors as the ops take them).
+
+    Attributes:
+        layer: the layer index. q: ``[B, Hq, D]`` (decode) or ``[B, Tq, Hq, D]``.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` of this layer. k_min, k_max: ``[num_pages, Hkv, D]``.
+        block_table: ``[B, max_pages]``. seq_lens: ``[B]`` including the query tokens.
+        page_budget, num_sink_pages, num_recent_pages: the forced-page rules of :func:`tinyattn.select_pages`.
+        seq_ids: the rows' sequence ids in the cache (state key of stateful policies); ``None`` = ``0..B-1``.
+        scale: softmax scale (``None`` = ``D ** -0.5``). backend: as the ops.
+    """
+
+    layer: int
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor | None
+    k_min: torch.Tensor | None
+    k_max: torch.Tensor | None
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_budget: int
+    num_sink_pages: int = 0
+    num_recent_pages: int = 1
+    seq_ids: list[int] | None = None
+    scale: float | None = None
+    backend: str | None = None
+    _mass: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def q4(self) -> torch.Tensor:
+        return _as_q4(self.q)
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.q4.shape[1]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_table.shape[1]
+
+    def valid_pages(self) -> torch.Tensor:
+        """``[B]`` int64: pages holding at least one valid token."""
+        return _valid_pages(self.seq_lens, self.page_size)
+
+    def rows(self) -> torch.Tensor:
+        """``[B]`` int64 state keys: ``seq_ids`` or ``0..B-1``."""
+        ids = self.seq_ids if self.seq_ids is not None else range(self.block_table.shape[0])
+        return torch.as_tensor(list(ids), dtype=torch.int64, device=self.q.device)
+
+    def true_page_mass(self) -> torch.Tensor:
+        """``[B, Hkv, max_pages]`` share of the dense attention on each page, averaged over the group's
+        query heads and the queries (each (row, KV head) sums to 1, or 0 for an empty row). Cached."""
+        if self._mass is None:
+            q4 = self.q4
+            mass = page_attention_mass(q4, self.k_cache, self.block_table, self.seq_lens, scale=self.scale)
+            self._mass = (mass / (q4.shape[1] * (q4.shape[2] // self.num_kv_heads))).float()
+        return self._mass
+
+    def select_top(self, scores: torch.Tensor, *, num_sink_pages: int | None = None,
+                   num_recent_pages: int | None = None) -> torch.Tensor:
+        """:func:`tinyattn.select_pages` of ``scores`` ``[B, Hkv, max_pages]`` under this step's rules (or
+        the given numbers of sink / recent pages)."""
+        return _api.select_pages(scores.float().contiguous(), self.seq_lens, page_size=self.page_size,
+                                 page_budget=self.page_budget,
+                                 num_sink_pages=self.num_sink_pages if num_sink_pages is None else num_sink_pages,
+                                 num_recent_pages=self.num_recent_pages if num_recent_pages is None
+                                 else num_recent_pages,
+                                 num_query_tokens=self.num_query_tokens, backend=self.backend)
+
+
+# ---------------------------------------------------------------------------------------------- policies
+class SelectionPolicy:
+    """Base class of page-selection policies.
+
+    Subclasses implement :meth:`select`. Stateful ones set ``stateful = True`` and implement
+    :meth:`observe` (called after the attention of every sparse layer, and after the dense prefill, with the
+    mass each attended page received) and :meth:`reset`. State is keyed by ``(layer, seq_id)`` of the cache;
+    call :meth:`reset` when starting over with a new cache (``LlamaRuntime.generate`` does).
+    """
+
+    name: str = "policy"
+    stateful: bool = False
+    fused: bool = False  # True only for quest: the runtime may use the op's own k_min/k_max selection
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        """``[B, Hkv, page_budget]`` int32 logical pages, ascending, ``-1`` padded."""
+        raise NotImplementedError
+
+    def observe(self, ctx: SelectionContext, page_indices: torch.Tensor, page_mass: torch.Tensor) -> None:
+        """``page_mass`` ``[B, Hkv, K]``: attention mass on each of ``page_indices``' pages, summed over the
+        group's query heads and the queries (:func:`page_attention_mass`). No-op by default."""
+
+    def reset(self, seq_ids: list[int] | None = None) -> None:
+        """Forget the state of ``seq_ids`` (all sequences when ``None``). No-op by default."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class QuestPolicy(SelectionPolicy):
+    """Quest / TinyServe: upper bound of ``q·k`` over each page's min/max box, then top-k."""
+
+    name = "quest"
+    fused = True
+
+    def select(self, ctx):
+        scores = _api.page_scores(ctx.q, ctx.k_min, ctx.k_max, ctx.block_table, ctx.seq_lens,
+                                  page_size=ctx.page_size, backend=ctx.backend)
+        return ctx.select_top(scores)
+
+
+class MeanStdPolicy(SelectionPolicy):
+    """Box of centre ``mu`` and half-width ``alpha * sigma`` per channel (per-page key mean / spread).
+
+    ``score(q, j) = max over the group's queries of  Σ_i q_i·mu_ji + alpha·|q_i|·sigma_ji``: the Quest bound
+    with the box ``[mu - alpha·sigma, mu + alpha·sigma]`` in place of ``[k_min, k_max]``. An estimate of the
+    page's largest logit (not a bound), that one outlier key cannot blow up.
+    """
+
+    name = "meanstd"
+
+    def __init__(self, alpha: float = 1.0):
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        self.alpha = float(alpha)
+
+    def __repr__(self) -> str:
+        return f"MeanStdPolicy(alpha={self.alpha})"
+
+    def select(self, ctx):
+        return ctx.select_top(self.scores(ctx))
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        """fp32 ``[B, Hkv, max_pages]`` page scores, ``-inf`` past each row's end."""
+        mean, std = page_mean_std(ctx.k_cache, ctx.block_table, ctx.seq_lens)      # [B, P, Hkv, D]
+        q4 = ctx.q4
+        B, Tq, Hq, D = q4.shape
+        Hkv = ctx.num_kv_heads
+        qg = q4.to(mean.dtype).view(B, Tq, Hkv, Hq // Hkv, D)
+        score = (torch.einsum("bthgd,bphd->bhtgp", qg, mean)
+                 + self.alpha * torch.einsum("bthgd,bphd->bhtgp", qg.abs(), std)).amax((2, 3))  # [B, Hkv, P]
+        j = torch.arange(ctx.max_pages, device=score.device)
+        valid = j[None, :] < ctx.valid_pages()[:, None]
+        return score.float().masked_fill(~valid[:, None, :], NEG_INF)
+
+
+class OraclePolicy(SelectionPolicy):
+    """The pages holding the most true attention mass (a dense pass per step): the best any selection can do
+    for the attention output's mass, under the same forced pages."""
+
+    name = "oracle"
+
+    def select(self, ctx):
+        return ctx.select_top(ctx.true_page_mass())
+
+
+class StreamingPolicy(SelectionPolicy):
+    """StreamingLLM (Xiao et al., ICLR 2024): attention-sink pages + a window of the most recent pages.
+
+    Args:
+        num_sink_pages: leading pages kept (StreamingLLM keeps 4 sink tokens: one page); the runtime's
+            ``num_sink_pages`` wins when larger.
+    """
+
+    name = "streaming"
+
+    def __init__(self, num_sink_pages: int = 1):
+        if not isinstance(num_sink_pages, int) or num_sink_pages < 0:
+            raise ValueError(f"num_sink_pages must be an int >= 0, got {num_sink_pages!r}")
+        self.num_sink_pages = num_sink_pages
+
+    def __repr__(self) -> str:
+        return f"StreamingPolicy(num_sink_pages={self.num_sink_pages})"
+
+    def select(self, ctx):
+        B, Hkv, P = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
+        recency = torch.arange(P, device=ctx.q.device, dtype=torch.float32).expand(B, Hkv, P)
+        sinks = max(ctx.num_sink_pages, self.num_sink_pages)
+        if ctx.num_recent_pages + sinks > ctx.page_budget:  # the budget cannot hold a sink: keep the newest
+            sinks = max(ctx.page_budget - max(ctx.num_recent_pages, 1), 0)
+        return ctx.select_top(recency, num_sink_pages=sinks)
+
+
+class H2OPolicy(SelectionPolicy):
+    """H2O (Zhang et al., NeurIPS 2023) on pages: heavy hitters by accumulated attention, plus recent pages.
+
+    Each (layer, sequence, KV head, page) keeps a running score: the attention mass the page received at
+    every step it was attended (prefill included), summed over the group's query heads. A step keeps the
+    recent pages, the sinks, and then the pages of highest score among those not yet evicted; a valid page
+    left out of a step's selection is evicted for good, as when H2O drops it from its KV cache.
+
+    Args:
+        recent_ratio: share of the budget given to the recent window (H2O splits its cache evenly between
+            recent tokens and heavy hitters: 0.5); at least the runtime's ``num_recent_pages``. With a
+            one-page window an accumulated score always favours old pages (they have been attended for
+            more steps), so a page leaving the window would be evicted at once.
+    """
+
+    name = "h2o"
+    stateful = True
+
+    def __init__(self, recent_ratio: float = 0.5):
+        if not 0 <= recent_ratio <= 1:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio!r}")
+        self.recent_ratio = float(recent_ratio)
+        self._score: dict[int, torch.Tensor] = {}    # layer -> [num_seq_slots, Hkv, pages] fp32
+        self._evicted: dict[int, torch.Tensor] = {}  # layer -> [num_seq_slots, Hkv, pages] bool
+
+    def __repr__(self) -> str:
+        return f"H2OPolicy(recent_ratio={self.recent_ratio})"
+
+    def reset(self, seq_ids=None):
+        if seq_ids is None:
+            self._score.clear()
+            self._evicted.clear()
+            return
+        for layer in self._score:
+            ids = [i for i in seq_ids if i < self._score[layer].shape[0]]
+            self._score[layer][ids] = 0.0
+            self._evicted[layer][ids] = False
+
+    def _state(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = ctx.rows()
+        need_rows = int(rows.max()) + 1 if rows.numel() else 1
+        need_pages = ctx.max_pages
+        score = self._score.get(ctx.layer)
+        if score is None or score.shape[0] < need_rows or score.shape[2] < need_pages or score.device != rows.device:
+            n_rows, n_pages = need_rows, need_pages
+            if score is not None:
+                n_rows, n_pages = max(n_rows, score.shape[0]), max(n_pages, score.shape[2])
+            new_s = torch.zeros(n_rows, ctx.num_kv_heads, n_pages, device=rows.device)
+            new_e = torch.zeros(n_rows, ctx.num_kv_heads, n_pages, dtype=torch.bool, device=rows.device)
+            if score is not None:
+                r, _, p = score.shape
+                new_s[:r, :, :p] = score.to(rows.device)
+                new_e[:r, :, :p] = self._evicted[ctx.layer].to(rows.device)
+            self._score[ctx.layer], self._evicted[ctx.layer] = new_s, new_e
+        return rows, self._score[ctx.layer], self._evicted[ctx.layer]
+
+    def select(self, ctx):
+        rows, score, evicted = self._state(ctx)
+        P = ctx.max_pages
+        s = score[rows, :, :P]
+        s = s.masked_fill(evicted[rows, :, :P], NEG_INF)
+        recent = max(ctx.num_recent_pages, int(ctx.page_budget * self.recent_ratio))
+        recent = min(recent, max(ctx.page_budget - ctx.num_sink_pages, 1))
+        idx = ctx.select_top(s, num_recent_pages=recent)
+        # every valid page that did not make it is evicted (rows with <= budget pages keep them all)
+        kept = torch.zeros(*idx.shape[:2], P + 1, dtype=torch.bool, device=idx.device)
+        kept.scatter_(2, torch.where(idx >= 0, idx.long(), P), True)
+        valid = torch.arange(P, device=idx.device)[None, :] < ctx.valid_pages()[:, None]
+        evicted[rows, :, :P] |= valid[:, None, :] & ~kept[..., :P]
+        return idx
+
+    def observe(self, ctx, page_indices, page_mass):
+        rows, score, _ = self._state(ctx)
+        P = score.shape[2]
+        idx = page_indices.long()
+        ok = idx >= 0
+        add = torch.zeros(idx.shape[0], idx.shape[1], P + 1, device=score.device)
+        add.scatter_add_(2, torch.where(ok, idx, P), torch.where(ok, page_mass.float(), 0.0))
+        score[rows] += add[..., :P]
+
+
+class RandomPolicy(SelectionPolicy):
+    """The forced pages, then pages drawn uniformly at random per (row, KV head) (``torch.Generator``, seeded)."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._gen: torch.Generator | None = None
+
+    def __repr__(self) -> str:
+        return f"RandomPolicy(seed={self.seed})"
+
+    def reset(self, seq_ids=None):
+        if seq_ids is None:
+            self._gen = None
+
+    def select(self, ctx):
+        device = ctx.q.device
+        if self._gen is None or self._gen.device != device:
+            self._gen = torch.Generator(device=device)
+            self._gen.manual_seed(self.seed)
+        B, Hkv, P = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
+        return ctx.select_top(torch.rand(B, Hkv, P, generator=self._gen, device=device))
+
+
+POLICIES: dict[str, type[SelectionPolicy]] = {
+    "quest": QuestPolicy,
+    "meanstd": MeanStdPolicy,
+    "oracle": OraclePolicy,
+    "streaming": StreamingPolicy,
+    "h2o": H2OPolicy,
+    "random": RandomPolicy,
+}
+
+
+def get_policy(policy: str | SelectionPolicy = "quest") -> SelectionPolicy:
+    """A policy instance from a name of :data:`POLICIES` (a fresh instance each call) or an instance."""
+    if isinstance(policy, SelectionPolicy):
+        return policy
+    if isinstance(policy, str) and policy.strip().lower() in POLICIES:
+        return POLICIES[policy.strip().lower()]()
+    raise ValueError(f"policy: expected one of {', '.join(POLICIES)} or a SelectionPolicy instance, got {policy!r}")
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+@dataclass
+class SelectionMetrics:
+    """Hit rate and captured mass of a policy's selections against the oracle (see the module docstring).
+
+    Per sparse layer: ``hits`` (pages picked by both), ``oracle_pages`` (pages the oracle picked),
+    ``mass`` (summed captured mass) over ``count`` (row, KV head) samples. The oracle keeps the same number
+    of pages under the same forced-page rules, ranked by the true attention mass (:class:`OraclePolicy`).
+    """
+
+    hits: dict[int, float] = field(default_factory=dict)
+    oracle_pages: dict[int, float] = field(default_factory=dict)
+    mass: dict[int, float] = field(default_factory=dict)
+    count: dict[int, int] = field(default_factory=dict)
+
+    def record(self, ctx: SelectionContext, page_indices: torch.Tensor) -> None:
+        """Add the (row, KV head) pairs of this step whose rows hold more pages than the budget."""
+        active = ctx.valid_pages() > ctx.page_budget                                      # [B]
+        if not bool(active.any()):
+            return
+        mass = ctx.true_page_mass()                                                      # [B, Hkv, P]
+        oracle = ctx.select_top(mass)
+        hit, n_oracle, captured = selection_overlap(page_indices, oracle, mass)        # [B, Hkv] each
+        a = active[:, None].expand_as(hit)
+        layer = ctx.layer
+        self.hits[layer] = self.hits.get(layer, 0.0) + float(hit[a].sum())
+        self.oracle_pages[layer] = self.oracle_pages.get(layer, 0.0) + float(n_oracle[a].sum())
+        self.mass[layer] = self.mass.get(layer, 0.0) + float(captured[a].sum())
+        self.count[layer] = self.count.get(layer, 0) + int(a.sum())
+
+    @property
+    def samples(self) -> int:
+        return sum(self.count.values())
+
+    @property
+    def hit_rate(self) -> float:
+        """Pages of the oracle's selections that the policy also picked, over all oracle pages (NaN if none)."""
+        n = sum(self.oracle_pages.values())
+        return sum(self.hits.values()) / n if n else float("nan")
+
+    @property
+    def captured_mass(self) -> float:
+        """Mean share of the true attention mass on the selected pages (NaN if no sample)."""
+        n = self.samples
+        return sum(self.mass.values()) / n if n else float("nan")
+
+    def per_layer(self) -> dict[int, tuple[float, float]]:
+        """``{layer: (hit_rate, captured_mass)}``."""
+        return {lay: (self.hits[lay] / self.oracle_pages[lay] if self.oracle_pages[lay] else float("nan"),
+                      self.mass[lay] / self.count[lay]) for lay in sorted(self.count)}
+
+    def format(self) -> str:
+        return f"hit rate {self.hit_rate:.1%} vs oracle, captured mass {self.captured_mass:.1%}"
+
+
+def selection_overlap(selected: torch.Tensor, oracle: torch.Tensor, mass: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (row, KV head): ``(|selected ∩ oracle|, |oracle|, mass on selected)`` as fp32 ``[B, Hkv]``.
+
+    ``selected``, ``oracle``: ``[B, Hkv, K]`` logical pages (``-1`` = none); ``mass``: ``[B, Hkv, P]``.
+    """
+    P = mass.shape[2]
+    sel = selected.long()
+    orc = oracle.long()
+    sel_ok = (sel >= 0) & (sel < P)
+    in_oracle = torch.zeros(*orc.shape[:2], P + 1, dtype=torch.bool, device=mass.device)
+    in_oracle.scatter_(2, torch.where((orc >= 0) & (orc < P), orc, P), True)
+    in_oracle[..., P] = False
+    hit = torch.gather(in_oracle, 2, torch.where(sel_ok, sel, P)).sum(-1).float()
+    n_oracle = in_oracle.sum(-1).float()
+    captured = torch.where(sel_ok, torch.gather(mass, 2, sel.clamp(0, P - 1)), 0.0).sum(-1).float()
+    return hit, n_oracle, captured
+
+
+# ---------------------------------------------------------------------------------------------- runtime glue
+def attend(policy: SelectionPolicy, ctx: SelectionContext, metrics: SelectionMetrics | None = None) -> torch.Tensor:
+    """One sparse layer: select with ``policy``, attend to the pages, feed ``observe`` and ``metrics``."""
+    idx = policy.select(ctx)
+    out = _api.sparse_paged_attention(ctx.q, ctx.k_cache, ctx.v_cache, ctx.block_table, ctx.seq_lens,
+                                      page_indices=idx, scale=ctx.scale, backend=ctx.backend)
+    if policy.stateful:
+        policy.observe(ctx, idx, page_attention_mass(ctx.q, ctx.k_cache, ctx.block_table, ctx.seq_lens,
+                                                     page_indices=idx, scale=ctx.scale))
+    if metrics is not None:
+        metrics.record(ctx, idx)
+    return out
+
+
+def observe_prefill(policy: SelectionPolicy, ctx: SelectionContext) -> None:
+    """After a dense (prefill) attention: give a stateful policy the mass of every page."""
+    if policy.stateful:
+        P = ctx.max_pages
+        n = ctx.valid_pages()[:, None, None]
+        j = torch.arange(P, device=ctx.q.device)[None, None, :]
+        idx = torch.where(j < n, j, -1).expand(-1, ctx.num_kv_heads, -1)
+        policy.observe(ctx, idx, page_attention_mass(ctx.q, ctx.k_cache, ctx.block_table, ctx.seq_lens,
+                                                     page_indices=idx, scale=ctx.scale))
