@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tinyattn.models import LlamaConfig, LlamaModel, apply_rope, rope_tables
 from tinyattn.training import (ChunkedKVMemory, FullRetention, GradientRetention, RecencyRetention, chunk_forward,
                                make_policy, run_sequences)
+from tinyattn.training.retention import page_taylor_scores
 from tinyattn.training import finetune as ft
 
 BACKENDS = ["torch", "triton"]
@@ -174,6 +175,63 @@ def test_gradient_policy_ema():
     assert p.ema[0].tolist() == [[2.0, 4.0, 1.0]]
 
 
+def test_taylor_score_is_the_loss_change_of_zeroing_a_page_for_a_linear_loss():
+    """For a loss linear in K/V the first-order estimate is exact: compare with zeroing each page and re-evaluating."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 4, generator=gen)
+    wk, wv = torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 4, generator=gen)
+
+    def loss(k, v):
+        return (wk * k).sum() + (wv * v).sum() + 7.0
+
+    k_pool, v_pool = k.clone().requires_grad_(), v.clone().requires_grad_()
+    loss(k_pool, v_pool).backward()
+    want = []
+    for p in range(3):
+        k0, v0 = k.clone(), v.clone()
+        k0[p] = 0
+        v0[p] = 0
+        want.append(float(loss(k0, v0) - loss(k, v)))
+    torch.testing.assert_close(page_taylor_scores(k_pool, v_pool), torch.tensor(want), atol=1e-5, rtol=1e-5)
+    # a hand-computed case: one page, one slot, k = [1, 2], v = [3, -1], dk = [0.5, 0], dv = [1, 2]
+    kp = torch.tensor([1.0, 2.0]).view(1, 1, 1, 2).requires_grad_()
+    vp = torch.tensor([3.0, -1.0]).view(1, 1, 1, 2).requires_grad_()
+    ((torch.tensor([0.5, 0.0]).view_as(kp) * kp).sum() + (torch.tensor([1.0, 2.0]).view_as(vp) * vp).sum()).backward()
+    assert page_taylor_scores(kp, vp).tolist() == [-(0.5 * 1 + 0 * 2 + 1 * 3 + 2 * -1)]      # -1.5
+
+
+def test_gradient_policy_observes_the_taylor_score_of_each_memory_page():
+    """The per-page score the memory hands the policy: -sum(dk*k + dv*v) from dense autograd with memory leaves."""
+    model = tiny_model()
+    tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(6))
+    policy = GradientRetention(decay=0.0)
+    seen = {}
+    policy.observe = lambda layer, g, held: seen.__setitem__(layer, (g.clone(), held.clone()))
+    memory = ChunkedKVMemory(2, 2, 4, batch=2, seq_len=16, chunk_size=8, page_size=4, capacity=None, policy=policy)
+    memory.begin_chunk(8)
+    with torch.no_grad():
+        chunk_forward(model, tokens[:, :8], memory, backend="torch")
+    memory.commit()
+    memory.begin_chunk(8)
+    chunk_forward(model, tokens[:, 8:], memory, backend="torch", track_gradients=True).square().mean().backward()
+    memory.observe_gradients()
+
+    with torch.no_grad():
+        _, first = reference_forward(model, tokens[:, :8])
+    leaves = [(k.clone().requires_grad_(), v.clone().requires_grad_()) for k, v in first]
+    want, _ = reference_forward(model, tokens[:, 8:], leaves)
+    want.square().mean().backward()
+    for layer, (k_leaf, v_leaf) in enumerate(leaves):
+        g, held = seen[layer]
+        assert held.all()
+        for b in range(2):
+            for j in range(2):                                              # memory pages 0, 1 (chunk 1)
+                sl = slice(4 * j, 4 * j + 4)
+                kk, vv = k_leaf.detach()[b, sl], v_leaf.detach()[b, sl]
+                expected = -float((k_leaf.grad[b, sl] * kk).sum() + (v_leaf.grad[b, sl] * vv).sum())
+                assert abs(float(g[b, j]) - expected) <= 1e-5 + 1e-4 * abs(expected)
+
+
 def test_memory_and_policy_validation():
     with pytest.raises(ValueError, match="chunk_size: expected a multiple of page_size=4"):
         ChunkedKVMemory(1, 1, 4, batch=1, seq_len=16, chunk_size=6, page_size=4, capacity=4, policy=FullRetention())
@@ -184,6 +242,8 @@ def test_memory_and_policy_validation():
         make_policy("lru")
     with pytest.raises(ValueError, match="decay"):
         GradientRetention(decay=1.0)
+    with pytest.raises(ValueError, match="signal: expected one of"):
+        GradientRetention(signal="hessian")
 
 
 @pytest.mark.parametrize("name", ["full", "recency", "gradient"])

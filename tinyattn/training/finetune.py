@@ -4,7 +4,8 @@ Each training sequence (``--seq-len`` tokens of the text, after a BOS) is proces
 ``--chunk-size`` tokens; earlier chunks' K/V stay in a paged memory of at most ``--kv-budget-pages`` pages
 per sequence and layer (``--retention full`` keeps the whole sequence). When a chunk does not fit, the
 policy frees pages: ``recency`` the oldest (sinks and newest kept), ``gradient`` the pages with the
-smallest EMA of their K/V gradient magnitude (TinyServe, arXiv 2509.12211, §3.4). The loss of every
+smallest EMA of a gradient-based score, the signed first-order loss change of removing the page,
+-Σ(dK·K + dV·V) (TinyServe, arXiv 2509.12211, §3.4; Molchanov et al., ICLR 2017). The loss of every
 chunk is back-propagated (into the weights, and into the memory pages for the gradient policy), and the
 optimizer steps once per batch of sequences.
 
@@ -91,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
     g.add_argument("--retention", choices=["full", "gradient", "recency"], required=True,
                    help="full: keep every page; recency: free the oldest pages (sinks and newest kept); "
-                        "gradient: free the pages with the smallest EMA of ||dK||^2 + ||dV||^2")
+                        "gradient: free the pages with the smallest EMA of the signed first-order loss change "
+                        "-sum(dK*K + dV*V) of removing them")
     g.add_argument("--kv-budget-pages", type=_positive_int, default=None,
                    help="pages per sequence and layer the KV memory may hold, the current chunk included "
                         "(required unless --retention full; ignored by full)")

@@ -14,7 +14,8 @@ Gradients. :meth:`write` builds the layer's pool for this chunk **out of place**
 written into a pool-shaped tensor, and the attention backward (Triton kernels or the torch formula)
 returns ``dk_pool`` / ``dv_pool`` for every slot it read: the chunk's own slots flow back to the weights,
 the memory slots' gradients are what :meth:`observe_gradients` reduces per page
-(:func:`tinyattn.ops.page_grad.page_grad_norms`) for the policy. The memory itself is stored detached:
+(:func:`~tinyattn.training.retention.page_taylor_scores` or :func:`tinyattn.ops.page_grad.page_grad_norms`)
+for the policy. The memory itself is stored detached:
 gradients stop at it (the stop-gradient of Transformer-XL), so the graph, and the activation memory, stay
 one chunk long. :meth:`commit` then copies the chunk's K/V into the stored pool in place.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.page_grad import page_grad_norms
-from .retention import RetentionPolicy
+from .retention import RetentionPolicy, page_taylor_scores
 
 __all__ = ["ChunkedKVMemory"]
 
@@ -187,12 +188,17 @@ class ChunkedKVMemory:
         return k_pool, v_pool
 
     def observe_gradients(self) -> None:
-        """After the chunk's backward: per-page ``||dK||^2 + ||dV||^2`` (summed over KV heads) to the policy."""
+        """After the chunk's backward: a per-page gradient signal to the policy: ``-sum(dk*k + dv*v)`` for a policy
+        whose ``signal`` is ``"taylor"`` (:func:`~tinyattn.training.retention.page_taylor_scores`), otherwise
+        ``||dK||^2 + ||dV||^2`` summed over KV heads."""
         for layer in range(self.num_layers):
             pools = self._pools[layer]
             if pools is None or pools[0].grad is None:
                 continue
-            norms = page_grad_norms(pools[0].grad, pools[1].grad).sum(1)                # [num_pages]
+            if getattr(self.policy, "signal", "magnitude") == "taylor":
+                norms = page_taylor_scores(pools[0], pools[1])                          # [num_pages]
+            else:
+                norms = page_grad_norms(pools[0].grad, pools[1].grad).sum(1)            # [num_pages]
             held = self.held(layer)
             per_page = torch.where(held, norms[self.phys[layer].clamp(min=0)], 0.0)      # [B, max_pages]
             self.policy.observe(layer, per_page, held)

@@ -9,17 +9,31 @@ newest ``num_recent_pages`` pages), returning them to the pool.
 - :class:`FullRetention`: never frees anything (the pool holds the whole sequence): the reference point.
 - :class:`RecencyRetention`: score = page position: keeps the sinks and the newest pages (StreamingLLM,
   Xiao et al., ICLR 2024).
-- :class:`GradientRetention`: score = exponential moving average of the page's gradient magnitude
-  ``||dK_page||^2 + ||dV_page||^2`` (summed over KV heads), observed after each chunk's backward
-  (TinyServe, Liu & Yu, arXiv 2509.12211, §3.4: "gradient-aware memory management selectively retains KV
-  cache entries based on their gradient magnitude during backpropagation").
+- :class:`GradientRetention`: score = exponential moving average, over the chunks that attended the page,
+  of a gradient signal observed after each chunk's backward (TinyServe, Liu & Yu, arXiv 2509.12211, §3.4:
+  "gradient-aware memory management selectively retains KV cache entries based on their gradient magnitude
+  during backpropagation"). The signal, per logical page ``p`` of a row, with ``k, v`` its stored K/V and
+  ``dk, dv`` the gradients of the chunk's loss with respect to them (all slots, KV heads and channels):
+
+  - ``"taylor"`` (default): ``g_p = -sum(dk * k + dv * v)``, the first-order (Taylor) estimate of the loss
+    change if the page's K/V were removed (set to zero), :func:`page_taylor_scores`: the first-order Taylor pruning
+    criterion of Molchanov et al. (ICLR 2017), applied to KV pages and kept signed (they take its absolute
+    value). Signed: a page whose removal would *lower* the loss
+    (``g_p < 0``, it misleads the current chunk) is freed first; a page the loss leans on is kept.
+    Gradient magnitude alone cannot tell those two kinds of page apart.
+  - ``"magnitude"``: ``g_p = ||dK_p||^2 + ||dV_p||^2`` summed over KV heads (TinyServe's wording taken
+    literally; the previous default).
+
+  ``ema = g`` at a page's first observation, then ``ema = decay * ema + (1 - decay) * g``; the lowest ``ema``
+  among the unprotected pages is freed first (ties: the older page).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["RetentionPolicy", "FullRetention", "RecencyRetention", "GradientRetention", "make_policy", "POLICIES"]
+__all__ = ["page_taylor_scores", "RetentionPolicy", "FullRetention", "RecencyRetention", "GradientRetention",
+           "make_policy", "POLICIES"]
 
 
 class RetentionPolicy:
@@ -66,21 +80,46 @@ class RecencyRetention(RetentionPolicy):
         return torch.arange(held.shape[1], dtype=torch.float32, device=held.device).expand(held.shape)
 
 
+def page_taylor_scores(k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[num_pages]``: first-order estimate of the loss change if each physical page's K/V were removed.
+
+    ``k_pool``, ``v_pool`` ``[num_pages, page_size, Hkv, D]`` hold the values the attention read and, in
+    ``.grad``, the gradients of the chunk's loss. Removing a page's contribution (``k, v -> 0``) changes the
+    loss by, to first order (a Taylor expansion around the current values; Molchanov et al., "Pruning
+    convolutional neural networks for resource efficient inference", ICLR 2017, use its absolute value)::
+
+        dL[p] = L(k_p = 0, v_p = 0) - L  ~  -sum_{s,h,d} (dk[p,s,h,d] * k[p,s,h,d] + dv[p,s,h,d] * v[p,s,h,d])
+
+    Positive: the page helps (freeing it would raise the loss); negative: it misleads. Pages never read have a
+    zero gradient and score 0.
+    """
+    dk, dv = k_pool.grad, v_pool.grad
+    dims = (1, 2, 3)
+    return -((dk.float() * k_pool.detach().float()).sum(dims) + (dv.float() * v_pool.detach().float()).sum(dims))
+
+
 class GradientRetention(RetentionPolicy):
-    """Keep the pages whose K/V receive the largest gradients (EMA over the chunks they were attended in).
+    """Keep the pages whose K/V the gradients say matter most (EMA over the chunks they were attended in).
 
     Args:
         decay: EMA factor ``beta``: ``ema = beta * ema + (1 - beta) * g``; a page's first observation sets
             ``ema = g`` (no bias towards pages seen for longer).
+        signal: what ``g`` is, per page (see the module docstring): ``"taylor"`` (default), the signed
+            first-order loss change of removing the page, :func:`page_taylor_scores`; ``"magnitude"``, the
+            gradient magnitude ``||dK||^2 + ||dV||^2`` summed over KV heads.
     """
 
     name = "gradient"
     needs_gradients = True
+    SIGNALS = ("taylor", "magnitude")
 
-    def __init__(self, decay: float = 0.5):
+    def __init__(self, decay: float = 0.5, signal: str = "taylor"):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay: expected a float in [0, 1), got {decay!r}")
+        if signal not in self.SIGNALS:
+            raise ValueError(f"signal: expected one of {list(self.SIGNALS)}, got {signal!r}")
         self.decay = decay
+        self.signal = signal
         self.ema: list[torch.Tensor] = []
         self.seen: list[torch.Tensor] = []
 
@@ -99,14 +138,14 @@ class GradientRetention(RetentionPolicy):
         return self.ema[layer]
 
     def __repr__(self):
-        return f"GradientRetention(decay={self.decay})"
+        return f"GradientRetention(decay={self.decay}, signal={self.signal!r})"
 
 
 POLICIES = {"full": FullRetention, "recency": RecencyRetention, "gradient": GradientRetention}
 
 
 def make_policy(name: str, **options) -> RetentionPolicy:
-    """``"full" | "recency" | "gradient"`` -> a policy; ``options`` go to its constructor (``decay``)."""
+    """``"full" | "recency" | "gradient"`` -> a policy; ``options`` go to its constructor (``decay``, ``signal``)."""
     if name not in POLICIES:
         raise ValueError(f"retention: expected one of {sorted(POLICIES)}, got {name!r}")
     if name != "gradient":
