@@ -183,6 +183,11 @@ def test_5_page_ids_out_of_range_raise():
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                page_indices=torch.full((2, 1, 2), -3, dtype=torch.int32)), "page_indices: expected logical page ids >= -1"),
     (lambda p: tinyattn.select_pages(torch.zeros(2, 1, 4), p.seq_lens, page_size=4, page_budget=2, num_sink_pages=-1), "num_sink_pages: expected an int >= 0"),
+    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                               page_indices=torch.zeros(2, 1, 2, dtype=torch.int32), page_budget=2),
+     "page_indices: expected either page_indices or k_min, k_max and page_budget, got page_indices together with page_budget"),
+    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].half(),
+                                               k_max=p.k_cache[:, 0], page_budget=2), r"k_min: expected dtype float32 \(that of the cache\), got float16"),
 ])
 def test_5_bad_input_names_the_argument(call, match):
     p = make_problem(53, batch=2, seq_lens=[5, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8)

@@ -215,7 +215,7 @@ def _add_finetune_command(sub) -> None:
     from .training import finetune
 
     ft = sub.add_parser("finetune", help="chunked long-context fine-tuning with KV retention (full / recency / gradient)",
-                        description=finetune.__doc__.split("\n\n")[0],
+                        description=finetune.__doc__.split("\n\n")[0].replace("``finetune``: ", ""),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     finetune.add_arguments(ft)
     ft.set_defaults(func=finetune.run)

@@ -225,6 +225,12 @@ def check(model_path, out_dir, atol: float = 1e-4, dtype: torch.dtype = torch.fl
 
 def run(args: argparse.Namespace) -> int:
     """Run a conversion from parsed arguments (see :func:`add_arguments`); returns the exit status."""
+    import importlib.util
+
+    missing = [m for m in ("safetensors", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"convert needs the hf extra (missing: {', '.join(missing)}); "
+                         f"install it with: pip install -e '.[hf]'")
     dtype = getattr(torch, args.dtype)
     out = convert(args.model, args.out, args.tokenizer, dtype=dtype)
     print(f"wrote {out}/config.json, model.safetensors, generation_config.json"

@@ -283,7 +283,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     cache = dense_rt.new_cache([len(s) for s in seqs])
     dense_logp: list[torch.Tensor] = []
     dense_nll: list[torch.Tensor] = []
-    for s in tqdm(seqs, desc="dense", disable=not progress, leave=False):
+    for s in tqdm(seqs, desc="dense", disable=None if progress else True, leave=False):
         sid = cache.add_sequence()
         logp = torch.log_softmax(dense_rt.prefill(cache, sid, s, last_only=False)[:-1].float(), dim=-1)
         dense_logp.append(logp)
@@ -306,7 +306,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     rows = [EvalRow(policy=DENSE, page_size=None, page_budget=None, token_budget=None, pages_read_fraction=1.0,
                     **summarize(dense_nll, [torch.ones(len(x), dtype=torch.bool) for x in dense_nll], zeros))]
 
-    bar = tqdm(configs, desc="configs", disable=not progress, unit="config")
+    bar = tqdm(configs, desc="configs", disable=None if progress else True, unit="config")
     for ps, budget, pol, name in bar:
         bar.set_postfix_str(f"{name} page_size={ps} page_budget={budget} ({budget * ps} tokens)")
         t0 = time.perf_counter()
@@ -345,7 +345,7 @@ def _teacher_forced(rt: LlamaRuntime, seqs, dense_logp, dense_top, stats, metric
     kl = [torch.empty(len(s) - 1) for s in seqs]
     max_len = max(len(s) for s in seqs)
     with tinyattn.value_checks(False):  # cache-built inputs: skip the per-call host syncs of the data checks
-        for t in tqdm(range(max_len - 1), desc=desc, disable=not progress, leave=False):
+        for t in tqdm(range(max_len - 1), desc=desc, disable=None if progress else True, leave=False):
             rows_t = [b for b in range(B) if len(seqs[b]) - 1 > t]  # rows with a target at t + 1
             logits = rt.decode(cache, [seq_ids[b] for b in rows_t], [seqs[b][t] for b in rows_t], stats,
                                selection_metrics=metrics)

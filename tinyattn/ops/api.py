@@ -273,6 +273,10 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         page_indices = _select_pages(scores, seq_lens, dict(options, page_size=shapes.page_size,
                                                             num_query_tokens=shapes.num_query_tokens), backend)
     else:
+        given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
+        if given:
+            raise ValueError(f"page_indices: expected either page_indices or k_min, k_max and page_budget, "
+                             f"got page_indices together with {', '.join(given)}")
         V.check_page_indices(page_indices, shapes, q.device)
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,

@@ -174,7 +174,8 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
         expect_shape(name, x, (num_pages, num_kv_heads, head_dim), "[num_pages, Hkv, D]")
         allowed = (cache_dtype, torch.float32)
         if x.dtype not in allowed:
-            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache) or float32, "
+            also = "" if cache_dtype == torch.float32 else " or float32"
+            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache){also}, "
                             f"got {_dtype_name(x.dtype)}")
         expect_device(name, x, device, "q")
 

@@ -172,7 +172,7 @@ def evaluate_chunked(model, sequences, *, retention: str, batch_size: int, progr
     model.requires_grad_(False)
     nll_sum, tokens, peak_kv = 0.0, 0, 0
     try:
-        for i in tqdm(range(0, len(sequences), batch_size), desc=desc, disable=not progress, leave=False):
+        for i in tqdm(range(0, len(sequences), batch_size), desc=desc, disable=None if progress else True, leave=False):
             policy = make_policy(retention, decay=options.get("ema_decay", 0.5))
             st = run_sequences(model, sequences[i:i + batch_size], policy, train=False,
                                **{k: v for k, v in options.items() if k != "ema_decay"})
@@ -209,7 +209,7 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     order = torch.randperm(len(train_seqs), generator=gen)
     losses, peak_kv, peak_chunk, pool_bytes, evicted = [], 0, 0, 0, 0
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc=f"finetune ({retention})", disable=not progress)
+    bar = tqdm(range(steps), desc=f"finetune ({retention})", disable=None if progress else True)
     cursor = 0
     for _ in bar:
         if cursor + batch_size > len(order):
