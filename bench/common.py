@@ -1,0 +1,294 @@
+"""Shared helpers of the benchmark scripts: problems, timing, the bytes-moved model, CSV and plots.
+
+Timing (DESIGN.md §6: ratios against a baseline measured in the same run):
+
+- CUDA: ``triton.testing.do_bench`` (it flushes the L2 cache before each call and returns the median).
+- CPU: ``time.perf_counter_ns`` around each call after a warm-up, **interleaved**: every repeat calls each
+  method once, in turn, so that a slow spell of the machine hits all methods alike; the median of the
+  repeats is reported (and the minimum kept in the CSV). ``torch.set_num_threads`` is set by each script
+  (2 by default, the machine's cores). ``cold=True`` also overwrites a buffer larger than the last-level
+  cache before each call (what ``do_bench`` does on a GPU).
+
+Bytes moved per decode step (DESIGN.md §1, per KV head, page size ``S``, context ``L``, budget ``K`` pages):
+``dense = 2·L·D·e`` and ``sparse = 2·⌈L/S⌉·D·e_box + 2·min(K·S, L)·D·e`` (page boxes ``k_min``/``k_max``
+of every page, then K and V of the selected pages), times ``B·Hkv``, plus the queries and outputs ``2·B·Hq·D·e``.
+The ideal speedup of a memory-bound step is ``dense / sparse``; efficiency = measured speedup / ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "bench"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+
+# ---------------------------------------------------------------------------- machine
+def machine_name(device: str = "cpu") -> str:
+    """The processor or GPU in words, with core / thread counts and the torch version."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = f", load average {os.getloadavg()[0]:.2f}"      # other tenants' work shows here: compare runs
+    except OSError:
+        load = ""
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{load} (torch {torch.__version__})"
+
+
+def base_parser(description: str, default_name: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu); cuda runs the Triton kernels")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="K/V and query dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads on cpu (default: 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per method (default: per script)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per method first (default: 2)")
+    p.add_argument("--cold", action="store_true",
+                   help="cpu: evict the caches before each timed call (cuda always does, via do_bench)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    p.add_argument("--name", default=default_name, help=f"file stem of the CSV / PNG (default: {default_name})")
+    p.add_argument("--no-plot", action="store_true", help="write the CSV only")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, a few repeats: proves the script runs")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="cpu: before each measurement wait up to SECONDS for the machine to be idle (other "
+                        "processes share the cores on a shared VM; default: do not wait)")
+    return p
+
+
+def _cpu_times():
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]            # total, idle + iowait
+
+
+def wait_quiet(max_wait: float, *, idle: float = 0.9, window: float = 1.0) -> float:
+    """Wait (up to ``max_wait`` s) for a ``window`` in which the CPUs are at least ``idle`` idle; returns the
+    idle share of the last window (1.0 when not on Linux or ``max_wait`` is 0)."""
+    if max_wait <= 0 or not os.path.exists("/proc/stat"):
+        return 1.0
+    deadline = time.monotonic() + max_wait
+    share = 0.0
+    while True:
+        t0, i0 = _cpu_times()
+        time.sleep(window)
+        t1, i1 = _cpu_times()
+        share = (i1 - i0) / max(t1 - t0, 1)
+        if share >= idle or time.monotonic() > deadline:
+            if share < idle:
+                print(f"note: machine still busy after {max_wait:.0f}s ({1 - share:.0%} of the CPUs used by others)")
+            return share
+
+
+def setup(args) -> torch.device:
+    """Check the device, set threads and the default dtype; returns the device."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    if args.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("--device cuda with TRITON_INTERPRET=1 set: unset it to time the compiled kernels")
+    torch.set_num_threads(args.threads)
+    args.backend = "triton" if args.device.startswith("cuda") else "torch"   # CPU: the torch backend, always
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    args.out.mkdir(parents=True, exist_ok=True)
+    return torch.device(args.device)
+
+
+# ---------------------------------------------------------------------------- problems
+@dataclass
+class DecodeProblem:
+    """One decode step over ``B`` rows of ``L`` tokens, in both layouts (paged and contiguous, same values)."""
+
+    q: torch.Tensor            # [B, Hq, D]
+    k_cache: torch.Tensor      # [num_pages, S, Hkv, D] (pages shuffled)
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # [B, P] int32
+    seq_lens: torch.Tensor     # [B] int32
+    k_min: torch.Tensor        # [num_pages, Hkv, D]
+    k_max: torch.Tensor
+    k_dense: torch.Tensor      # [B, Hkv, L, D] contiguous (the SDPA baseline's cache)
+    v_dense: torch.Tensor
+    page_size: int
+
+    @property
+    def shape(self):
+        B, Hq, D = self.q.shape
+        return B, Hq, self.k_cache.shape[2], D, int(self.seq_lens[0])
+
+
+def make_decode_problem(*, batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                        page_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                        dense_copy: bool = True, backend: str | None = None) -> DecodeProblem:
+    """Random keys/values in a shuffled page pool (``randperm`` block tables), exact page boxes."""
+    import tinyattn
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    P = -(-context // page_size)
+    num_pages = batch * P
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.empty(shape, dtype=dtype, device=device)
+    v_cache = torch.empty(shape, dtype=dtype, device=device)
+    for t in (k_cache, v_cache):       # chunked so that fp32 temporaries stay small
+        flat = t.view(num_pages, -1)
+        for i in range(0, num_pages, 4096):
+            flat[i:i + 4096] = torch.randn(flat[i:i + 4096].shape, generator=g).to(device=device, dtype=dtype)
+    block_table = torch.randperm(num_pages, generator=g).view(batch, P).to(torch.int32).to(device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    box = (num_pages, num_kv_heads, head_dim)
+    k_min = torch.empty(box, dtype=dtype, device=device)
+    k_max = torch.empty(box, dtype=dtype, device=device)
+    with tinyattn.value_checks(False):
+        tinyattn.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, backend=backend)
+    k_dense = v_dense = None
+    if dense_copy:
+        idx = block_table.long()                                                # [B, P]
+        k_dense = k_cache[idx].flatten(1, 2)[:, :context].permute(0, 2, 1, 3).contiguous()   # [B, Hkv, L, D]
+        v_dense = v_cache[idx].flatten(1, 2)[:, :context].permute(0, 2, 1, 3).contiguous()
+    return DecodeProblem(q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, k_dense, v_dense, page_size)
+
+
+# ---------------------------------------------------------------------------- bytes model
+def decode_bytes(*, batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 elem: int, budget_tokens: int | None = None, box_elem: int | None = None) -> int:
+    """Bytes a decode step must read (DESIGN.md §1): dense when ``budget_tokens`` is None, else sparse."""
+    io = 2 * batch * num_q_heads * head_dim * elem
+    if budget_tokens is None or budget_tokens >= context:
+        return batch * num_kv_heads * 2 * context * head_dim * elem + io
+    box_elem = elem if box_elem is None else box_elem
+    pages = -(-context // page_size)
+    per_head = 2 * pages * head_dim * box_elem + 2 * min(budget_tokens, context) * head_dim * elem
+    return batch * num_kv_heads * per_head + io
+
+
+# ---------------------------------------------------------------------------- timing
+_FLUSH: torch.Tensor | None = None
+
+
+def _flush_cpu():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(512 * 2**20 // 4)
+    _FLUSH.fill_(1.0)
+
+
+def time_methods(methods: dict, *, device: torch.device, repeats: int, warmup: int = 2,
+                 cold: bool = False) -> dict[str, dict]:
+    """Time each zero-argument callable of ``methods``; returns ``{name: {"median_us", "min_us", "runs"}}``.
+
+    CUDA: ``triton.testing.do_bench`` per method (median, L2 flushed). CPU: interleaved repeats (see module doc).
+    """
+    results: dict[str, dict] = {}
+    if device.type == "cuda":
+        import triton.testing
+
+        for name, fn in methods.items():
+            ms = triton.testing.do_bench(fn, warmup=25, rep=max(50, repeats * 2), return_mode="median")
+            results[name] = {"median_us": ms * 1e3, "min_us": float("nan"), "runs": repeats}
+        return results
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            if cold:
+                _flush_cpu()
+            t0 = time.perf_counter_ns()
+            fn()
+            samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+    for name, s in samples.items():
+        results[name] = {"median_us": statistics.median(s), "min_us": min(s), "runs": len(s)}
+    return results
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- output
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None (plots are skipped) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        return None
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Rows as a Markdown table; ``columns`` = (key, header, format spec). Printed and returned."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---:" if f else "---" for _, _, f in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key, "")
+            if isinstance(v, float) and math.isnan(v):
+                cells.append("-")
+            elif fmt and isinstance(v, (int, float)):
+                cells.append(format(v, fmt))
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def fmt_tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1K,2K,32768"`` -> ``[1024, 2048, 32768]``."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        if not item:
+            continue
+        mult = 1024 if item.endswith("K") else 1
+        out.append(int(item.rstrip("K")) * mult)
+    return out

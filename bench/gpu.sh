@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One command on a CUDA machine (target: under 5 minutes on one H200): the GPU-only tests, then the decode
+# benchmarks against SDPA / FlashAttention, everything written to one folder with a summary.
+#
+#   bash bench/gpu.sh                  # writes out/gpu/  (or "$OUT" when set, e.g. by a CI / device runner)
+#   QUICK=1 bash bench/gpu.sh          # smaller sweep (about 1 minute)
+#
+# Needs only what the image has: torch (CUDA build) and triton; flash-attn is used when importable and
+# skipped otherwise. No interactive input; each step has its own time limit and a failed step does not stop
+# the others (the exit status is that of the first failure); the limits add up to 290 s. Commit the CSV /
+# PNG / summary.md it writes to docs/bench/gpu/ with the GPU named (docs/benchmarks.md, "GPU").
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export TRITON_INTERPRET=0           # tests/conftest.py defaults it to 1 for the CPU suites
+unset CUDA_LAUNCH_BLOCKING
+cd "$(dirname "$0")/.."
+DEST="${OUT:-out/gpu}"
+mkdir -p "$DEST"
+STATUS=0
+START=$(date +%s)
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $DEST/NAME.log, remember a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > >(tee "$DEST/$name.log") 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s"
+  if [ $rc -ne 0 ] && [ $STATUS -eq 0 ]; then STATUS=$rc; fi
+}
+
+python - > "$DEST/env.txt" 2>&1 <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e:
+    print("triton: not importable:", e)
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"gpu{i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs")
+else:
+    print("no CUDA device")
+try:
+    import flash_attn; print("flash_attn", flash_attn.__version__)
+except Exception as e:
+    print("flash_attn: not available")
+EOF
+cat "$DEST/env.txt"
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "no CUDA device: nothing to do (the CPU benchmarks are bench/*.py without --device cuda)"
+  exit 1
+fi
+if ! python -c "import einops" 2>/dev/null; then
+  echo "einops is not installed: using the stand-in bench/_shim/einops (rearrange only)"
+  export PYTHONPATH="$PWD/bench/_shim${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$DEST/nvidia-smi.csv" 2>/dev/null || true
+
+if [ "${QUICK:-0}" = "1" ]; then
+  CONTEXTS="4K,32K"; BUDGETS="2048"; E2E_CONTEXTS="4K,32K"; REPEATS=30
+else
+  CONTEXTS="1K,2K,4K,8K,16K,32K,64K,128K"; BUDGETS="512,1024,2048,4096"; E2E_CONTEXTS="1K,4K,16K,32K,64K,128K"; REPEATS=100
+fi
+
+if python -c "import pytest" 2>/dev/null; then
+  step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/gpu -rs
+else
+  echo "pytest is not installed: running tests/gpu with bench/gpu_tests.py"
+  step gpu_tests 90 python bench/gpu_tests.py
+fi
+step decode_attention 100 python bench/decode_attention.py --device cuda --out "$DEST" \
+  --contexts "$CONTEXTS" --budgets "$BUDGETS" --repeats "$REPEATS"
+step kernel_breakdown 40 python bench/kernel_breakdown.py --device cuda --out "$DEST" \
+  --contexts 4K,16K,32K,128K --repeats "$REPEATS"
+step e2e_decode 60 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
+
+{
+  echo "# tinyattn GPU run, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
+  cat "$DEST/env.txt"
+  for f in decode_attention kernel_breakdown e2e_decode; do
+    echo
+    echo "## $f"
+    # the Markdown table each script prints last
+    grep -E '^\|' "$DEST/$f.log" 2>/dev/null || echo "(no table: see $f.log)"
+  done
+  echo
+  echo "## gpu_tests"
+  tail -n 5 "$DEST/gpu_tests.log" 2>/dev/null
+} > "$DEST/summary.md"
+cat "$DEST/summary.md"
+echo "wrote $DEST/ (summary.md, *.csv, *.png, *.log); exit $STATUS"
+exit $STATUS

@@ -1,0 +1,162 @@
+"""Decode step with and without CUDA graphs: how much of a step is host overhead, and how close the
+kernels themselves come to the bytes-moved limit (DESIGN.md §1).
+
+A decode step of tinyattn is a handful of kernel launches (score, top-k, attention, split merge) plus
+Python around them; at small sizes the host, not the GPU, sets the time. Serving engines (vLLM, SGLang)
+replay decode steps as CUDA graphs for exactly this reason. This script times each method eagerly and
+as a CUDA-graph replay (``torch.cuda.CUDAGraph``), both with ``triton.testing.do_bench`` (median, L2
+flushed), against SDPA with ``enable_gqa=True`` on a contiguous cache (the strongest stock baseline).
+
+    python bench/gpu_graphs.py --out docs/bench/gpu            # CUDA only
+    python bench/gpu_graphs.py --device cpu --contexts 4K      # a smoke run of the script (no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import tinyattn
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
+def make_problem(L, B, Hq, Hkv, D, S, dtype, device):
+    """B rows of L tokens each, pages of S tokens scattered over a shared pool by a random permutation."""
+    pages_per_row = L // S
+    num_pages = B * pages_per_row
+    k_cache = torch.randn(num_pages, S, Hkv, D, device=device, dtype=dtype)     # generated on the device: fast
+    v_cache = torch.randn(num_pages, S, Hkv, D, device=device, dtype=dtype)
+    block_table = torch.randperm(num_pages, device=device).reshape(B, pages_per_row).to(torch.int32)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    k_min = torch.empty(num_pages, Hkv, D, dtype=dtype, device=device)
+    k_max = torch.empty_like(k_min)
+    tinyattn.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+    q = torch.randn(B, Hq, D, device=device, dtype=dtype)
+    # the stock baseline reads a contiguous [B, Hkv, L, D] cache
+    flat = lambda pool: pool[block_table.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()  # noqa: E731
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+                k_min=k_min, k_max=k_max, k_flat=flat(k_cache), v_flat=flat(v_cache))
+
+
+def methods(p, budget_pages):
+    args = (p["q"], p["k_cache"], p["v_cache"], p["block_table"], p["seq_lens"])
+    q4 = p["q"][:, :, None, :]
+    return {
+        "sdpa_gqa": lambda: F.scaled_dot_product_attention(q4, p["k_flat"], p["v_flat"], enable_gqa=True),
+        "dense_paged": lambda: tinyattn.paged_attention(*args),
+        "sparse": lambda: tinyattn.sparse_paged_attention(*args, k_min=p["k_min"], k_max=p["k_max"],
+                                                          page_budget=budget_pages),
+    }
+
+
+def graphed(fn):
+    """Capture ``fn`` once as a CUDA graph and return its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_us(fn, device) -> float:
+    if device.type == "cuda":
+        import triton
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return 1e6 * (time.perf_counter() - t0) / 3
+
+
+def bytes_moved(method, L, B, Hkv, D, S, budget_pages, elt):
+    """DESIGN.md §1 per step: K and V of every token (dense), or the page boxes plus the kept pages (sparse)."""
+    if method == "sparse":
+        return B * Hkv * (2 * (L // S) * D + 2 * min(budget_pages * S, L) * D) * elt
+    return 2 * B * Hkv * L * D * elt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run, no graphs)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="cache and query dtype (default bf16)")
+    ap.add_argument("--contexts", default="4K,16K,32K,64K,128K", help="context lengths L (default 4K..128K)")
+    ap.add_argument("--batches", default="1,8", help="batch sizes B (default 1,8)")
+    ap.add_argument("--token-budget", type=int, default=2048, help="sparse token budget (default 2048)")
+    ap.add_argument("--num-q-heads", type=int, default=32, help="Hq (default 32)")
+    ap.add_argument("--num-kv-heads", type=int, default=8, help="Hkv (default 8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip problems whose caches exceed this (GiB)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for gpu_graphs.csv (default: print only)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    elt = torch.empty(0, dtype=dtype).element_size()
+    S, D, Hq, Hkv = args.page_size, args.head_dim, args.num_q_heads, args.num_kv_heads
+    budget_pages = args.token_budget // S
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# {name}, torch {torch.__version__}, {args.dtype}, Hq={Hq} Hkv={Hkv} D={D} page {S}, "
+          f"budget {args.token_budget} tokens")
+    rows = []
+    torch.manual_seed(0)
+    with torch.no_grad(), tinyattn.value_checks(False):
+        for B in [int(b) for b in args.batches.split(",")]:
+            for L in [parse_size(c) for c in args.contexts.split(",")]:
+                gib = 4 * B * L * Hkv * D * elt / 2**30          # paged pools + the contiguous copies
+                if gib > args.max_gib:
+                    print(f"skip B={B} L={L}: {gib:.1f} GiB")
+                    continue
+                p = make_problem(L, B, Hq, Hkv, D, S, dtype, device)
+                base_graph = None
+                for method, fn in methods(p, budget_pages).items():
+                    eager = time_us(fn, device)
+                    graph = time_us(graphed(fn), device) if device.type == "cuda" else float("nan")
+                    nbytes = bytes_moved(method, L, B, Hkv, D, S, budget_pages, elt)
+                    if method == "sdpa_gqa":
+                        base_graph = graph if device.type == "cuda" else eager
+                    best = graph if device.type == "cuda" else eager
+                    ideal = bytes_moved("dense", L, B, Hkv, D, S, budget_pages, elt) / nbytes
+                    row = dict(batch=B, context=L, method=method, eager_us=round(eager, 1),
+                               graph_us=round(graph, 1), gbps=round(nbytes / best / 1e3, 1),
+                               speedup_vs_sdpa_gqa=round(base_graph / best, 2), ideal=round(ideal, 2),
+                               efficiency=round(base_graph / best / ideal, 3))
+                    rows.append(row)
+                    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                del p
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print("\n| B | context | method | eager (us) | CUDA graph (us) | GB/s | speedup vs SDPA gqa | ideal | efficiency |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['method']} | {r['eager_us']} | {r['graph_us']} | {r['gbps']} | "
+              f"{r['speedup_vs_sdpa_gqa']} | {r['ideal']} | {100 * r['efficiency']:.0f}% |")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "gpu_graphs.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.out / 'gpu_graphs.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

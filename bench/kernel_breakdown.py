@@ -1,0 +1,188 @@
+"""Per-kernel breakdown of a sparse decode step: metadata upkeep, scoring, top-k, attention.
+
+For each context (budget 2048 tokens by default) the four phases of one decode step are timed on their
+own, through the public ops, in the same interleaved run as the fused call and the SDPA baseline:
+
+- ``metadata``: the per-step upkeep in a decode loop, incremental: the new token's key is folded into
+  its page's box with ``scatter_reduce_(amin/amax)``, exactly what ``PagedKVCache.write`` does, so it does
+  not grow with the context. (``metadata_page_us`` in the CSV: the box of that page recomputed from its
+  tokens with :func:`tinyattn.update_page_metadata` instead, not part of the step.)
+- ``score``: :func:`tinyattn.page_scores` (reads every page box);
+- ``topk``: :func:`tinyattn.select_pages`;
+- ``attention``: :func:`tinyattn.sparse_paged_attention` given the selected ``page_indices``;
+- ``step``: the fused call (score + top-k + attention in one :func:`tinyattn.sparse_paged_attention`)
+  plus the metadata upkeep, i.e. what a decode step costs; ``sdpa`` (folded GQA) and ``sdpa_gqa``
+  (``enable_gqa=True``): the dense baselines, the faster of the two is the speedup's reference
+  (see ``bench/decode_attention.py``).
+
+Shares are of the sum of the four phases. Examples::
+
+    python bench/kernel_breakdown.py                              # CPU, 4K..128K, budget 2048
+    python bench/kernel_breakdown.py --contexts 32K --repeats 30  # the CPU target point
+    python bench/kernel_breakdown.py --device cuda --out out/gpu
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common as C  # noqa: E402
+
+PHASES = ("metadata", "score", "topk", "attention")
+
+
+def parse_args(argv=None):
+    p = C.base_parser(__doc__, "kernel_breakdown")
+    p.add_argument("--contexts", type=C.parse_sizes, default=None,
+                   help="comma-separated contexts (default: 4K,8K,16K,32K,64K,128K)")
+    p.add_argument("--budget", type=int, default=2048, help="token budget (default: 2048)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts = args.contexts or [1024, 4096]
+        args.budget = 256
+        args.num_q_heads, args.num_kv_heads, args.head_dim = 8, 2, 64
+        args.repeats = args.repeats or 3
+        args.warmup = 1
+    args.contexts = args.contexts or [4096 * 2**i for i in range(6)]
+    args.repeats = args.repeats or (10 if args.device == "cpu" else 100)
+    return args
+
+
+def run(args) -> list[dict]:
+    import tinyattn
+
+    device = C.setup(args)
+    dtype = C.DTYPES[args.dtype]
+    B, Hq, Hkv, D, S = args.batch, args.num_q_heads, args.num_kv_heads, args.head_dim, args.page_size
+    G = Hq // Hkv
+    K = args.budget // S
+    print(f"# sparse decode step breakdown on {C.machine_name(args.device)}; B={B} Hq={Hq} Hkv={Hkv} D={D} "
+          f"page_size={S} budget={args.budget} tokens {args.dtype}{' (cold caches)' if args.cold else ''}")
+    rows = []
+    for L in args.contexts:
+        p = C.make_decode_problem(batch=B, context=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=S,
+                                  dtype=dtype, device=device, backend=args.backend)
+        last = (L - 1) // S
+        bt_last = p.block_table[:, last:last + 1].contiguous()         # the page the new token went into
+        len_last = p.seq_lens - last * S
+        with torch.no_grad(), tinyattn.value_checks(False):
+            be = args.backend
+            scores = tinyattn.page_scores(p.q, p.k_min, p.k_max, p.block_table, p.seq_lens, page_size=S, backend=be)
+            sel = tinyattn.select_pages(scores, p.seq_lens, page_size=S, page_budget=K, backend=be)
+            q_fold = p.q.view(B, Hkv, G, D)
+
+            phys_last = p.block_table[:, last].long()                     # [B]
+            k_new = p.k_cache[phys_last, (L - 1) % S]                      # [B, Hkv, D]: the new token's key
+            index = phys_last[:, None, None].expand_as(k_new)
+
+            def metadata():   # exactly PagedKVCache.write's upkeep: fold the new key into its page's box
+                p.k_min.scatter_reduce_(0, index, k_new, "amin")
+                p.k_max.scatter_reduce_(0, index, k_new, "amax")
+
+            def metadata_page():
+                tinyattn.update_page_metadata(p.k_cache, bt_last, len_last, p.k_min, p.k_max, backend=be)
+
+            def fused():
+                return tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                                       k_min=p.k_min, k_max=p.k_max, page_budget=K, backend=be)
+
+            methods = {
+                "metadata": metadata,
+                "metadata_page": metadata_page,
+                "score": lambda: tinyattn.page_scores(p.q, p.k_min, p.k_max, p.block_table, p.seq_lens, page_size=S,
+                                                      backend=be),
+                "topk": lambda: tinyattn.select_pages(scores, p.seq_lens, page_size=S, page_budget=K, backend=be),
+                "attention": lambda: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table,
+                                                                     p.seq_lens, page_indices=sel, backend=be),
+                "fused": fused,
+                "sdpa": lambda: F.scaled_dot_product_attention(q_fold, p.k_dense, p.v_dense),
+                "sdpa_gqa": lambda: F.scaled_dot_product_attention(p.q[:, :, None], p.k_dense, p.v_dense,
+                                                                   enable_gqa=True),
+            }
+            idle = C.wait_quiet(args.wait_quiet) if device.type == "cpu" else 1.0
+            res = C.time_methods(methods, device=device, repeats=args.repeats, warmup=args.warmup, cold=args.cold)
+        t = {k: v["median_us"] for k, v in res.items()}
+        phase_sum = sum(t[ph] for ph in PHASES)
+        step = t["fused"] + t["metadata"]
+        row = dict(context=L, budget_tokens=args.budget, **{f"{ph}_us": t[ph] for ph in PHASES},
+                   phases_sum_us=phase_sum, step_us=step, sdpa_us=min(t["sdpa"], t["sdpa_gqa"]),
+                   baseline="sdpa" if t["sdpa"] <= t["sdpa_gqa"] else "sdpa_gqa", sdpa_fold_us=t["sdpa"],
+                   metadata_page_us=t["metadata_page"],
+                   **{f"{ph}_share": t[ph] / phase_sum for ph in PHASES},
+                   score_topk_share=(t["score"] + t["topk"]) / phase_sum,
+                   speedup_vs_sdpa=min(t["sdpa"], t["sdpa_gqa"]) / step, sdpa_gqa_us=t["sdpa_gqa"],
+                   speedup_vs_sdpa_gqa=t["sdpa_gqa"] / step,
+                   ideal_speedup=C.decode_bytes(batch=B, context=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                                page_size=S, elem=p.q.element_size())
+                   / C.decode_bytes(batch=B, context=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=S,
+                                    elem=p.q.element_size(), budget_tokens=args.budget),
+                   idle_before=idle, device=args.device, dtype=args.dtype, cold=args.cold)
+        rows.append(row)
+        phases = "  ".join(f"{ph} {t[ph]:.0f}us ({row[ph + '_share']:.0%})" for ph in PHASES)
+        print(f"  L={C.fmt_tokens(L):>5}: {phases}"
+              + f"  | step {step:.0f}us, best SDPA {row['sdpa_us']:.0f}us, x{row['speedup_vs_sdpa']:.2f} "
+                f"(ideal x{row['ideal_speedup']:.2f}; x{row['speedup_vs_sdpa_gqa']:.2f} vs SDPA enable_gqa); "
+                f"score+topk {row['score_topk_share']:.0%} of the step")
+        p = methods = None                           # free the caches before the next context
+    return rows
+
+
+def plot(rows, args, path: Path) -> None:
+    plt = C.pyplot()
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for ph in PHASES:
+        vals = [r[f"{ph}_us"] / 1e3 for r in rows]
+        ax.bar(xs, vals, bottom=bottom, label=ph)
+        for i, (v, b, r) in enumerate(zip(vals, bottom, rows)):
+            if v > 0.06 * r["phases_sum_us"] / 1e3:
+                ax.text(i, b + v / 2, f"{r[ph + '_share']:.0%}", ha="center", va="center", fontsize=7)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(xs, [r["sdpa_us"] / 1e3 for r in rows], "k_", ms=28, mew=2, label="SDPA (dense, faster form)")
+    ax.set_xticks(xs, [C.fmt_tokens(r["context"]) for r in rows])
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decode step (log)")
+    ax.set_title(f"sparse decode step by phase, budget {args.budget} tokens; shares of the step", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{C.machine_name(args.device)} - {args.dtype}, B={args.batch}, Hq={args.num_q_heads}, "
+                 f"Hkv={args.num_kv_heads}, D={args.head_dim}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    C.write_csv(args.out / f"{args.name}.csv", rows)
+    if not args.no_plot:
+        plot(rows, args, args.out / f"{args.name}.png")
+    print()
+    C.print_table(rows, [("context", "context", "d"), ("metadata_us", "metadata (us)", ".0f"),
+                         ("score_us", "score (us)", ".0f"), ("topk_us", "top-k (us)", ".0f"),
+                         ("attention_us", "attention (us)", ".0f"), ("score_topk_share", "score+top-k share", ".0%"),
+                         ("step_us", "step (us)", ".0f"), ("sdpa_us", "best SDPA (us)", ".0f"),
+                         ("speedup_vs_sdpa", "speedup", ".2f"), ("ideal_speedup", "ideal", ".2f"),
+                         ("sdpa_gqa_us", "SDPA enable_gqa (us)", ".0f"),
+                         ("speedup_vs_sdpa_gqa", "speedup vs it", ".2f")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

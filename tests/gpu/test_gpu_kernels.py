@@ -1,0 +1,188 @@
+"""GPU-only checks of the compiled Triton kernels (skipped without CUDA; run by ``bench/gpu.sh``).
+
+What the CPU tiers (interpreter, compile-only) cannot check: the numerics of the real bf16 / fp16
+tensor-core paths and TF32 fp32 dots, long contexts with large shuffled pools (64-bit offsets on the
+device), the split-K merge at 32K tokens, autotuned kernels, and the backward kernels on the device.
+
+Run with ``TRITON_INTERPRET=0 python -m pytest -q tests/gpu`` (tests/conftest.py turns the interpreter
+on by default, for the CPU suites). Tolerance (STYLE.md, flash-attention's rule): the kernel's error
+against an fp32 reference is at most 2x that of the same attention computed by PyTorch in the input
+dtype, plus a small floor.
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET=1: run with TRITON_INTERPRET=0 to test the compiled kernels"),
+]
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FLOOR = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # fp32 allows TF32 dots
+
+
+def _problem(*, batch, lens, page_size, hkv, group, head_dim, dtype, tq=1, extra_pages=64, seed=0):
+    """Random paged problem on the GPU: shuffled pool larger than needed, NaN in unowned slots."""
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [-(-n // page_size) for n in lens]
+    width = max(n_pages) + 2
+    num_pages = sum(n_pages) + extra_pages
+    k = torch.randn(num_pages, page_size, hkv, head_dim, generator=g)
+    v = torch.randn(num_pages, page_size, hkv, head_dim, generator=g)
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((batch, width), -1, dtype=torch.int32)
+    owned = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    start = 0
+    for b, (n, p) in enumerate(zip(lens, n_pages)):
+        pages = perm[start:start + p]
+        start += p
+        table[b, :p] = pages.to(torch.int32)
+        for j, page in enumerate(pages.tolist()):
+            owned[page, : min(page_size, n - j * page_size)] = True
+    k[~owned] = float("nan")
+    v[~owned] = float("nan")
+    q = torch.randn(batch, tq, hkv * group, head_dim, generator=g)
+    q = q[:, 0] if tq == 1 else q
+    dev = "cuda"
+    return (q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), table.to(dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev))
+
+
+def _bounds(k, table, lens):
+    import tinyattn
+
+    shape = (k.shape[0], k.shape[2], k.shape[3])
+    k_min = torch.zeros(shape, dtype=torch.float32, device=k.device)
+    k_max = torch.zeros(shape, dtype=torch.float32, device=k.device)
+    tinyattn.update_page_metadata(k, table, lens, k_min, k_max, backend="torch")
+    return k_min, k_max
+
+
+def _check_close(got, want_fp32, same_dtype_torch, dtype):
+    """flash-attention's rule: error <= 2x torch's own error in the input dtype, plus a floor."""
+    assert torch.isfinite(got).all()
+    err = (got.float() - want_fp32).abs().max().item()
+    torch_err = (same_dtype_torch.float() - want_fp32).abs().max().item()
+    assert err <= 2 * torch_err + FLOOR[dtype], f"max error {err:.3g} vs torch's {torch_err:.3g} in {dtype}"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim,page_size,group", [(128, 16, 4), (64, 32, 8), (80, 16, 1)])
+def test_dense_and_sparse_match_torch_backend(dtype, head_dim, page_size, group):
+    import tinyattn
+
+    dt = DTYPES[dtype]
+    q, k, v, table, lens = _problem(batch=3, lens=[5000, 1, 2 * page_size * 37 + 3], page_size=page_size, hkv=2,
+                                    group=group, head_dim=head_dim, dtype=dt)
+    want = tinyattn.paged_attention(q.float(), k.float(), v.float(), table, lens, backend="torch")
+    same = tinyattn.paged_attention(q, k, v, table, lens, backend="torch")
+    got = tinyattn.paged_attention(q, k, v, table, lens, backend="triton")
+    _check_close(got, want, same, dt)
+
+    k_min, k_max = _bounds(k, table, lens)
+    opts = dict(k_min=k_min, k_max=k_max, page_budget=8, num_sink_pages=1, num_recent_pages=2)
+    sel = tinyattn.select_pages(tinyattn.page_scores(q.float(), k_min, k_max, table, lens, page_size=page_size,
+                                                     backend="torch"),
+                                lens, page_size=page_size, page_budget=8, num_sink_pages=1, num_recent_pages=2,
+                                backend="torch")
+    want = tinyattn.sparse_paged_attention(q.float(), k.float(), v.float(), table, lens, page_indices=sel,
+                                           backend="torch")
+    same = tinyattn.sparse_paged_attention(q, k, v, table, lens, page_indices=sel, backend="torch")
+    got = tinyattn.sparse_paged_attention(q, k, v, table, lens, page_indices=sel, backend="triton")
+    _check_close(got, want, same, dt)
+    fused = tinyattn.sparse_paged_attention(q, k, v, table, lens, backend="triton", **opts)
+    assert torch.isfinite(fused).all()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_scores_and_selection_match_torch_backend(dtype):
+    import tinyattn
+
+    dt = DTYPES[dtype]
+    q, k, v, table, lens = _problem(batch=2, lens=[32768, 3001], page_size=16, hkv=8, group=4, head_dim=128,
+                                    dtype=dt)
+    k_min, k_max = _bounds(k, table, lens)
+    got = tinyattn.page_scores(q, k_min, k_max, table, lens, page_size=16, backend="triton")
+    want = tinyattn.page_scores(q, k_min, k_max, table, lens, page_size=16, backend="torch")
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], want[finite], atol=5e-2, rtol=2e-2)   # TF32 / half dots
+    opts = dict(page_size=16, page_budget=128, num_sink_pages=2, num_recent_pages=3)
+    assert torch.equal(tinyattn.select_pages(want, lens, **opts, backend="triton"),
+                       tinyattn.select_pages(want, lens, **opts, backend="torch"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_long_context_split_k_and_big_pool(dtype):
+    """32K tokens (the split-K merge) in a pool of > 2**31 K elements: 64-bit offsets on the device."""
+    import tinyattn
+
+    dt = DTYPES[dtype]
+    free = torch.cuda.mem_get_info()[0]
+    page_size, hkv, d = 16, 8, 128
+    pool_pages = (2**31 // (page_size * hkv * d)) + 4096
+    need = 2 * pool_pages * page_size * hkv * d * torch.empty((), dtype=dt).element_size()
+    if need > 0.6 * free:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of GPU memory")
+    L = 32768
+    n = L // page_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.empty(pool_pages, page_size, hkv, d, dtype=dt, device="cuda")
+    v = torch.empty_like(k)
+    ids = torch.arange(pool_pages - n, pool_pages, device="cuda")               # the last pages of the pool
+    k[ids] = torch.randn(n, page_size, hkv, d, generator=g, device="cuda").to(dt)
+    v[ids] = torch.randn(n, page_size, hkv, d, generator=g, device="cuda").to(dt)
+    table = ids.flip(0).to(torch.int32)[None]
+    lens = torch.tensor([L], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, hkv * 4, d, generator=g, device="cuda").to(dt)
+    k_small, v_small = k[ids.flip(0)], v[ids.flip(0)]
+    table_small = torch.arange(n, dtype=torch.int32, device="cuda")[None]
+    want = tinyattn.paged_attention(q.float(), k_small.float(), v_small.float(), table_small, lens, backend="torch")
+    same = tinyattn.paged_attention(q, k_small, v_small, table_small, lens, backend="torch")
+    got = tinyattn.paged_attention(q, k, v, table, lens, backend="triton")
+    _check_close(got, want, same, dt)
+
+
+def test_backward_matches_torch_backend():
+    import tinyattn
+
+    dt = torch.bfloat16
+    q, k, v, table, lens = _problem(batch=2, lens=[700, 129], page_size=16, hkv=2, group=4, head_dim=128, dtype=dt)
+    k = torch.nan_to_num(k)                                   # finite padding: gradients of padding are zero
+    v = torch.nan_to_num(v)
+    grads = {}
+    for backend in ("torch", "triton"):
+        qq, kk, vv = (t.detach().float().requires_grad_() if backend == "torch" else t.detach().requires_grad_()
+                      for t in (q, k, v))
+        out = tinyattn.paged_attention(qq, kk, vv, table, lens, backend=backend)
+        out.float().square().sum().backward()
+        grads[backend] = [t.grad.float() for t in (qq, kk, vv)]
+    for got, want in zip(grads["triton"], grads["torch"]):
+        assert torch.isfinite(got).all()
+        scale = want.abs().max().item() + 1e-6
+        assert (got - want).abs().max().item() <= 3e-2 * scale
+
+
+def test_autotuned_kernels_run():
+    """Every ``@triton.autotune`` kernel of tinyattn.kernels picks a config on this GPU (none: skipped)."""
+    import triton
+
+    from tinyattn import kernels
+
+    tuners = []
+    for mod_name in ("attention", "attention_bwd", "metadata", "scoring", "topk"):
+        mod = getattr(kernels, mod_name, None)
+        if mod is None:
+            continue
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, triton.runtime.autotuner.Autotuner):
+                tuners.append((f"{mod_name}.{name}", obj))
+    if not tuners:
+        pytest.skip("no @triton.autotune kernel in tinyattn.kernels (block sizes come from heuristics)")
+    test_dense_and_sparse_match_torch_backend("bf16", 128, 16, 4)          # launches them
+    for name, tuner in tuners:
+        print(f"{name}: {len(tuner.configs)} configs, cache {len(tuner.cache)} entries")

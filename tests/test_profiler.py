@@ -1,0 +1,175 @@
+"""tinyattn.profiler: spans per layer and op, pages / bytes, oracle hit rate and captured mass, traces."""
+
+import json
+
+import pytest
+import torch
+
+import tinyattn
+import tinyattn.profiler as tp
+from tinyattn.ops import spans
+from paged_problems import make_problem
+
+
+def _problem(seed=0, lens=(70, 33), page_size=8, hkv=2, group=2, head_dim=16):
+    p = make_problem(seed, batch=len(lens), seq_lens=list(lens), page_size=page_size, num_kv_heads=hkv, group=group,
+                     head_dim=head_dim)
+    k_min, k_max = p.bounds()
+    return p, k_min, k_max
+
+
+def _sparse(p, k_min, k_max, budget):
+    return tinyattn.sparse_paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                           k_min=k_min, k_max=k_max, page_budget=budget, backend="torch")
+
+
+def test_no_profiler_spans_are_a_shared_null_context():
+    assert spans.recorder is None
+    assert spans.span("score", q=None) is spans.span("attention") is tp.layer(3)
+
+
+def test_records_each_phase_per_layer_with_times_pages_and_bytes():
+    p, k_min, k_max = _problem()
+    with tp.profile(oracle=False) as prof:
+        for li in range(2):
+            with tp.layer(li):
+                _sparse(p, k_min, k_max, budget=3)
+        tinyattn.paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
+    assert spans.recorder is None
+    ops = [(r.layer, r.op) for r in prof.records]
+    assert ops == [(0, "score"), (0, "topk"), (0, "attention"), (1, "score"), (1, "topk"), (1, "attention"),
+                   (-1, "attention")]
+    assert all(r.duration_us > 0 for r in prof.records)
+    starts = [r.start_us for r in prof.records]
+    assert starts == sorted(starts)
+    S, Hkv, D = 8, 2, 16
+    # scoring reads the two boxes of every valid page of every row, per KV head (+ the queries)
+    score = prof.records[0]
+    assert score.pages == (9 + 5) * Hkv
+    assert score.bytes == 2 * (9 + 5) * Hkv * D * 4 + p.q.numel() * 4
+    # sparse attention reads K and V of the valid tokens of the 3 pages selected per (row, KV head)
+    att = prof.records[2]
+    assert att.sparse and att.pages == 3 * Hkv * 2
+    q_io = 2 * p.q.numel() * 4
+    sel = tinyattn.select_pages(
+        tinyattn.page_scores(p.q[:, 0], k_min, k_max, p.block_table, p.seq_lens, page_size=S, backend="torch"),
+        p.seq_lens, page_size=S, page_budget=3, backend="torch").long()
+    tok = torch.clamp(p.seq_lens.long()[:, None, None] - sel * S, 0, S)
+    tokens = int(tok.sum())
+    assert att.bytes == 2 * tokens * D * 4 + q_io
+    dense = prof.records[-1]
+    assert not dense.sparse and dense.pages == (9 + 5) * Hkv
+    assert dense.bytes == 2 * (70 + 33) * Hkv * D * 4 + q_io
+    rows = prof.table()
+    assert {(r["layer"], r["op"]) for r in rows} == set(ops)
+    shares = [r["share"] for r in rows if r["layer"] == 0]
+    assert abs(sum(shares) - 1) < 1e-9
+
+
+def test_metadata_span_counts_the_keys_read():
+    p, k_min, k_max = _problem()
+    with tp.profile() as prof:
+        tinyattn.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max, backend="torch")
+    (r,) = prof.records
+    assert r.op == "metadata" and r.pages == (9 + 5) * 2 and r.bytes == (70 + 33) * 2 * 16 * 4
+
+
+def test_oracle_hit_rate_and_captured_mass():
+    """One page holds almost all the attention mass: a selection with it captures ~all of it, one without doesn't."""
+    p, _, _ = _problem(lens=(64,), hkv=1, group=2)
+    q = p.q                                                            # [1, 1, 2, 16]
+    hot = 3                                                            # logical page 3 gets keys aligned with q
+    phys = int(p.block_table[0, hot])
+    p.k_cache[phys, :, 0] = 8.0 * q[0, 0].sum(0) / q[0, 0].sum(0).norm()
+    hits, selected, mass, n = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                torch.tensor([[[hot, 7]]]), scale=1.0)
+    assert selected == 2 and n == 1 and mass > 0.99
+    assert hits >= 1                                                   # the hot page is in the oracle's top 2
+    hits, selected, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                torch.tensor([[[0, 1]]]), scale=1.0)
+    assert hits == 0 and mass < 0.01
+    # every valid page selected: all of the mass, every page a hit; -1 padding ignored
+    all_pages = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, -1]]])
+    hits, selected, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens, all_pages, scale=0.25)
+    assert hits == selected == 8 and mass == pytest.approx(1.0, abs=1e-5)
+
+
+def test_profile_reports_quality_per_layer_and_summary_text(tmp_path):
+    p, k_min, k_max = _problem(lens=(120, 90), page_size=4)
+    with tp.profile(trace=tmp_path / "trace.json") as prof:
+        for li in range(3):
+            with tp.layer(li):
+                _sparse(p, k_min, k_max, budget=6)
+    assert set(prof.quality) == {0, 1, 2}
+    for q in prof.quality.values():
+        assert 0.0 <= q.hit_rate <= 1.0 and 0.0 < q.captured_mass <= 1.0 + 1e-6
+        assert q.pages_selected == 6 * 2 * 2
+    att = [r for r in prof.records if r.op == "attention"]
+    assert all(r.hit_rate is not None and r.captured_mass is not None for r in att)
+    text = prof.summary()
+    for word in ("score", "topk", "attention", "hit rate", "captured mass", "GB/s"):
+        assert word in text
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(prof.records)
+    assert {e["tid"] for e in events} == {1, 2, 3}
+    assert all(e["dur"] > 0 and "pages" in e["args"] for e in events)
+
+
+def test_a_selection_holding_the_whole_row_is_not_sparse():
+    p, k_min, k_max = _problem(lens=(20, 9))
+    with tp.profile() as prof:
+        _sparse(p, k_min, k_max, budget=8)
+    assert not prof.quality
+    assert not any(r.sparse for r in prof.records)
+    assert "trivially" in prof.summary()
+
+
+def test_torch_profiler_trace_holds_the_spans(tmp_path):
+    p, k_min, k_max = _problem()
+    with tp.profile(torch_profiler=True, oracle=False) as prof:
+        with tp.layer(5):
+            _sparse(p, k_min, k_max, budget=3)
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(path)
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert {"tinyattn.score[L5]", "tinyattn.topk[L5]", "tinyattn.attention[L5]"} <= names
+
+
+def test_profiles_do_not_nest_and_the_hook_is_removed_on_error():
+    with tp.profile():
+        with pytest.raises(RuntimeError, match="already active"):
+            with tp.profile():
+                pass
+    assert spans.recorder is None
+    with pytest.raises(ZeroDivisionError):
+        with tp.profile():
+            1 / 0
+    assert spans.recorder is None
+
+
+def test_a_failing_count_never_breaks_the_profiled_run():
+    with tp.profile() as prof:
+        with spans.span("attention", q="not a tensor"):
+            pass
+    assert prof.error and len(prof.records) == 1
+    assert "profiler error" in prof.summary()
+
+
+def test_cli_profile_prints_the_summary_and_writes_the_trace(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    tp.add_cli_option(parser)
+    assert parser.parse_args([]).profile is None and parser.parse_args(["--profile"]).profile == ""
+    with tp.cli_profile(None) as prof:
+        assert prof is None
+    p, k_min, k_max = _problem()
+    trace = tmp_path / "cli.json"
+    with tp.cli_profile(str(trace)) as prof:
+        _sparse(p, k_min, k_max, budget=3)
+    tp.print_cli_report(prof, str(trace))
+    tp.print_cli_report(None, None)
+    out = capsys.readouterr().out
+    assert "--- profile" in out and "attention" in out and str(trace) in out
+    assert json.loads(trace.read_text())["traceEvents"]
