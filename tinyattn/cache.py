@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .ops.spans import span
+
 
 class CacheFullError(RuntimeError):
     """Raised by :meth:`PagedKVCache.extend` when the pool has too few free pages; nothing was changed."""
@@ -165,8 +167,9 @@ class PagedKVCache:
         self.k_cache[layer][pages, offsets] = k.to(self.dtype)
         self.v_cache[layer][pages, offsets] = v.to(self.dtype)
         index = pages[:, None, None].expand_as(k)
-        self.k_min[layer].scatter_reduce_(0, index, k.to(self.dtype), "amin")
-        self.k_max[layer].scatter_reduce_(0, index, k.to(self.dtype), "amax")
+        with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
+            self.k_min[layer].scatter_reduce_(0, index, k.to(self.dtype), "amin")
+            self.k_max[layer].scatter_reduce_(0, index, k.to(self.dtype), "amax")
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

@@ -124,6 +124,9 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: by device: triton on CUDA, torch on CPU); "
                         "'triton' on a CPU-only machine runs the Triton interpreter (slow)")
+    from .profiler import add_cli_option
+
+    add_cli_option(g)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,7 +294,9 @@ def _cmd_generate(args) -> int:
                            selection_metrics=args.selection_metrics)
     texts = args.prompt if args.prompt else [""]
     prompts = [tokenizer.encode(t, bos=True) for t in texts]
-    with warnings.catch_warnings():
+    from .profiler import cli_profile, print_cli_report
+
+    with warnings.catch_warnings(), cli_profile(args.profile) as prof:
         warnings.simplefilter("ignore")  # past-context warning: reported below instead
         out = runtime.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                seed=args.seed, eos_id=tokenizer.eos_id)
@@ -312,6 +317,7 @@ def _cmd_generate(args) -> int:
         if longest > model.config.max_seq_len:
             print(f"warning: sequences reached {longest} tokens, past the model's training context "
                   f"({model.config.max_seq_len})", file=sys.stderr)
+    print_cli_report(prof, args.profile)
     return 0
 
 
@@ -345,14 +351,18 @@ def _cmd_eval(args) -> int:
     max_context = args.max_context
     if max_context is not None and max_context < 2:
         raise CLIError(f"--max-context must be >= 2, got {max_context}")
-    result = evaluate(model, tokenizer, stories, page_size=args.page_size, page_budgets=args.page_budgets,
-                      token_budgets=args.token_budgets, page_sizes=page_sizes, policies=args.policies,
-                      num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
-                      dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
-                      long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
-                      selection_metrics=not args.no_selection_metrics, progress=not args.no_progress)
+    from .profiler import cli_profile, print_cli_report
+
+    with cli_profile(args.profile) as prof:
+        result = evaluate(model, tokenizer, stories, page_size=args.page_size, page_budgets=args.page_budgets,
+                          token_budgets=args.token_budgets, page_sizes=page_sizes, policies=args.policies,
+                          num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
+                          dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
+                          long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
+                          selection_metrics=not args.no_selection_metrics, progress=not args.no_progress)
     print(f"data: {data}")
     print(format_eval_table(result))
+    print_cli_report(prof, args.profile)
     if len(result.policies) > 1 and len(result.rows) > 1:
         for metric, relative in (("nll", True), ("top1_agreement", False), ("hit_rate", False),
                                  ("long_range_nll", True), ("repeat_nll", True)):

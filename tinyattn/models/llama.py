@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyattn import selection
+from tinyattn.ops.spans import layer as profile_layer
 
 __all__ = [
     "LlamaConfig",
@@ -276,34 +277,35 @@ class LlamaModel(nn.Module):
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         for li, layer in enumerate(self.layers):
-            h = layer.attention_norm(x)
-            q = layer.wq(h).view(B, T, Hq, hd)
-            k = layer.wk(h).view(B, T, Hkv, hd)
-            v = layer.wv(h).view(B, T, Hkv, hd)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
-            qa = q[:, 0] if T == 1 else q  # [B, Hq, D] decode, [B, T, Hq, D] otherwise
-            policy = sparsity.policy
-            if sparse and sparsity.layer_is_sparse(li) and policy.fused and selection_metrics is None:
-                attn = tinyattn.sparse_paged_attention(
-                    qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
-                    k_min=cache.k_min[li], k_max=cache.k_max[li], page_budget=sparsity.page_budget,
-                    num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
-                    backend=backend,
-                )
-            elif sparse and sparsity.layer_is_sparse(li):
-                attn = selection.attend(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
-                                                                        seq_ids, sparsity, backend),
-                                        selection_metrics)
-            else:
-                attn = tinyattn.paged_attention(qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
-                                                backend=backend)
-                if policy.stateful and sparsity.layer_is_sparse(li):
-                    selection.observe_prefill(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
-                                                                              seq_ids, sparsity, backend))
-            x = x + layer.wo(attn.reshape(B, T, Hq * hd))
-            x = x + layer.ffn(layer.ffn_norm(x))
+            with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
+                h = layer.attention_norm(x)
+                q = layer.wq(h).view(B, T, Hq, hd)
+                k = layer.wk(h).view(B, T, Hkv, hd)
+                v = layer.wv(h).view(B, T, Hkv, hd)
+                q = apply_rope(q, cos, sin)
+                k = apply_rope(k, cos, sin)
+                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
+                qa = q[:, 0] if T == 1 else q  # [B, Hq, D] decode, [B, T, Hq, D] otherwise
+                policy = sparsity.policy
+                if sparse and sparsity.layer_is_sparse(li) and policy.fused and selection_metrics is None:
+                    attn = tinyattn.sparse_paged_attention(
+                        qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
+                        k_min=cache.k_min[li], k_max=cache.k_max[li], page_budget=sparsity.page_budget,
+                        num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
+                        backend=backend,
+                    )
+                elif sparse and sparsity.layer_is_sparse(li):
+                    attn = selection.attend(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
+                                                                            seq_ids, sparsity, backend),
+                                            selection_metrics)
+                else:
+                    attn = tinyattn.paged_attention(qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
+                                                    backend=backend)
+                    if policy.stateful and sparsity.layer_is_sparse(li):
+                        selection.observe_prefill(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
+                                                                                  seq_ids, sparsity, backend))
+                x = x + layer.wo(attn.reshape(B, T, Hq * hd))
+                x = x + layer.ffn(layer.ffn_norm(x))
         if last_only:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
