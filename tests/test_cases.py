@@ -321,3 +321,21 @@ def test_5_triton_backend_rejects_a_page_size_that_is_not_a_power_of_two():
     # the torch backend takes any page size
     got = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
     torch.testing.assert_close(got, reference.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_7_large_budgets_with_ties_match_reference(backend, data):
+    """Budgets above the kernel's radix-select threshold (16 pages), with ties, -inf and NaN scores."""
+    B, Hkv, P = 2, 2, data.draw(st.integers(20, 140))
+    lens = torch.tensor([data.draw(st.integers(0, 4 * P)) for _ in range(B)], dtype=torch.int32)
+    pool = torch.tensor([0.0, 1.0, 2.0, -1.0, float("-inf"), float("nan"), 3.5, -0.0, 1e30])
+    choice = torch.tensor(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=B * Hkv * P,
+                                             max_size=B * Hkv * P)))
+    scores = torch.where(torch.rand(B, Hkv, P, generator=torch.Generator().manual_seed(P)) < 0.5,
+                         pool[choice].reshape(B, Hkv, P), torch.randn(B, Hkv, P))
+    opts = dict(page_size=4, page_budget=data.draw(st.integers(17, P + 3)), num_sink_pages=data.draw(st.integers(0, 3)),
+                num_recent_pages=data.draw(st.integers(0, 20)))
+    got = tinyattn.select_pages(scores, lens, **opts, backend=backend)
+    assert torch.equal(got, reference.select_pages(scores, lens, **opts))
