@@ -86,8 +86,9 @@ def _top_rest_by_radix(b_key, m_cand, o_j, rest):
     """
     b_u = b_key.to(tl.int64) + 2147483648  # [BP] in [0, 2^32): unsigned order = key order
     b_t = tl.zeros([], tl.int64)
+    b_one = tl.full([], 1, tl.int64)  # int64: 1 << 31 in int32 would wrap negative
     for bit in range(31, -1, -1):
-        b_try = b_t | (1 << bit)
+        b_try = b_t | (b_one << bit)
         n_ge = tl.sum((m_cand & (b_u >= b_try)).to(tl.int32), axis=0)
         b_t = tl.where(n_ge >= rest, b_try, b_t)
     m_gt = m_cand & (b_u > b_t)  # [BP]
