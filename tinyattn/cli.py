@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import non_negative_float, non_negative_int, positive_int, positive_int_list
+
 __all__ = ["main", "build_parser"]
 
 _DEFAULT_MODEL = Path("..") / "shared" / "models" / "stories260K" / "stories260K.bin"
@@ -24,43 +26,6 @@ class CLIError(Exception):
     """A user error: printed as ``tinyattn COMMAND: error: ...`` with exit status 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _budget_list(text: str) -> list[int]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers >= 1, got {text!r}")
-    return [_positive_int(t) for t in items]
-
-
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
@@ -69,7 +34,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help=f"llama2.c tokenizer .bin; default: {_DEFAULT_TOKENIZER} if it exists")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                    help="weight and KV-cache dtype (default: fp32)")
-    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="PyTorch CPU threads (default: 1 for small models, dim < 512, whose ops are too small to "
                         "split; PyTorch's default otherwise)")
 
@@ -93,21 +58,21 @@ def _policy_list(text: str) -> list[str]:
 def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None:
     g = p.add_argument_group("paged / sparse attention")
     if budgets:
-        g.add_argument("--page-size", type=_positive_int, default=16,
+        g.add_argument("--page-size", type=positive_int, default=16,
                        help="tokens per KV page (default: 16; see --page-sizes)")
-        g.add_argument("--page-sizes", type=_budget_list, default=None, metavar="S1,S2,...",
+        g.add_argument("--page-sizes", type=positive_int_list, default=None, metavar="S1,S2,...",
                        help="comma-separated page sizes to evaluate (default: --page-size)")
         b = g.add_mutually_exclusive_group()
-        b.add_argument("--page-budgets", type=_budget_list, default=None, metavar="K1,K2,...",
+        b.add_argument("--page-budgets", type=positive_int_list, default=None, metavar="K1,K2,...",
                        help="comma-separated page budgets to evaluate, pages per sequence and KV head "
                             "(default: 2,4,8)")
-        b.add_argument("--token-budgets", type=_budget_list, default=None, metavar="T1,T2,...",
+        b.add_argument("--token-budgets", type=positive_int_list, default=None, metavar="T1,T2,...",
                        help="budgets in tokens instead, divided by each page size (e.g. 32,64,128,256)")
         g.add_argument("--policies", type=_policy_list, default=["quest"], metavar="P1,P2,...",
                        help=f"page-selection policies to compare (default: quest): {_POLICY_HELP}")
     else:
-        g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
-        g.add_argument("--page-budget", type=_positive_int, default=None, metavar="K",
+        g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
+        g.add_argument("--page-budget", type=positive_int, default=None, metavar="K",
                        help="pages attended per sequence and KV head at each decode step; "
                             "omit for dense decode")
         g.add_argument("--policy", choices=_POLICY_NAMES, default="quest",
@@ -115,11 +80,11 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
         g.add_argument("--selection-metrics", action="store_true",
                        help="also report the hit rate and captured attention mass of the selections against the "
                             "oracle (a dense attention pass per sparse layer and step)")
-    g.add_argument("--num-sink-pages", type=_non_negative_int, default=0,
+    g.add_argument("--num-sink-pages", type=non_negative_int, default=0,
                    help="leading pages always kept (default: 0)")
-    g.add_argument("--num-recent-pages", type=_non_negative_int, default=1,
+    g.add_argument("--num-recent-pages", type=non_negative_int, default=1,
                    help="trailing pages always kept; the page being written is always kept (default: 1)")
-    g.add_argument("--dense-layers", type=_non_negative_int, default=0,
+    g.add_argument("--dense-layers", type=non_negative_int, default=0,
                    help="leading layers that stay dense during decode; Quest keeps 2 (default: 0)")
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: by device: triton on CUDA, torch on CPU); "
@@ -156,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = gen.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="prompt text; repeat for a batch (default: one empty prompt, i.e. BOS only)")
-    g.add_argument("--max-new-tokens", type=_non_negative_int, default=200,
+    g.add_argument("--max-new-tokens", type=non_negative_int, default=200,
                    help="tokens to generate per prompt; a row also stops at EOS (default: 200)")
-    g.add_argument("--temperature", type=_temperature, default=0.0,
+    g.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature; 0 = greedy (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling torch.Generator (default: 0)")
     g.add_argument("--no-stats", action="store_true", help="print only the text")
@@ -187,12 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = ev.add_argument_group("data")
     g.add_argument("--data", type=Path, default=None,
                    help=f"text file of stories; default: {_DEFAULT_DATA} if it exists")
-    g.add_argument("--max-stories", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-stories", type=positive_int, default=None, metavar="N",
                    help="evaluate only the first N stories (default: all)")
-    g.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                    help="tokens per story including BOS (default: the model's seq_len)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    g.add_argument("--long-range-window", type=_positive_int, default=64, metavar="W",
+    g.add_argument("--long-range-window", type=positive_int, default=64, metavar="W",
                    help="a word of >= 3 letters is long-range when it occurred before, more than W tokens "
                         "earlier (default: 64)")
     g.add_argument("--no-repeat-probe", action="store_true",

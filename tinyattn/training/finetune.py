@@ -31,37 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..argtypes import non_negative_int, positive_float, positive_int
+
 __all__ = ["add_arguments", "run", "main", "load_sequences", "finetune"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
 
 
 def _decay(text: str) -> float:
@@ -81,35 +53,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", type=Path, required=True, help="llama2.c tokenizer .bin, e.g. tok512.bin")
     g.add_argument("--data", type=Path, required=True,
                    help="UTF-8 text to fine-tune on; its last --eval-sequences sequences are held out for evaluation")
-    g.add_argument("--seq-len", type=_positive_int, default=512,
+    g.add_argument("--seq-len", type=positive_int, default=512,
                    help="tokens per sequence (default: 512, stories260K's context)")
-    g.add_argument("--eval-sequences", type=_positive_int, default=16,
+    g.add_argument("--eval-sequences", type=positive_int, default=16,
                    help="held-out sequences at the end of --data for evaluation (default: 16)")
 
     g = parser.add_argument_group("chunked KV memory and retention")
-    g.add_argument("--chunk-size", type=_positive_int, required=True,
+    g.add_argument("--chunk-size", type=positive_int, required=True,
                    help="tokens per chunk; a multiple of --page-size")
-    g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default: 16)")
     g.add_argument("--retention", choices=["full", "gradient", "recency"], required=True,
                    help="full: keep every page; recency: free the oldest pages (sinks and newest kept); "
                         "gradient: free the pages with the smallest EMA of the signed first-order loss change "
                         "-sum(dK*K + dV*V) of removing them")
-    g.add_argument("--kv-budget-pages", type=_positive_int, default=None,
+    g.add_argument("--kv-budget-pages", type=positive_int, default=None,
                    help="pages per sequence and layer the KV memory may hold, the current chunk included "
                         "(required unless --retention full; ignored by full)")
-    g.add_argument("--sink-pages", type=_non_negative_int, default=1,
+    g.add_argument("--sink-pages", type=non_negative_int, default=1,
                    help="leading pages never freed (attention sinks; default: 1)")
-    g.add_argument("--recent-pages", type=_non_negative_int, default=None,
+    g.add_argument("--recent-pages", type=non_negative_int, default=None,
                    help="newest pages never freed (default: one chunk, --chunk-size / --page-size)")
     g.add_argument("--ema-decay", type=_decay, default=0.5,
                    help="EMA factor of the gradient policy's page scores (default: 0.5)")
 
     g = parser.add_argument_group("optimisation")
-    g.add_argument("--steps", type=_positive_int, required=True, help="optimizer steps (one batch of sequences each)")
-    g.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per step (default: 4)")
-    g.add_argument("--lr", type=_positive_float, default=5e-4, help="AdamW learning rate (default: 5e-4)")
+    g.add_argument("--steps", type=positive_int, required=True, help="optimizer steps (one batch of sequences each)")
+    g.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default: 4)")
+    g.add_argument("--lr", type=positive_float, default=5e-4, help="AdamW learning rate (default: 5e-4)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
-    g.add_argument("--grad-clip", type=_positive_float, default=1.0, help="gradient-norm clip (default: 1.0)")
+    g.add_argument("--grad-clip", type=positive_float, default=1.0, help="gradient-norm clip (default: 1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order (default: 0)")
 
     g = parser.add_argument_group("run")
@@ -119,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also evaluate the model before fine-tuning (same policy and budget)")
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: triton on CUDA, torch on CPU)")
-    g.add_argument("--threads", type=_positive_int, default=None, help="PyTorch CPU threads (default: 1)")
+    g.add_argument("--threads", type=positive_int, default=None, help="PyTorch CPU threads (default: 1)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
