@@ -19,6 +19,7 @@ only grows with ``amin``/``amax`` of the keys written into it, so padding slots 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -120,9 +121,15 @@ class PagedKVCache:
         """
         seq_ids = list(seq_ids)
         self._check_ids(seq_ids)
-        counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
-        if len(counts) != len(seq_ids) or any((not isinstance(c, int)) or c < 0 for c in counts):
-            raise ValueError(f"num_tokens: expected an int >= 0 or one per sequence ({len(seq_ids)}), got {num_tokens!r}")
+        try:        # an int-like count (int, numpy integer, 0-d integer tensor) or one per sequence
+            counts = [operator.index(num_tokens)] * len(seq_ids)
+        except TypeError:
+            counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else None
+        if counts is None or len(counts) != len(seq_ids) or any(
+                isinstance(c, bool) or not hasattr(c, "__index__") or operator.index(c) < 0 for c in counts):
+            raise ValueError(f"num_tokens: expected an int >= 0 or a list of one per sequence ({len(seq_ids)}), "
+                             f"got {num_tokens!r}")
+        counts = [operator.index(c) for c in counts]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("seq_ids: expected distinct sequence ids, got a repeated id")
         needed = [self._pages_needed(s, c) for s, c in zip(seq_ids, counts)]
@@ -155,14 +162,28 @@ class PagedKVCache:
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``, ``v`` ``[N, Hkv, D]`` at ``slots`` ``[N]`` of ``layer`` and grow the pages' boxes."""
+        """Store ``k``, ``v`` ``[N, Hkv, D]`` at ``slots`` ``[N]`` of ``layer`` and grow the pages' boxes.
+
+        Boxes only grow: overwriting a slot that already held a key leaves its page's box looser than
+        needed (still an upper bound, so selection stays safe); :func:`tinyattn.update_page_metadata`
+        recomputes it exactly. Raises ``TypeError``/``ValueError`` for non-integer or out-of-pool ``slots``
+        and mismatched ``k``/``v`` shapes, before anything is written.
+        """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer}")
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
+            got = f"{slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) \
+                else type(slots).__name__
+            raise TypeError(f"slots: expected a 1-D int32/int64 tensor (from extend()), got {got}")
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
         slots = slots.to(device=self.device, dtype=torch.int64)
+        capacity = self.num_pages * self.page_size
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+            raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
+                             f"[{int(slots.min())}, {int(slots.max())}]")
         pages, offsets = slots // self.page_size, slots % self.page_size
         self.k_cache[layer][pages, offsets] = k.to(self.dtype)
         self.v_cache[layer][pages, offsets] = v.to(self.dtype)

@@ -49,8 +49,29 @@ def _restore_q_shape(q, out, lse):
     return out, lse
 
 
+def _nothing_to_attend(q4, k_cache, block_table, page_indices) -> bool:
+    """Empty batch, no query token, an empty pool or table, or an empty page list: no key is visible."""
+    return (q4.numel() == 0 or k_cache.shape[0] == 0 or block_table.shape[1] == 0
+            or (page_indices is not None and page_indices.shape[-1] == 0))
+
+
+def _empty_attention(q4, k_cache, v_cache):
+    """out = 0 and lse = -inf everywhere, still connected to q/k/v so that their gradients are zeros.
+
+    Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
+    turn NaN padding into NaN).
+    """
+    link = q4.flatten()[:0].sum() + k_cache.flatten()[:0].sum() + v_cache.flatten()[:0].sum()
+    out = torch.zeros_like(q4) + link.to(q4.dtype)
+    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
+    return out, lse
+
+
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend):
     """Shared tail of both attention ops: canonical inputs -> out (+ lse)."""
+    if _nothing_to_attend(q4, k_cache, block_table, page_indices):
+        out, lse = _restore_q_shape(q, *_empty_attention(q4, k_cache, v_cache))
+        return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
               page_indices=page_indices, scale=scale):
         if needs_grad(q4, k_cache, v_cache):
@@ -268,6 +289,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
                            V.check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
         V.check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
+        if _nothing_to_attend(q4, k_cache, block_table, None):
+            return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)
         # inputs are validated once above; selection has no gradient, so it scores a detached q
         scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
         page_indices = _select_pages(scores, seq_lens, dict(options, page_size=shapes.page_size,

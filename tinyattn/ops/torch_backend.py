@@ -88,6 +88,8 @@ def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
     N, Hkv = k_min.shape[0], k_min.shape[1]
     P = block_table.shape[1]
     dt = _math_dtype(q4)
+    if B * Tq * P * N == 0:                                                             # nothing to score
+        return torch.full((B, Hkv, P), NEG_INF, dtype=torch.float32, device=q4.device)
     cols = torch.arange(P, device=q4.device)
     n_valid = num_valid_pages(seq_lens, page_size)
     valid = cols[None, :] < n_valid[:, None]                                            # [B, P]
@@ -126,6 +128,8 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     """
     B, Hkv, P = scores.shape
     device = scores.device
+    if B * Hkv * P == 0:                                                                # no page to keep
+        return torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=device)
     lens = seq_lens.to(torch.int64)
     n = num_valid_pages(lens, page_size)[:, None, None]                                 # [B, 1, 1]
     j = torch.arange(P, device=device)                                                  # [P]

@@ -155,6 +155,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> tuple[torc
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}")
     num_pages, page_size, Hkv, Dk = k_cache.shape
+    if D < 1:
+        raise ValueError(f"q: expected head_dim D >= 1 in the last dim, got shape {tuple(q.shape)}")
     if Dk != D:
         raise ValueError(f"k_cache: expected head_dim {D} (that of q) in dim 3, got {Dk}")
     if Hkv == 0 or Hq % Hkv != 0:

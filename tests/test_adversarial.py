@@ -1,0 +1,126 @@
+"""Adversarial edge cases found by probing (each asserts the contracted behaviour).
+
+Empty inputs (B = 0, a block table of width 0, an empty page pool, Tq = 0) are legal by DESIGN.md §2
+(`seq_lens` of 0 allowed, empty rows output zeros and lse = -inf); the Triton backend handles them, the
+torch backend (the CPU default) must too.
+"""
+import pytest
+import torch
+
+import tinyattn
+from tinyattn import reference as R
+
+
+def _empty_batch(D=8, Hq=2, Hkv=1, ps=4, P=3):
+    q = torch.randn(0, Hq, D)
+    k = torch.randn(P, ps, Hkv, D)
+    v = torch.randn(P, ps, Hkv, D)
+    bt = torch.zeros(0, 2, dtype=torch.int32)
+    sl = torch.zeros(0, dtype=torch.int32)
+    return q, k, v, bt, sl
+
+
+def test_torch_backend_empty_batch_dense():
+    q, k, v, bt, sl = _empty_batch()
+    out, lse = tinyattn.paged_attention(q, k, v, bt, sl, backend="torch", return_lse=True)
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+def test_torch_backend_empty_batch_sparse():
+    q, k, v, bt, sl = _empty_batch()
+    out = tinyattn.sparse_paged_attention(q, k, v, bt, sl, k_min=k[:, 0], k_max=k[:, 0], page_budget=2,
+                                          backend="torch")
+    assert out.shape == (0, 2, 8)
+
+
+def test_torch_backend_empty_batch_backward():
+    q, k, v, bt, sl = _empty_batch()
+    q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
+    tinyattn.paged_attention(q, k, v, bt, sl, backend="torch").sum().backward()
+    assert torch.count_nonzero(k.grad) == 0 and torch.count_nonzero(v.grad) == 0
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_torch_backend_zero_width_table_empty_pool(sparse):
+    # every row has seq_len 0: the table may have width 0 and the pool may hold no page
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(0, 4, 1, 8)
+    bt = torch.zeros(2, 0, dtype=torch.int32)
+    sl = torch.zeros(2, dtype=torch.int32)
+    kw = dict(k_min=k[:, 0], k_max=k[:, 0], page_budget=2) if sparse else {}
+    fn = tinyattn.sparse_paged_attention if sparse else tinyattn.paged_attention
+    out, lse = fn(q, k, k, bt, sl, backend="torch", return_lse=True, **kw)
+    ref_out, ref_lse = R.paged_attention(q, k, k, bt, sl, return_lse=True)
+    torch.testing.assert_close(out, ref_out)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.isneginf(lse).all() and torch.equal(lse, ref_lse)
+
+
+def test_torch_backend_page_indices_of_width_zero():
+    # a budget-0 page list selects nothing: zeros and lse = -inf (the Triton backend does this)
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(4, 4, 1, 8)
+    v = torch.randn(4, 4, 1, 8)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    sl = torch.tensor([6, 3], dtype=torch.int32)
+    pi = torch.zeros(2, 1, 0, dtype=torch.int32)
+    out, lse = tinyattn.sparse_paged_attention(q, k, v, bt, sl, page_indices=pi, backend="torch", return_lse=True)
+    ref_out, ref_lse = R.sparse_paged_attention(q, k, v, bt, sl, page_indices=pi, return_lse=True)
+    torch.testing.assert_close(out, ref_out)
+    assert torch.equal(lse, ref_lse)
+
+
+def test_torch_backend_zero_query_tokens():
+    q = torch.randn(2, 0, 1, 8)
+    k = torch.randn(1, 4, 1, 8)
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    sl = torch.zeros(2, dtype=torch.int32)
+    out, lse = tinyattn.paged_attention(q, k, k, bt, sl, backend="torch", return_lse=True)
+    assert out.shape == (2, 0, 1, 8) and lse.shape == (2, 0, 1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_head_dim_zero_raises_named_value_error(backend, monkeypatch):
+    if backend == "triton":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1")
+    q = torch.randn(2, 1, 0)
+    k = torch.randn(1, 4, 1, 0)
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    sl = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim|D"):
+        tinyattn.paged_attention(q, k, k, bt, sl, backend=backend)
+
+
+def test_cache_write_rejects_float_slots():
+    from tinyattn.cache import PagedKVCache
+    c = PagedKVCache(1, 1, 2, page_size=4, num_pages=2, dtype=torch.float32, device="cpu")
+    c.extend([c.add_sequence()], 2)
+    # 0.5 is not a slot: it must not be silently truncated to slot 0
+    with pytest.raises(TypeError, match="slots"):
+        c.write(0, torch.tensor([0.5]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+
+
+def test_cache_write_out_of_range_slot_names_argument_and_leaves_pool_untouched():
+    from tinyattn.cache import PagedKVCache
+    c = PagedKVCache(1, 1, 2, page_size=4, num_pages=2, dtype=torch.float32, device="cpu")
+    c.extend([c.add_sequence()], 2)
+    before = c.k_cache[0].clone()
+    with pytest.raises(ValueError, match="slots"):
+        c.write(0, torch.tensor([-1]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    assert torch.equal(c.k_cache[0], before)
+
+
+def test_cache_extend_numpy_int_count_is_an_int():
+    np = pytest.importorskip("numpy")
+    from tinyattn.cache import PagedKVCache
+    c = PagedKVCache(1, 1, 2, page_size=4, num_pages=2, dtype=torch.float32, device="cpu")
+    s = c.add_sequence()
+    try:
+        slots = c.extend([s], np.int64(2))
+    except (TypeError, ValueError) as e:      # acceptable only with a message naming the argument
+        assert "num_tokens" in str(e)
+    else:
+        assert slots.numel() == 2 and c.length(s) == 2
