@@ -7,7 +7,7 @@
 #
 # Needs only what the image has: torch (CUDA build) and triton; flash-attn is used when importable and
 # skipped otherwise. No interactive input; each step has its own time limit and a failed step does not stop
-# the others (the exit status is that of the first failure); the limits add up to 290 s. Commit the CSV /
+# the others (the exit status is that of the first failure); the limits add up to 300 s. Commit the CSV /
 # PNG / summary.md it writes to docs/bench/gpu/ with the GPU named (docs/benchmarks.md, "GPU").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -66,21 +66,22 @@ else
 fi
 
 if python -c "import pytest" 2>/dev/null; then
-  step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/gpu -rs
+  step gpu_tests 80 python -m pytest -q -p no:cacheprovider tests/gpu -rs
 else
   echo "pytest is not installed: running tests/gpu with bench/gpu_tests.py"
-  step gpu_tests 90 python bench/gpu_tests.py
+  step gpu_tests 80 python bench/gpu_tests.py
 fi
 step decode_attention 100 python bench/decode_attention.py --device cuda --out "$DEST" \
   --contexts "$CONTEXTS" --budgets "$BUDGETS" --repeats "$REPEATS"
 step kernel_breakdown 40 python bench/kernel_breakdown.py --device cuda --out "$DEST" \
   --contexts 4K,16K,32K,128K --repeats "$REPEATS"
-step e2e_decode 60 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
+step gpu_graphs 30 python bench/gpu_graphs.py --out "$DEST" --contexts 4K,32K,128K --batches 1,8
+step e2e_decode 50 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
 
 {
   echo "# tinyattn GPU run, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
   cat "$DEST/env.txt"
-  for f in decode_attention kernel_breakdown e2e_decode; do
+  for f in decode_attention kernel_breakdown gpu_graphs e2e_decode; do
     echo
     echo "## $f"
     # the Markdown table each script prints last
