@@ -9,7 +9,7 @@ is what runs.
     python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
 
 Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (16 kernels: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
+representative subset (19 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
 dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill), about a minute per arch on
 2 cores; ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
 """
@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, NamedTuple
 import triton
 from triton.backends.compiler import GPUTarget
 
-from . import attention, metadata, scoring, topk
+from . import attention, attention_bwd, metadata, scoring, topk
 
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 HEAD_DIMS = (8, 40, 64, 80, 128, 256)  # padded: 16, 64, 64, 128, 128, 256
@@ -95,6 +95,24 @@ def merge_specs(dtype: str, num_heads: int, num_splits: int, head_dim: int) -> S
                  attention._merge_splits_kernel, ptrs, meta)
 
 
+def backward_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
+                   has_dlse: bool) -> Spec:
+    """The backward kernel uses the forward's block sizes (same page walk); dk/dv are fp32 accumulators."""
+    meta = attention.attention_blocks(tq, group, head_dim, page_size)
+    meta.update(SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=False, PRECISION="ieee")
+    ptrs = dict(q=dtype, k_cache=dtype, v_cache=dtype, block_table="i32", seq_lens="i32", page_indices="i32",
+                out=dtype, dout=dtype, lse="fp32", dlse="fp32", dq=dtype, dk="fp32", dv="fp32")
+    name = (f"attention_bwd[{dtype},D={head_dim},S={page_size},Tq={tq},G={group},"
+            f"{'sparse' if sparse else 'dense'}{',dlse' if has_dlse else ''}]")
+    return _spec(name, attention_bwd._attn_bwd_kernel, ptrs, meta, floats=("scale", "qk_scale"))
+
+
+def page_norm_specs(page_size: int, head_dim: int) -> Spec:
+    meta = attention_bwd.page_norm_blocks(page_size, head_dim)
+    ptrs = dict(dk="fp32", dv="fp32", norms="fp32")
+    return _spec(f"page_grad_norm[D={head_dim},S={page_size}]", attention_bwd._page_grad_norm_kernel, ptrs, meta)
+
+
 def representative() -> Iterator[Spec]:
     """Each dtype, padded head dims 16 / 128 / 256, page sizes 1 / 16 / 256, each kernel mode, at least once."""
     for dtype in DTYPES:
@@ -112,6 +130,9 @@ def representative() -> Iterator[Spec]:
     yield scoring_specs("bf16", "fp32", 256, 256, 64, 3)
     yield topk_specs(2048, 128, 16)
     yield topk_specs(8, 3, 1)
+    yield backward_specs("bf16", 128, 16, 1, 4, sparse=True, has_dlse=False)
+    yield backward_specs("fp16", 64, 16, 64, 2, sparse=False, has_dlse=True)
+    yield page_norm_specs(16, 128)
 
 
 def full() -> Iterator[Spec]:
