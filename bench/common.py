@@ -79,6 +79,33 @@ def base_parser(description: str, default_name: str) -> argparse.ArgumentParser:
     return p
 
 
+def script_parser(description: str, default_name: str, contexts_help: str) -> argparse.ArgumentParser:
+    """:func:`base_parser` plus the ``--contexts`` option every context sweep has."""
+    p = base_parser(description, default_name)
+    p.add_argument("--contexts", type=parse_sizes, default=None, help=contexts_help)
+    return p
+
+
+def add_head_args(p: argparse.ArgumentParser) -> None:
+    """The attention problem's shape options: batch, query / KV heads, head_dim and page size."""
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+
+
+def quick_heads(args) -> None:
+    """``--quick`` for the attention scripts: a tiny head shape, 3 repeats unless given, 1 warm-up call."""
+    args.num_q_heads, args.num_kv_heads, args.head_dim = 8, 2, 64
+    args.repeats = args.repeats or 3
+    args.warmup = 1
+
+
+def default_repeats(args) -> None:
+    args.repeats = args.repeats or (10 if args.device == "cpu" else 100)
+
+
 def _cpu_times():
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
@@ -257,6 +284,36 @@ def pyplot():
         return None
 
 
+def new_figure(rows: list[dict], *args, **kwargs):
+    """``(plt, fig, axes)`` of ``plt.subplots(*args, **kwargs)``, or None (no plot) without matplotlib or rows."""
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    fig, axes = plt.subplots(*args, **kwargs)
+    return plt, fig, axes
+
+
+def context_axis(ax, contexts) -> None:
+    """A log2 x axis of contexts, ticked at each context (``1K``, ``2K``, ...)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [fmt_tokens(c) for c in contexts])
+    ax.set_xlabel("context (tokens)")
+
+
+def shape_title(args) -> str:
+    """The machine, dtype and attention shape of a run, for a figure's title."""
+    return (f"{machine_name(args.device)} - {args.dtype}, B={args.batch}, Hq={args.num_q_heads}, "
+            f"Hkv={args.num_kv_heads}, D={args.head_dim}")
+
+
+def save_figure(plt, fig, path: Path, title: str, fontsize: float) -> None:
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Rows as a Markdown table; ``columns`` = (key, header, format spec). Printed and returned."""
     head = "| " + " | ".join(h for _, h, _ in columns) + " |"
@@ -292,3 +349,15 @@ def parse_sizes(text: str) -> list[int]:
         mult = 1024 if item.endswith("K") else 1
         out.append(int(item.rstrip("K")) * mult)
     return out
+
+
+def run_main(argv, parse_args, run, plot, columns: list[tuple[str, str, str]]) -> int:
+    """A bench script's ``main``: parse, run, write ``<name>.csv`` (and ``<name>.png``), print the table."""
+    args = parse_args(argv)
+    rows = run(args)
+    write_csv(args.out / f"{args.name}.csv", rows)
+    if not args.no_plot:
+        plot(rows, args, args.out / f"{args.name}.png")
+    print()
+    print_table(rows, columns)
+    return 0

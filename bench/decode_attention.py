@@ -39,28 +39,21 @@ import common as C  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = C.base_parser(__doc__, "decode_attention")
-    p.add_argument("--contexts", type=C.parse_sizes, default=None,
-                   help="comma-separated contexts, K = 1024 (default: 1K,2K,4K,8K,16K,32K,64K,128K)")
+    p = C.script_parser(__doc__, "decode_attention",
+                        "comma-separated contexts, K = 1024 (default: 1K,2K,4K,8K,16K,32K,64K,128K)")
     p.add_argument("--budgets", type=C.parse_sizes, default=None,
                    help="comma-separated token budgets = page_budget x page_size (default: 512,1024,2048,4096)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--num-q-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
+    C.add_head_args(p)
     p.add_argument("--max-gib", type=float, default=6.0,
                    help="skip contexts whose paged + contiguous caches exceed this many GiB (default: 6)")
     args = p.parse_args(argv)
     if args.quick:
         args.contexts = args.contexts or [512, 2048]
         args.budgets = args.budgets or [128, 256]
-        args.num_q_heads, args.num_kv_heads, args.head_dim = 8, 2, 64
-        args.repeats = args.repeats or 3
-        args.warmup = 1
+        C.quick_heads(args)
     args.contexts = args.contexts or [1024 * 2**i for i in range(8)]
     args.budgets = args.budgets or [512, 1024, 2048, 4096]
-    args.repeats = args.repeats or (10 if args.device == "cpu" else 100)
+    C.default_repeats(args)
     return args
 
 
@@ -152,10 +145,9 @@ def check_outputs(p, methods, q_fold) -> None:
 
 
 def plot(rows, args, path: Path) -> None:
-    plt = C.pyplot()
-    if plt is None or not rows:
+    if (made := C.new_figure(rows, 1, 2, figsize=(13, 4.8))) is None:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    plt, fig, (ax1, ax2) = made
     contexts = sorted({r["context"] for r in rows})
     budgets = sorted({r["budget_tokens"] for r in rows if r["method"] == "sparse"})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -171,10 +163,8 @@ def plot(rows, args, path: Path) -> None:
         if sel:
             ax1.plot([r["context"] for r in sel], [r["speedup"] for r in sel], style, label=name)
     ax1.axhline(1.0, color="grey", lw=0.8)
-    ax1.set_xscale("log", base=2)
+    C.context_axis(ax1, contexts)
     ax1.set_yscale("log", base=2)
-    ax1.set_xticks(contexts, [C.fmt_tokens(c) for c in contexts])
-    ax1.set_xlabel("context (tokens)")
     ax1.set_ylabel("speedup vs the faster SDPA form (dense)")
     ax1.set_title("decode step speedup vs SDPA; dashed = bytes-moved ideal", fontsize=10)
     ax1.legend(fontsize=7, ncol=2)
@@ -185,33 +175,19 @@ def plot(rows, args, path: Path) -> None:
         if sel:
             ax2.plot([r["context"] for r in sel], [r["gb_per_s"] for r in sel], "o-", ms=3,
                      label=m if not b else f"sparse, {b} tokens")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(contexts, [C.fmt_tokens(c) for c in contexts])
-    ax2.set_xlabel("context (tokens)")
+    C.context_axis(ax2, contexts)
     ax2.set_ylabel("GB/s (bytes the method must read / time)")
     ax2.set_title("effective bandwidth")
     ax2.legend(fontsize=7)
-    fig.suptitle(f"{C.machine_name(args.device)} - {args.dtype}, B={args.batch}, Hq={args.num_q_heads}, "
-                 f"Hkv={args.num_kv_heads}, D={args.head_dim}, page {args.page_size}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(plt, fig, path, f"{C.shape_title(args)}, page {args.page_size}", 9)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    rows = run(args)
-    C.write_csv(args.out / f"{args.name}.csv", rows)
-    if not args.no_plot:
-        plot(rows, args, args.out / f"{args.name}.png")
-    print()
-    C.print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("budget_tokens", "budget", "d"),
+    return C.run_main(argv, parse_args, run, plot, [("context", "context", "d"), ("method", "method", ""), ("budget_tokens", "budget", "d"),
                          ("time_us", "time (us)", ".1f"), ("speedup", "speedup vs best SDPA", ".2f"),
                          ("speedup_vs_sdpa_gqa", "vs SDPA enable_gqa", ".2f"),
                          ("bytes", "bytes", ".3g"), ("gb_per_s", "GB/s", ".1f"),
                          ("ideal_speedup", "ideal", ".2f"), ("efficiency", "efficiency", ".0%")])
-    return 0
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ import common as C  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = C.base_parser(__doc__, "e2e_decode")
-    p.add_argument("--contexts", type=C.parse_sizes, default=None,
-                   help="comma-separated contexts (default: 1K,4K,16K,32K,64K,128K)")
+    p = C.script_parser(__doc__, "e2e_decode", "comma-separated contexts (default: 1K,4K,16K,32K,64K,128K)")
     p.add_argument("--budget", type=int, default=2048, help="sparse token budget (default: 2048)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per mode (default: 8)")
@@ -144,42 +142,28 @@ def run(args) -> list[dict]:
 
 
 def plot(rows, args, path: Path) -> None:
-    plt = C.pyplot()
-    if plt is None or not rows:
+    if (made := C.new_figure(rows, figsize=(7.5, 4.5))) is None:
         return
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    plt, fig, ax = made
     xs = [r["context"] for r in rows]
     ax.plot(xs, [r["dense_tok_s"] for r in rows], "o-", label="dense decode")
     ax.plot(xs, [r["sparse_tok_s"] for r in rows], "o-", label=f"sparse decode ({args.budget} tokens)")
     for r in rows:
         ax.annotate(f"x{r['speedup']:.2f}", (r["context"], r["sparse_tok_s"]), textcoords="offset points",
                     xytext=(0, 6), ha="center", fontsize=7)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [C.fmt_tokens(x) for x in xs])
-    ax.set_xlabel("context (tokens)")
+    C.context_axis(ax, xs)
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title(f"end-to-end decode, LLaMA {args.n_layers} layers, dim {args.dim}, head_dim "
                  f"{args.dim // args.n_heads}, {args.dtype}", fontsize=10)
     ax.legend(fontsize=8)
-    fig.suptitle(C.machine_name(args.device), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(plt, fig, path, C.machine_name(args.device), 8)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    rows = run(args)
-    C.write_csv(args.out / f"{args.name}.csv", rows)
-    if not args.no_plot:
-        plot(rows, args, args.out / f"{args.name}.png")
-    print()
-    C.print_table(rows, [("context", "context", "d"), ("dense_ms", "dense ms/token", ".2f"),
+    return C.run_main(argv, parse_args, run, plot, [("context", "context", "d"), ("dense_ms", "dense ms/token", ".2f"),
                          ("sparse_ms", "sparse ms/token", ".2f"), ("dense_tok_s", "dense tok/s", ".1f"),
                          ("sparse_tok_s", "sparse tok/s", ".1f"), ("speedup", "speedup", ".2f"),
                          ("dense_attn_share", "attention share (dense)", ".0%")])
-    return 0
 
 
 if __name__ == "__main__":

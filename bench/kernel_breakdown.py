@@ -38,24 +38,16 @@ PHASES = ("metadata", "score", "topk", "attention")
 
 
 def parse_args(argv=None):
-    p = C.base_parser(__doc__, "kernel_breakdown")
-    p.add_argument("--contexts", type=C.parse_sizes, default=None,
-                   help="comma-separated contexts (default: 4K,8K,16K,32K,64K,128K)")
+    p = C.script_parser(__doc__, "kernel_breakdown", "comma-separated contexts (default: 4K,8K,16K,32K,64K,128K)")
     p.add_argument("--budget", type=int, default=2048, help="token budget (default: 2048)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--num-q-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
+    C.add_head_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.contexts = args.contexts or [1024, 4096]
         args.budget = 256
-        args.num_q_heads, args.num_kv_heads, args.head_dim = 8, 2, 64
-        args.repeats = args.repeats or 3
-        args.warmup = 1
+        C.quick_heads(args)
     args.contexts = args.contexts or [4096 * 2**i for i in range(6)]
-    args.repeats = args.repeats or (10 if args.device == "cpu" else 100)
+    C.default_repeats(args)
     return args
 
 
@@ -139,10 +131,9 @@ def run(args) -> list[dict]:
 
 
 def plot(rows, args, path: Path) -> None:
-    plt = C.pyplot()
-    if plt is None or not rows:
+    if (made := C.new_figure(rows, figsize=(8, 4.5))) is None:
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    plt, fig, ax = made
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for ph in PHASES:
@@ -159,29 +150,17 @@ def plot(rows, args, path: Path) -> None:
     ax.set_ylabel("ms per decode step (log)")
     ax.set_title(f"sparse decode step by phase, budget {args.budget} tokens; shares of the step", fontsize=10)
     ax.legend(fontsize=8)
-    fig.suptitle(f"{C.machine_name(args.device)} - {args.dtype}, B={args.batch}, Hq={args.num_q_heads}, "
-                 f"Hkv={args.num_kv_heads}, D={args.head_dim}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(plt, fig, path, C.shape_title(args), 8)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    rows = run(args)
-    C.write_csv(args.out / f"{args.name}.csv", rows)
-    if not args.no_plot:
-        plot(rows, args, args.out / f"{args.name}.png")
-    print()
-    C.print_table(rows, [("context", "context", "d"), ("metadata_us", "metadata (us)", ".0f"),
+    return C.run_main(argv, parse_args, run, plot, [("context", "context", "d"), ("metadata_us", "metadata (us)", ".0f"),
                          ("score_us", "score (us)", ".0f"), ("topk_us", "top-k (us)", ".0f"),
                          ("attention_us", "attention (us)", ".0f"), ("score_topk_share", "score+top-k share", ".0%"),
                          ("step_us", "step (us)", ".0f"), ("sdpa_us", "best SDPA (us)", ".0f"),
                          ("speedup_vs_sdpa", "speedup", ".2f"), ("ideal_speedup", "ideal", ".2f"),
                          ("sdpa_gqa_us", "SDPA enable_gqa (us)", ".0f"),
                          ("speedup_vs_sdpa_gqa", "speedup vs it", ".2f")])
-    return 0
 
 
 if __name__ == "__main__":

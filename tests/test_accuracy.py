@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tinyattn.models import LlamaModel, LlamaRuntime, Tokenizer, load_stories
+from tinyattn.models import LlamaRuntime, load_stories
 from tinyattn.models.evaluate import JSON_FIELDS, evaluate, format_comparison, long_range_mask, plot_eval
 from tinyattn.selection import H2OPolicy, SelectionMetrics
+
+from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / ".." / "shared" / "models" / "stories260K"
@@ -44,16 +46,6 @@ def test_long_range_mask_on_a_hand_made_list():
 
 
 # ------------------------------------------------------------------------------------ real model
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel.from_llama2c(CKPT)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer(TOKENIZER)
-
-
 @pytest.fixture(scope="module")
 def small_eval(model, tok):
     stories = load_stories(VALID)[:2]

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyattn.models import (LlamaModel, LlamaRuntime, SparsityConfig, Tokenizer, evaluate, load_llama2c,
+from tinyattn.models import (LlamaModel, LlamaRuntime, SparsityConfig, evaluate, load_llama2c,
                              load_stories, rope_tables)
 from tinyattn.models.llama import apply_rope
+
+from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "stories260K"
@@ -28,16 +30,6 @@ VALID = SHARED / "data" / "tinystories_valid_excerpt.txt"
 pytestmark = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{MODEL_DIR} is missing")
 
 TORCH = "torch"  # conftest sets TRITON_INTERPRET=1, which would make backend=None pick the slow interpreter
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel.from_llama2c(CKPT)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer(TOKENIZER)
 
 
 @pytest.fixture(scope="module")

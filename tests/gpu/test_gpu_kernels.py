@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from paged_problems import make_problem
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -25,30 +26,12 @@ FLOOR = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # f
 
 
 def _problem(*, batch, lens, page_size, hkv, group, head_dim, dtype, tq=1, extra_pages=64, seed=0):
-    """Random paged problem on the GPU: shuffled pool larger than needed, NaN in unowned slots."""
-    g = torch.Generator().manual_seed(seed)
-    n_pages = [-(-n // page_size) for n in lens]
-    width = max(n_pages) + 2
-    num_pages = sum(n_pages) + extra_pages
-    k = torch.randn(num_pages, page_size, hkv, head_dim, generator=g)
-    v = torch.randn(num_pages, page_size, hkv, head_dim, generator=g)
-    perm = torch.randperm(num_pages, generator=g)
-    table = torch.full((batch, width), -1, dtype=torch.int32)
-    owned = torch.zeros(num_pages, page_size, dtype=torch.bool)
-    start = 0
-    for b, (n, p) in enumerate(zip(lens, n_pages)):
-        pages = perm[start:start + p]
-        start += p
-        table[b, :p] = pages.to(torch.int32)
-        for j, page in enumerate(pages.tolist()):
-            owned[page, : min(page_size, n - j * page_size)] = True
-    k[~owned] = float("nan")
-    v[~owned] = float("nan")
-    q = torch.randn(batch, tq, hkv * group, head_dim, generator=g)
-    q = q[:, 0] if tq == 1 else q
-    dev = "cuda"
-    return (q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), table.to(dev),
-            torch.tensor(lens, dtype=torch.int32, device=dev))
+    """Random paged problem on the GPU (``paged_problems.make_problem``): shuffled pool larger than needed,
+    NaN in unowned slots, garbage table entries past each row's end."""
+    p = make_problem(seed, batch=batch, seq_lens=lens, page_size=page_size, num_kv_heads=hkv, group=group,
+                     head_dim=head_dim, num_query_tokens=tq, dtype=dtype, extra_pages=extra_pages, spare_columns=2)
+    q = p.q[:, 0] if tq == 1 else p.q
+    return tuple(t.to("cuda") for t in (q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))
 
 
 def _bounds(k, table, lens):

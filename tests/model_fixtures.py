@@ -1,0 +1,22 @@
+"""The stories260K model and its tokenizer as module-scoped fixtures (test_model.py, test_accuracy.py).
+
+Import them into a test module, ``from model_fixtures import model, tok``: each module loads its own copy.
+"""
+
+import pytest
+
+from conftest import MODEL_DIR
+from tinyattn.models import LlamaModel, Tokenizer
+
+CKPT = MODEL_DIR / "stories260K.bin"
+TOKENIZER = MODEL_DIR / "tok512.bin"
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel.from_llama2c(CKPT)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(TOKENIZER)
