@@ -75,23 +75,83 @@ def test_metadata_span_counts_the_keys_read():
 
 
 def test_oracle_hit_rate_and_captured_mass():
-    """One page holds almost all the attention mass: a selection with it captures ~all of it, one without doesn't."""
+    """One page holds almost all the attention mass: a selection with it captures ~all of it, one without doesn't.
+
+    The oracle is the selection module's: the forced pages (the last page; the first ``num_sink_pages``)
+    and then the pages of most true attention mass, ``page_budget`` pages in all.
+    """
     p, _, _ = _problem(lens=(64,), hkv=1, group=2)
     q = p.q                                                            # [1, 1, 2, 16]
     hot = 3                                                            # logical page 3 gets keys aligned with q
     phys = int(p.block_table[0, hot])
     p.k_cache[phys, :, 0] = 8.0 * q[0, 0].sum(0) / q[0, 0].sum(0).norm()
-    hits, selected, mass, n = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
-                                                torch.tensor([[[hot, 7]]]), scale=1.0)
-    assert selected == 2 and n == 1 and mass > 0.99
-    assert hits >= 1                                                   # the hot page is in the oracle's top 2
-    hits, selected, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
-                                                torch.tensor([[[0, 1]]]), scale=1.0)
-    assert hits == 0 and mass < 0.01
-    # every valid page selected: all of the mass, every page a hit; -1 padding ignored
+    # budget 2 of 8 pages: the oracle keeps the forced last page (7) and the hot page, so [hot, 7] hits both
+    hits, oracle_pages, mass, n = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                    torch.tensor([[[hot, 7]]]), scale=1.0)
+    assert (hits, oracle_pages, n) == (2, 2, 1) and mass > 0.99
+    hits, oracle_pages, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                    torch.tensor([[[0, 1]]]), scale=1.0)
+    assert hits == 0 and oracle_pages == 2 and mass < 0.01
+    # with a sink page forced too, budget 3: the oracle is {0, hot, 7}
+    hits, oracle_pages, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                    torch.tensor([[[0, hot, 7]]]), scale=1.0, num_sink_pages=1)
+    assert (hits, oracle_pages) == (3, 3) and mass > 0.99
+    hits, oracle_pages, _, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens,
+                                                 torch.tensor([[[hot, 6, 7]]]), scale=1.0, num_sink_pages=1)
+    assert (hits, oracle_pages) == (2, 3)                              # page 0 (forced) missed
+    # a budget that holds the whole row: not a sparse row, nothing counted
     all_pages = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, -1]]])
-    hits, selected, mass, _ = tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens, all_pages, scale=0.25)
-    assert hits == selected == 8 and mass == pytest.approx(1.0, abs=1e-5)
+    assert tp.oracle_quality(q, p.k_cache, p.block_table, p.seq_lens, all_pages, scale=0.25) == (0, 0, 0.0, 0)
+
+
+def test_profiler_quality_is_the_selection_modules_with_the_callers_forced_pages():
+    """Hit rate / captured mass of the fused op and of ``selection.attend`` under sink + recent pages, checked
+    against a dense softmax and a forced-pages-then-top-mass oracle computed here."""
+    from tinyattn import selection
+
+    p, k_min, k_max = _problem(lens=(120, 90), page_size=4)
+    budget, sinks, recent, S = 6, 1, 2, 4
+    q = p.q[:, 0]                                                      # [B, Hq, D]
+    with tp.profile() as prof:
+        with tp.layer(0):
+            tinyattn.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=k_min,
+                                            k_max=k_max, page_budget=budget, num_sink_pages=sinks,
+                                            num_recent_pages=recent, backend="torch")
+        with tp.layer(1):
+            ctx = selection.SelectionContext(layer=1, q=q, k_cache=p.k_cache, v_cache=p.v_cache, k_min=k_min,
+                                             k_max=k_max, block_table=p.block_table, seq_lens=p.seq_lens,
+                                             page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent,
+                                             backend="torch")
+            selection.attend(selection.QuestPolicy(), ctx)
+    # independent reference: dense softmax per query head, page mass summed over the group, normalised
+    sel = tinyattn.select_pages(
+        tinyattn.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, backend="torch"),
+        p.seq_lens, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent,
+        backend="torch").long()
+    Hkv, G = 2, 2
+    hits = pages = 0
+    masses = []
+    for b, L in enumerate(p.seq_lens.tolist()):
+        n = -(-L // S)
+        keys = torch.stack([p.k_cache[int(p.block_table[b, j])] for j in range(n)]).reshape(n * S, Hkv, -1)[:L]
+        for h in range(Hkv):
+            logits = q[b, h * G:(h + 1) * G].double() @ keys[:, h].double().T * q.shape[-1] ** -0.5
+            prob = torch.softmax(logits, -1).sum(0) / G                # [L]
+            mass = torch.zeros(n * S, dtype=torch.float64)
+            mass[:L] = prob
+            mass = mass.view(n, S).sum(-1)                             # [n]
+            forced = set(range(n - recent, n)) | set(range(sinks))
+            rest = sorted((j for j in range(n) if j not in forced), key=lambda j: (-float(mass[j]), j))
+            oracle = forced | set(rest[:budget - len(forced)])
+            chosen = {int(j) for j in sel[b, h] if j >= 0}
+            hits += len(chosen & oracle)
+            pages += len(oracle)
+            masses.append(float(mass[sorted(chosen)].sum()))
+    assert [r.op for r in prof.records if r.layer == 0] == ["score", "topk", "attention"]   # oracle not recorded
+    for lay in (0, 1):
+        qual = prof.quality[lay]
+        assert qual.pages_selected == pages == budget * Hkv * 2 and qual.pages_hit == hits
+        assert qual.captured_mass == pytest.approx(sum(masses) / len(masses), abs=1e-5)
 
 
 def test_profile_reports_quality_per_layer_and_summary_text(tmp_path):

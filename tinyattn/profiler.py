@@ -18,10 +18,13 @@ What it records, for every call of a tinyattn op inside the block (the ``span`` 
 - **pages and bytes read** by the phase (K/V of the valid tokens of the pages attended, the page boxes
   scored, the keys folded into boxes), so that each op's effective GB/s can be read off;
 - for sparse attention (a selection narrower than the row), the **page hit rate** against the oracle
-  selection (the same number of pages, chosen by the true attention mass each page holds, summed over
-  the query heads of the KV head's group) and the **attention mass captured** by the selection (share of
-  the softmax mass of the full attention that falls on the selected pages). These need a dense pass over
-  each row: it runs after the span's clock has stopped and is not counted in any time.
+  selection and the **attention mass captured** by the selection, as :class:`tinyattn.selection.SelectionMetrics`
+  defines them (the one definition, also used by ``docs/accuracy.md``): the oracle keeps the same forced
+  pages as the selection (recent / sink pages) and fills the budget with the pages of most true attention
+  mass (summed over the query heads of the KV head's group); captured mass is the share of the full
+  attention's softmax mass on the selected pages; only rows holding more pages than the budget count.
+  These need a dense pass over each row: it runs after the span's clock has stopped and is not counted
+  in any time.
 
 The current layer comes from :func:`layer` (a runtime wraps each layer in ``with layer(i):``); ops
 outside any layer are attributed to layer ``-1`` (shown as ``-``).
@@ -75,7 +78,7 @@ class LayerQuality:
     """Selection quality of one layer, averaged over its sparse attention calls (page-weighted)."""
 
     calls: int = 0
-    pages_selected: int = 0
+    pages_selected: int = 0      # pages of the oracle's selections (= pages selected: both keep the budget)
     pages_hit: int = 0
     mass_sum: float = 0.0        # sum over (row, KV head) of captured mass
     mass_count: int = 0
@@ -177,7 +180,9 @@ class Profile:
         record = SpanRecord(op=name, layer=self._layer, start_us=0.0, duration_us=0.0)
         self._pending.append((record, clock, raw))
         self.records.append(record)
-        # counting (and the oracle pass) runs after the clock stopped: never inside a timed span
+        # counting (and the oracle pass) runs after the clock stopped: never inside a timed span, and the
+        # oracle's own selection (a select_pages call) is not recorded
+        saved, _spans.recorder = _spans.recorder, None
         with torch.no_grad():
             try:
                 _count(record, info)
@@ -186,6 +191,8 @@ class Profile:
             except Exception as exc:  # a profiler must never break the run it observes
                 record.hit_rate = record.captured_mass = None
                 self.error = f"{name}: {exc!r}"
+            finally:
+                _spans.recorder = saved
 
     def _clock(self, device: torch.device):
         key = str(device)
@@ -209,7 +216,10 @@ class Profile:
         if tokens * Tq * Hq > self.max_oracle_elements or tokens * k_cache.shape[2] * D > 4 * self.max_oracle_elements:
             self.oracle_skipped += 1                                 # too large for a dense pass
             return
-        hits, selected, mass_sum, mass_n = oracle_quality(q, k_cache, block_table, seq_lens, page_indices, scale)
+        hits, selected, mass_sum, mass_n = oracle_quality(q, k_cache, block_table, seq_lens, page_indices, scale,
+                                                          **_selection_rules(info))
+        if not mass_n:                                               # no row holds more pages than the budget
+            return
         record.hit_rate = hits / selected if selected else float("nan")
         record.captured_mass = mass_sum / mass_n if mass_n else float("nan")
         qual = self.quality[record.layer]
@@ -298,8 +308,8 @@ class Profile:
                              f"{d['bytes'] / d['calls'] / 1024:>9.1f} {gbs:>6.2f}")
         if self.quality:
             lines.append("")
-            lines.append("selection quality (sparse attention calls; oracle = same number of pages chosen by true "
-                         "attention mass)")
+            lines.append("selection quality (sparse attention calls; oracle = same forced pages, then the pages "
+                         "of most true attention mass)")
             qh = f"{'layer':>5} {'calls':>6} {'pages sel':>10} {'hit rate':>9} {'captured mass':>14}"
             lines += [qh, "-" * len(qh)]
             all_q = LayerQuality()
@@ -458,58 +468,49 @@ def _count(record: SpanRecord, info) -> None:
 
 
 # ---------------------------------------------------------------------------- oracle
-def oracle_quality(q4, k_cache, block_table, seq_lens, page_indices, scale):
-    """Compare a selection with the oracle one, from a dense softmax over every valid page of each row.
+_DEFAULT_RULES = dict(num_sink_pages=0, num_recent_pages=1)   # the ops' and the runtime's defaults
+
+
+def _selection_rules(info) -> dict:
+    """``page_budget`` / ``num_sink_pages`` / ``num_recent_pages`` the attended pages were selected under.
+
+    The sparse op passes them in its attention span (``selection``); without them (a direct call with
+    hand-made ``page_indices``) the width of ``page_indices`` and the ops' defaults.
+    """
+    rules = info.get("selection")
+    if rules:
+        return {k: int(rules[k]) for k in ("page_budget", "num_sink_pages", "num_recent_pages")}
+    return dict(page_budget=info["page_indices"].shape[-1], **_DEFAULT_RULES)
+
+
+def oracle_quality(q4, k_cache, block_table, seq_lens, page_indices, scale, *, page_budget=None,
+                   num_sink_pages=0, num_recent_pages=1):
+    """Compare a selection with the oracle one: :class:`tinyattn.selection.SelectionMetrics` on one call.
+
+    The oracle is :class:`tinyattn.selection.OraclePolicy`'s selection: the same forced pages (the last
+    ``max(num_recent_pages, 1)``, the first ``num_sink_pages``), then the pages of most true attention
+    mass (:func:`tinyattn.selection.page_attention_mass` of a dense softmax, summed over the group's query
+    heads and the ``Tq`` queries), ``page_budget`` pages in all. Only the (row, KV head) pairs whose row
+    holds more pages than the budget count (a row that fits is read whole, hit rate and mass trivially 1).
 
     Args:
-        q4: ``[B, Tq, Hq, D]``; k_cache: ``[num_pages, page_size, Hkv, D]``; block_table, seq_lens: as the ops.
-        page_indices: ``[B, Hkv, K]`` selected logical pages (``-1`` / past-the-end entries ignored).
-        scale: softmax scale.
+        q4: ``[B, Tq, Hq, D]`` (or ``[B, Hq, D]``); k_cache: ``[num_pages, page_size, Hkv, D]``; block_table,
+            seq_lens: as the ops. page_indices: ``[B, Hkv, K]`` selected logical pages (``-1`` padding).
+        scale: softmax scale. page_budget: default ``K``. num_sink_pages, num_recent_pages: the forced pages.
 
     Returns:
-        ``(hits, selected, mass_sum, mass_count)``: pages of the selection that the oracle (the same number
-        of pages per (row, KV head), ranked by the attention mass they hold, summed over the group's query
-        heads and the ``Tq`` queries) also picks, pages selected, and the sum / count over (row, KV head)
-        of the share of attention mass on the selected pages.
+        ``(hits, oracle_pages, mass_sum, mass_count)``: pages of the oracle's selections the selection also
+        holds, pages of the oracle's selections, and the sum / count over (row, KV head) of the share of
+        true attention mass on the selected pages.
     """
-    B, Tq, Hq, D = q4.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    P = block_table.shape[1]
-    device = q4.device
-    lens = seq_lens.to(torch.int64)
-    n = _valid_pages(lens, S)                                                           # [B]
-    j = torch.arange(P, device=device)
-    page_ok = j[None, :] < n[:, None]                                                   # [B, P]
-    phys = torch.where(page_ok, block_table.to(torch.int64).clamp(min=0), 0)            # [B, P]
-    keys = k_cache[phys].float()                                                        # [B, P, S, Hkv, D]
-    pos = j[:, None] * S + torch.arange(S, device=device)                               # [P, S]
-    q_pos = lens[:, None] - Tq + torch.arange(Tq, device=device)                        # [B, Tq]
-    visible = (pos[None, None] <= q_pos[:, :, None, None]) & (pos[None, None] < lens[:, None, None, None])
-    visible &= page_ok[:, None, :, None]                                                # [B, Tq, P, S]
-    qg = q4.float().reshape(B, Tq, Hkv, G, D)
-    logits = torch.einsum("bthgd,bpshd->bthgps", qg, keys) * scale                      # [B, Tq, Hkv, G, P, S]
-    logits = logits.masked_fill(~visible[:, :, None, None], float("-inf"))
-    flat = logits.flatten(-2)
-    m = flat.amax(-1, keepdim=True)
-    prob = torch.exp(flat - torch.where(torch.isfinite(m), m, 0.0))
-    prob = prob / prob.sum(-1, keepdim=True).clamp(min=1e-30)
-    mass = prob.view(B, Tq, Hkv, G, P, S).sum(-1).sum(3).sum(1)                         # [B, Hkv, P]
-    total = mass.sum(-1)                                                                # [B, Hkv]
+    from .selection import SelectionContext, SelectionMetrics
 
-    sel = page_indices.to(torch.int64)
-    sel_ok = (sel >= 0) & (sel < n[:, None, None])                                      # [B, Hkv, K]
-    chosen = torch.zeros(B, Hkv, P + 1, dtype=torch.bool, device=device)
-    chosen.scatter_(2, torch.where(sel_ok, sel, P), True)
-    chosen = chosen[..., :P]                                                            # [B, Hkv, P]
-    k_sel = chosen.sum(-1)                                                              # [B, Hkv]
-    # oracle: the k_sel pages of highest mass (ties to the lower index); rank every valid page by mass
-    key = mass.masked_fill(~page_ok[:, None, :], float("-inf"))
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
-    oracle = rank < k_sel[..., None]
-    hits = int((oracle & chosen).sum())
-    selected = int(k_sel.sum())
-    captured = (mass * chosen).sum(-1) / total.clamp(min=1e-30)                         # [B, Hkv]
-    has = total > 0
-    return hits, selected, float(captured[has].sum()), int(has.sum())
+    ctx = SelectionContext(layer=0, q=q4, k_cache=k_cache, v_cache=None, k_min=None, k_max=None,
+                           block_table=block_table, seq_lens=seq_lens,
+                           page_budget=page_indices.shape[-1] if page_budget is None else int(page_budget),
+                           num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, scale=scale,
+                           backend="torch")
+    metrics = SelectionMetrics()
+    metrics.record(ctx, page_indices)
+    return (int(round(metrics.hits.get(0, 0.0))), int(round(metrics.oracle_pages.get(0, 0.0))),
+            metrics.mass.get(0, 0.0), metrics.count.get(0, 0))

@@ -551,7 +551,8 @@ def attend(policy: SelectionPolicy, ctx: SelectionContext, metrics: SelectionMet
     """One sparse layer: select with ``policy``, attend to the pages, feed ``observe`` and ``metrics``."""
     idx = policy.select(ctx)
     out = _api.sparse_paged_attention(ctx.q, ctx.k_cache, ctx.v_cache, ctx.block_table, ctx.seq_lens,
-                                      page_indices=idx, scale=ctx.scale, backend=ctx.backend)
+                                      page_indices=idx, num_sink_pages=ctx.num_sink_pages,
+                                      num_recent_pages=ctx.num_recent_pages, scale=ctx.scale, backend=ctx.backend)
     if policy.stateful:
         policy.observe(ctx, idx, page_attention_mass(ctx.q, ctx.k_cache, ctx.block_table, ctx.seq_lens,
                                                      page_indices=idx, scale=ctx.scale))

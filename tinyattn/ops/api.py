@@ -67,13 +67,18 @@ def _empty_attention(q4, k_cache, v_cache):
     return out, lse
 
 
-def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend):
-    """Shared tail of both attention ops: canonical inputs -> out (+ lse)."""
+def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
+               selection=None):
+    """Shared tail of both attention ops: canonical inputs -> out (+ lse).
+
+    ``selection``: the budget and forced-page rules the sparse ``page_indices`` were chosen under, for the
+    profiler's oracle comparison (None for dense).
+    """
     if _nothing_to_attend(q4, k_cache, block_table, page_indices):
         out, lse = _restore_q_shape(q, *_empty_attention(q4, k_cache, v_cache))
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
-              page_indices=page_indices, scale=scale):
+              page_indices=page_indices, scale=scale, selection=selection):
         if needs_grad(q4, k_cache, v_cache):
             # training: the custom op with a backward (Triton kernels or the torch formula); selection is done
             out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices,
@@ -263,7 +268,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         page_indices: ``[B, Hkv, K]`` int32 (int64 accepted) logical page ids, ``-1`` = padding.
         k_min, k_max: ``[num_pages, Hkv, D]`` page bounding boxes (:func:`update_page_metadata`).
         page_budget: pages kept per (row, KV head), >= 1; token budget = ``page_budget * page_size``.
-        num_sink_pages, num_recent_pages: pages always kept at the start and at the end of each row.
+        num_sink_pages, num_recent_pages: pages always kept at the start and at the end of each row. With
+            ``page_indices`` they describe how those were chosen (read by :mod:`tinyattn.profiler`'s oracle).
 
     Returns:
         ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
@@ -295,6 +301,7 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
         page_indices = _select_pages(scores, seq_lens, dict(options, page_size=shapes.page_size,
                                                             num_query_tokens=shapes.num_query_tokens), backend)
+        selection = options
     else:
         given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
         if given:
@@ -302,5 +309,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
                              f"got page_indices together with {', '.join(given)}")
         V.check_page_indices(page_indices, shapes, q.device)
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
+        selection = dict(page_budget=page_indices.shape[-1],
+                         num_sink_pages=V.expect_int("num_sink_pages", num_sink_pages, 0),
+                         num_recent_pages=V.expect_int("num_recent_pages", num_recent_pages, 0))
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
-                      return_lse, backend)
+                      return_lse, backend, selection)
