@@ -131,8 +131,8 @@ def test_evicted_pages_get_no_gradient_and_positions_do_not_shift():
 class ScriptedPolicy(GradientRetention):
     """Gradient policy whose observations are replaced by fixed page scores."""
 
-    def __init__(self, page_scores):
-        super().__init__(decay=0.0)
+    def __init__(self, page_scores, **options):
+        super().__init__(decay=0.0, **options)
         self.page_scores = page_scores
 
     def observe(self, layer, norms, held):
@@ -163,6 +163,44 @@ def test_gradient_policy_frees_the_lowest_scores_but_never_sinks_or_recent_pages
     assert kept[1] in (3, 7)                                        # the highest scores survive
     # physical pages are reused: never more than capacity * batch in the pool
     assert memory.k[1].shape[0] == 12
+
+
+def test_gradient_policy_recent_pages_ranks_the_newest_held_pages_above_the_score():
+    p = GradientRetention(decay=0.0, recent_pages=2)
+    p.reset(1, 2, 6)
+    p.ema[0] = torch.tensor([[3.0, -1.0, 8.0, 0.5, 2.0, 0.0], [1.0, 4.0, 0.0, 0.0, 0.0, 0.0]])
+    held = torch.tensor([[True, True, True, False, True, False], [True, True, False, False, False, False]])
+    s = p.scores(0, held)
+    # row 0: the 2 newest held pages are 2 and 4 (3 is not held): max held ema 8 + 1 + position
+    assert s[0, [0, 1, 4, 2]].tolist() == [3.0, -1.0, 13.0, 11.0]
+    # row 1: both held pages are "recent"; max held ema 4 + 1 + position, still in recency order
+    assert s[1, [0, 1]].tolist() == [5.0, 6.0]
+    plain = GradientRetention(decay=0.0)
+    plain.reset(1, 2, 6)
+    plain.ema[0] = p.ema[0].clone()
+    assert torch.equal(plain.scores(0, held), p.ema[0])                         # default: the score alone
+    with pytest.raises(ValueError, match="recent_pages"):
+        GradientRetention(recent_pages=-1)
+
+
+@pytest.mark.parametrize("recent, expected", [(0, [0, 3, 5, 7, 8, 9, 10, 11]), (4, [0, 3, 6, 7, 8, 9, 10, 11])])
+def test_gradient_policy_recent_pages_in_the_memory(recent, expected):
+    """Capacity 8 pages of 2 tokens, chunks of 2 pages, 1 sink, 2 protected recent pages; traced by hand:
+    R=0 frees pages 4, 2 then 6, 1 (lowest scores); R=4 keeps the 4 newest held pages and frees 2, 1 then 4, 5."""
+    model = tiny_model()
+    scores = torch.tensor([0.0, 5.0, 1.0, 9.0, 0.5, 7.0, 3.0, 8.0, 2.0, 6.0, 4.0, 1.5])
+    memory = ChunkedKVMemory(2, 2, 4, batch=2, seq_len=24, chunk_size=4, page_size=2, capacity=8,
+                             policy=ScriptedPolicy(scores, recent_pages=recent), num_sink_pages=1, num_recent_pages=2)
+    tokens = torch.randint(0, 40, (2, 25), generator=torch.Generator().manual_seed(3))
+    for start in range(0, 24, 4):
+        memory.begin_chunk(4)
+        logits = chunk_forward(model, tokens[:, start:start + 4], memory, backend="torch", track_gradients=True)
+        logits.sum().backward()
+        memory.observe_gradients()
+        memory.commit()
+    for layer in range(2):
+        for row in range(2):
+            assert memory.held(layer)[row].nonzero().squeeze(1).tolist() == expected
 
 
 def test_gradient_policy_ema():

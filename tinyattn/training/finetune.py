@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="newest pages never freed (default: one chunk, --chunk-size / --page-size)")
     g.add_argument("--ema-decay", type=_decay, default=0.5,
                    help="EMA factor of the gradient policy's page scores (default: 0.5)")
+    g.add_argument("--gradient-recent-pages", type=non_negative_int, default=0,
+                   help="gradient policy: the newest N held pages rank above all others (by recency), the score "
+                        "chooses among the older ones (H2O-style; default: 0, the score alone)")
 
     g = parser.add_argument_group("optimisation")
     g.add_argument("--steps", type=positive_int, required=True, help="optimizer steps (one batch of sequences each)")
@@ -145,9 +148,10 @@ def evaluate_chunked(model, sequences, *, retention: str, batch_size: int, progr
     nll_sum, tokens, peak_kv = 0.0, 0, 0
     try:
         for i in tqdm(range(0, len(sequences), batch_size), desc=desc, disable=None if progress else True, leave=False):
-            policy = make_policy(retention, decay=options.get("ema_decay", 0.5))
+            policy = make_policy(retention, decay=options.get("ema_decay", 0.5),
+                                 recent_pages=options.get("gradient_recent_pages", 0))
             st = run_sequences(model, sequences[i:i + batch_size], policy, train=False,
-                               **{k: v for k, v in options.items() if k != "ema_decay"})
+                               **{k: v for k, v in options.items() if k not in ("ema_decay", "gradient_recent_pages")})
             nll_sum += st.nll_sum
             tokens += st.num_tokens
             peak_kv = max(peak_kv, st.peak_kv_bytes)
@@ -159,6 +163,7 @@ def evaluate_chunked(model, sequences, *, retention: str, batch_size: int, progr
 
 def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_size: int, chunk_size: int,
              page_size: int, capacity, num_sink_pages: int, num_recent_pages, ema_decay: float, lr: float,
+             gradient_recent_pages: int = 0,
              weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0, backend=None, eval_before=False,
              progress: bool = True) -> dict:
     """Fine-tune ``model`` in place; returns the result dict written by the CLI."""
@@ -174,6 +179,7 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     if eval_before:
         result["eval_nll_before"] = evaluate_chunked(model, eval_seqs, retention=retention, batch_size=batch_size,
                                                      progress=progress, desc="eval (before)", ema_decay=ema_decay,
+                                                     gradient_recent_pages=gradient_recent_pages,
                                                      **options)["nll"]
     model.requires_grad_(True).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -188,7 +194,7 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
             order, cursor = torch.randperm(len(train_seqs), generator=gen), 0
         batch = train_seqs[order[cursor:cursor + batch_size]]
         cursor += batch_size
-        policy = make_policy(retention, decay=ema_decay)
+        policy = make_policy(retention, decay=ema_decay, recent_pages=gradient_recent_pages)
         st = run_sequences(model, batch, policy, train=True, **options)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -202,7 +208,7 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     model.requires_grad_(False).eval()
     tail = max(1, steps // 4)
     ev = evaluate_chunked(model, eval_seqs, retention=retention, batch_size=batch_size, progress=progress,
-                          ema_decay=ema_decay, **options)
+                          ema_decay=ema_decay, gradient_recent_pages=gradient_recent_pages, **options)
     ev_full = evaluate_chunked(model, eval_seqs, retention="full", batch_size=batch_size, progress=progress,
                                desc="eval (full context)", **options)
     # weights + gradients + AdamW's two moments, plus the largest chunk: KV pools, saved activations,
@@ -220,7 +226,8 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
         evicted_pages_per_step=evicted / steps,
         steps=steps, batch_size=batch_size, seq_len=train_seqs.shape[1] - 1, chunk_size=chunk_size,
         page_size=page_size, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-        ema_decay=ema_decay if retention == "gradient" else None, lr=lr,
+        ema_decay=ema_decay if retention == "gradient" else None,
+        gradient_recent_pages=gradient_recent_pages if retention == "gradient" else None, lr=lr,
         train_sequences=len(train_seqs), eval_sequences=len(eval_seqs), eval_tokens=ev["tokens"],
         train_seconds=round(train_s, 2), backend=backend or "auto",
     )
@@ -265,7 +272,8 @@ def run(args) -> int:
     result = finetune(model, train_seqs, eval_seqs, retention=args.retention, steps=args.steps,
                       batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size,
                       capacity=capacity, num_sink_pages=args.sink_pages, num_recent_pages=args.recent_pages,
-                      ema_decay=args.ema_decay, lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      ema_decay=args.ema_decay, gradient_recent_pages=args.gradient_recent_pages, lr=args.lr,
+                      weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       seed=args.seed, backend=args.backend, eval_before=args.eval_before,
                       progress=not args.no_progress)
     full_pages = math.ceil(args.seq_len / args.page_size)

@@ -25,7 +25,8 @@ newest ``num_recent_pages`` pages), returning them to the pool.
     literally; the previous default).
 
   ``ema = g`` at a page's first observation, then ``ema = decay * ema + (1 - decay) * g``; the lowest ``ema``
-  among the unprotected pages is freed first (ties: the older page).
+  among the unprotected pages is freed first (ties: the older page). With ``recent_pages=R`` (default 0) the
+  ``R`` newest held pages rank above all others, in recency order, and the score chooses among the older ones.
 """
 
 from __future__ import annotations
@@ -107,19 +108,26 @@ class GradientRetention(RetentionPolicy):
         signal: what ``g`` is, per page (see the module docstring): ``"taylor"`` (default), the signed
             first-order loss change of removing the page, :func:`page_taylor_scores`; ``"magnitude"``, the
             gradient magnitude ``||dK||^2 + ||dV||^2`` summed over KV heads.
+        recent_pages: ``R``: the newest ``R`` pages a row holds (by logical position) rank above every other
+            page, in recency order, so the score chooses only among the older ones (H2O, Zhang et al.,
+            NeurIPS 2023, keeps half its budget for the newest tokens and the other half by score). Added on
+            top of the memory's own protection of its newest pages. Default 0: the score alone.
     """
 
     name = "gradient"
     needs_gradients = True
     SIGNALS = ("taylor", "magnitude")
 
-    def __init__(self, decay: float = 0.5, signal: str = "taylor"):
+    def __init__(self, decay: float = 0.5, signal: str = "taylor", recent_pages: int = 0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay: expected a float in [0, 1), got {decay!r}")
         if signal not in self.SIGNALS:
             raise ValueError(f"signal: expected one of {list(self.SIGNALS)}, got {signal!r}")
+        if not (isinstance(recent_pages, int) and recent_pages >= 0):
+            raise ValueError(f"recent_pages: expected an int >= 0, got {recent_pages!r}")
         self.decay = decay
         self.signal = signal
+        self.recent_pages = recent_pages
         self.ema: list[torch.Tensor] = []
         self.seen: list[torch.Tensor] = []
 
@@ -135,17 +143,27 @@ class GradientRetention(RetentionPolicy):
         self.seen[layer] = seen | held
 
     def scores(self, layer, held):
-        return self.ema[layer]
+        ema = self.ema[layer]
+        if not self.recent_pages:
+            return ema
+        held = held.to(ema.device)
+        newer = held.flip(1).long().cumsum(1).flip(1) - held.long()        # held pages newer than each page
+        recent = held & (newer < self.recent_pages)
+        top = ema.masked_fill(~held, float("-inf")).amax(1, keepdim=True).clamp_min(0.0)
+        position = torch.arange(held.shape[1], dtype=ema.dtype, device=ema.device)
+        return torch.where(recent, top + 1.0 + position, ema)
 
     def __repr__(self):
-        return f"GradientRetention(decay={self.decay}, signal={self.signal!r})"
+        return (f"GradientRetention(decay={self.decay}, signal={self.signal!r}, "
+                f"recent_pages={self.recent_pages})")
 
 
 POLICIES = {"full": FullRetention, "recency": RecencyRetention, "gradient": GradientRetention}
 
 
 def make_policy(name: str, **options) -> RetentionPolicy:
-    """``"full" | "recency" | "gradient"`` -> a policy; ``options`` go to its constructor (``decay``, ``signal``)."""
+    """``"full" | "recency" | "gradient"`` -> a policy; ``options`` go to its constructor (``decay``, ``signal``,
+    ``recent_pages``)."""
     if name not in POLICIES:
         raise ValueError(f"retention: expected one of {sorted(POLICIES)}, got {name!r}")
     if name != "gradient":
