@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .ops import spans as _spans
+from .ops.torch_backend import num_valid_pages
 
 __all__ = ["profile", "layer", "cli_profile", "print_cli_report", "add_cli_option", "Profile", "SpanRecord",
            "LayerQuality", "oracle_quality"]
@@ -420,10 +421,6 @@ def _esize(t: torch.Tensor) -> int:
     return t.element_size()
 
 
-def _valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
-
-
 def _count(record: SpanRecord, info) -> None:
     """Pages and bytes read by a phase, from the tensors the op handed to its span (DESIGN.md §1 model)."""
     op = record.op
@@ -432,7 +429,7 @@ def _count(record: SpanRecord, info) -> None:
         page_indices = info.get("page_indices")
         S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         lens = seq_lens.to(torch.int64)
-        n = _valid_pages(lens, S)                                                       # [B]
+        n = num_valid_pages(lens, S)                                                       # [B]
         if page_indices is None:                                                        # dense: every valid page
             tokens = int(lens.sum()) * Hkv
             record.pages = int(n.sum()) * Hkv
@@ -447,7 +444,7 @@ def _count(record: SpanRecord, info) -> None:
     elif op == "score":
         q, k_min, seq_lens, S = info["q"], info["k_min"], info["seq_lens"], info["page_size"]
         Hkv, D = k_min.shape[1], k_min.shape[2]
-        pages = int(_valid_pages(seq_lens, S).sum()) * Hkv
+        pages = int(num_valid_pages(seq_lens, S).sum()) * Hkv
         record.pages = pages
         record.bytes = 2 * pages * D * _esize(k_min) + q.numel() * _esize(q)
     elif op == "topk":
@@ -463,7 +460,7 @@ def _count(record: SpanRecord, info) -> None:
         elif k_cache is not None:                 # full recompute of the pages the rows touch
             S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
             lens = info["seq_lens"].to(torch.int64)
-            record.pages = int(_valid_pages(lens, S).sum()) * Hkv
+            record.pages = int(num_valid_pages(lens, S).sum()) * Hkv
             record.bytes = int(lens.sum()) * Hkv * D * _esize(k_cache)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ops import api as _api
+from .ops.torch_backend import num_valid_pages
 
 __all__ = [
     "SelectionContext",
@@ -63,10 +64,6 @@ NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
-
-
 def _as_q4(q: torch.Tensor) -> torch.Tensor:
     return q.unsqueeze(1) if q.dim() == 3 else q
 
@@ -102,7 +99,7 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     dt = _math_dtype(q4)
     device = q4.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
-    n = _valid_pages(lens, S)
+    n = num_valid_pages(lens, S)
     if page_indices is None:
         P = block_table.shape[1]
         sel = torch.arange(P, device=device).expand(B, Hkv, P)
@@ -142,7 +139,7 @@ def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     device = k_cache.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     j = torch.arange(P, device=device)
-    page_ok = j[None, :] < _valid_pages(lens, S)[:, None]                             # [B, P]
+    page_ok = j[None, :] < num_valid_pages(lens, S)[:, None]                             # [B, P]
     phys = torch.where(page_ok, block_table.to(device=device, dtype=torch.int64), 0).clamp(min=0)
     keys = k_cache[phys].to(dt)                                                       # [B, P, S, Hkv, D]
     count = (lens[:, None] - j[None, :] * S).clamp(min=0, max=S)                      # [B, P]
@@ -206,7 +203,7 @@ class SelectionContext:
 
     def valid_pages(self) -> torch.Tensor:
         """``[B]`` int64: pages holding at least one valid token."""
-        return _valid_pages(self.seq_lens, self.page_size)
+        return num_valid_pages(self.seq_lens, self.page_size)
 
     def rows(self) -> torch.Tensor:
         """``[B]`` int64 state keys: ``seq_ids`` or ``0..B-1``."""
