@@ -1,0 +1,155 @@
+"""The one PyTorch core of paged attention: which pool rows a row's keys live in, and a NaN-safe softmax.
+
+Every torch-side attention of the package is built from these few functions: the per-step plan
+(:mod:`tinyattn.ops.plan`), the vectorised backend (:mod:`tinyattn.ops.torch_backend`), the autograd
+formula (:mod:`tinyattn.ops.autograd`) and the selection metrics (:func:`tinyattn.selection.page_attention_mass`).
+``tinyattn.reference`` stays an independent loop twin that the tests compare them against.
+
+Layout (docs/layout.md): the pool ``k_cache`` ``[num_pages, page_size, Hkv, D]`` is read as a flat
+``[num_pages * page_size * Hkv, D]`` matrix whose row ``(page * page_size + slot) * Hkv + head`` holds one
+key. A gather of such rows is one ``index_select``.
+
+**Filler rows.** A slot that must not count (past ``seq_lens``, a ``-1`` page, padding of a batch) is
+pointed at a *valid* key of the same (row, KV head) - its first token - and hidden by the mask. The
+unused slots of the pool may hold anything (NaN, inf, garbage): they are never read, so no zeroing pass is
+needed and a ``0 * NaN`` can never reach the output. A row with no valid token points at row 0 of the pool
+and is fully masked (its output is 0 and its lse ``-inf``, see :func:`softmax_parts`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+__all__ = ["num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "token_rows", "page_rows", "group_queries", "ungroup", "softmax_parts",
+           "attend_rows", "NEG_INF"]
+
+
+def num_valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B]`` int64: pages that hold at least one valid token, ``ceil(seq_lens / page_size)``."""
+    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
+
+
+def cdiv_pages(num_tokens: int, page_size: int) -> int:
+    """Pages that ``num_tokens`` tokens occupy (a Python int)."""
+    return -(-int(num_tokens) // page_size)
+
+
+def dense_page_indices(seq_lens: torch.Tensor, num_kv_heads: int, max_pages: int, page_size: int) -> torch.Tensor:
+    """Every valid page of each row, as int32 ``[B, Hkv, max_pages]`` with ``-1`` past the end."""
+    j = torch.arange(max_pages, device=seq_lens.device)
+    idx = torch.where(j[None, :] < num_valid_pages(seq_lens, page_size)[:, None], j, -1)
+    return idx[:, None, :].expand(-1, num_kv_heads, -1).to(torch.int32)
+
+
+def canonical_page_indices(page_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Ascending, de-duplicated, ``-1`` for padding and for pages past the row's end (int32, same shape)."""
+    n = num_valid_pages(seq_lens, page_size)[:, None, None]
+    idx = page_indices.to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where((idx >= 0) & (idx < n), idx, big)
+    idx = torch.sort(idx, dim=-1).values
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    idx = torch.where(dup, big, idx)
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(idx == big, -1, idx).to(torch.int32)
+
+
+def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Tensor, *, page_size: int,
+              num_kv_heads: int, num_query_tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat pool rows, key positions and visibility of the slots of logical ``pages``.
+
+    Args:
+        block_table: ``[B, max_pages_per_seq]`` int. seq_lens: ``[B]`` int (including the ``Tq`` queries).
+        pages: ``[B, Hkv, K]`` logical page ids; ``-1`` and ids past the row's end are hidden.
+        page_size, num_kv_heads: ``S`` and ``Hkv``. num_query_tokens: ``Tq``, for the causal mask.
+
+    Returns:
+        ``rows`` int64 ``[B, Hkv, K, S]`` into the flat pool (a filler row where hidden, see the module
+        docstring), ``pos`` int64 ``[B, Hkv, K, S]`` the key positions, and ``visible`` bool
+        ``[B, Hkv, Tq, K, S]``: query ``t`` (at position ``seq_len - Tq + t``) sees the key (bottom-right
+        causal, DESIGN.md §2).
+    """
+    B, Hkv, K = pages.shape
+    S = page_size
+    device = pages.device
+    lens = seq_lens.to(device=device, dtype=torch.int64)
+    table = block_table.to(device=device, dtype=torch.int64)
+    sel = pages.to(torch.int64)
+    ok = (sel >= 0) & (sel < num_valid_pages(lens, S)[:, None, None])                  # [B, Hkv, K]
+    width = max(table.shape[1], 1)
+    phys = torch.gather(table, 1, sel.clamp(0, width - 1).reshape(B, -1)).reshape(B, Hkv, K) if table.numel() \
+        else torch.zeros_like(sel)
+    pos = sel[..., None] * S + torch.arange(S, device=device)                          # [B, Hkv, K, S]
+    key_ok = ok[..., None] & (pos < lens[:, None, None, None])
+    heads = torch.arange(Hkv, device=device)[None, :, None, None]
+    rows = (phys[..., None] * S + torch.arange(S, device=device)) * Hkv + heads         # [B, Hkv, K, S]
+    first = ((table[:, :1].clamp(min=0) * S) * Hkv if table.numel() else torch.zeros(B, 1, dtype=torch.int64,
+                                                                                          device=device))
+    filler = torch.where(lens[:, None] > 0, first, 0)[:, :, None, None] + heads         # [B, Hkv, 1, 1]
+    rows = torch.where(key_ok, rows, filler)
+    q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
+    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]
+    return rows, pos, visible
+
+
+def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, num_kv_heads: int,
+               num_query_tokens: int = 1, max_pages: int | None = None):
+    """:func:`page_rows` of every logical page ``0 .. max_pages - 1`` (default: the table width)."""
+    B = block_table.shape[0]
+    P = block_table.shape[1] if max_pages is None else max_pages
+    pages = torch.arange(P, device=block_table.device).expand(B, num_kv_heads, P)
+    return page_rows(block_table, seq_lens, pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                     num_query_tokens=num_query_tokens)
+
+
+def group_queries(q4: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[B, Tq, Hq, D]`` -> ``[B, Hkv, Tq * G, D]``: the queries that share one KV head, rows ordered ``(t, g)``.
+
+    A free view for decode (``Tq == 1``, contiguous heads); a copy otherwise.
+    """
+    B, Tq, Hq, D = q4.shape
+    x = q4 if dtype is None else q4.to(dtype)
+    if Tq == 1:
+        return x.reshape(B, num_kv_heads, Hq // num_kv_heads, D)
+    return x.reshape(B, Tq, num_kv_heads, Hq // num_kv_heads, D).transpose(1, 2).reshape(B, num_kv_heads, -1, D)
+
+
+def ungroup(x: torch.Tensor, num_query_tokens: int) -> torch.Tensor:
+    """Inverse of :func:`group_queries` on ``[B, Hkv, Tq * G, ...]`` -> ``[B, Tq, Hq, ...]``."""
+    B, Hkv, M = x.shape[:3]
+    rest = x.shape[3:]
+    Tq = num_query_tokens
+    if Tq == 1:
+        return x.reshape(B, 1, Hkv * M, *rest)
+    return x.reshape(B, Hkv, Tq, M // Tq, *rest).transpose(1, 2).reshape(B, Tq, Hkv * (M // Tq), *rest)
+
+
+def softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masked logits (``-inf`` = hidden) -> ``(p, m, denom)`` with ``p = exp(logits - m)`` unnormalised.
+
+    A row with no visible key gets ``p = 0``, ``m = 0``, ``denom = 0`` (never NaN): callers divide by
+    ``where(denom > 0, denom, 1)`` and take ``lse = m + log(denom) = -inf``. Very negative real logits are
+    not confused with hidden ones: the mask is a true ``-inf``, never a finite stand-in.
+    """
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    p = torch.exp(logits - m)
+    return p, m, p.sum(-1, keepdim=True)
+
+
+def attend_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float):
+    """NaN-safe masked attention with its lse: ``qg [B, Hkv, M, D]``, ``k, v [B, Hkv, N, D]``.
+
+    ``visible`` broadcasts to ``[B, Hkv, M, N]`` (``None`` = all visible). Returns ``out [B, Hkv, M, D]``
+    (zeros for a row that sees nothing) and ``lse [B, Hkv, M]`` (natural log, ``-inf`` there).
+    """
+    logits = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)                           # [B, Hkv, M, N]
+    if visible is not None:
+        logits = logits.masked_fill_(~visible, NEG_INF)
+    p, m, denom = softmax_parts(logits)
+    out = torch.matmul(p, v) / torch.where(denom > 0, denom, 1.0)
+    lse = (m + torch.log(denom)).squeeze(-1)                                             # log(0) = -inf
+    return out, lse

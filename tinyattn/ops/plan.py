@@ -1,0 +1,507 @@
+"""Plan once per step, run per layer: the decode path of tinyattn (FlashInfer's plan/run pattern).
+
+A decode step runs the same attention geometry in every layer: the same ``block_table``, ``seq_lens``,
+head counts and selection rules, only ``q`` and the layer's pool change. :class:`PagedAttentionPlan`
+does everything that depends on the step alone once, in :meth:`~PagedAttentionPlan.plan`:
+
+- validates the tables and options (at most one host sync, none with ``trusted=True``);
+- converts the tables (int32 for the Triton kernels; flat pool-row indices, masks and the forced-page
+  keys of the selection for the torch backend);
+- preallocates what the layers reuse: scores, selected pages, split-K partials, lse.
+
+:meth:`~PagedAttentionPlan.run` then does, per layer, only the arithmetic: no validation of step data, no
+host sync, no allocation whose size depends on values. With the Triton backend and ``out=`` given it
+allocates nothing at all, so a CUDA graph can capture it. The public :func:`tinyattn.paged_attention` and
+:func:`tinyattn.sparse_paged_attention` are a plan and one run.
+
+Example (one decode step of a model with ``L`` layers)::
+
+    plan = tinyattn.PagedAttentionPlan()                      # keep it: buffers are reused across steps
+    plan.plan(block_table, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+              page_budget=128, dtype=torch.bfloat16)          # once per step
+    for layer in range(L):
+        out = plan.run(q[layer], k_cache[layer], v_cache[layer],
+                       k_min=k_min[layer], k_max=k_max[layer])  # Quest selection, then sparse attention
+        dense = plan.run(q[layer], k_cache[layer], v_cache[layer])  # no boxes: dense over every valid page
+
+The torch backend (CPU) gathers the rows of the keys a step reads with one ``index_select`` per tensor
+and runs :func:`torch.nn.functional.scaled_dot_product_attention` over them (grouped query heads folded
+into the rows of their KV head), so that a decode step costs a handful of PyTorch calls. Selection is a
+stable descending sort of the Quest bound with forced pages keyed above every score: ties go to the lower
+page index, NaN counts as ``-inf``, exactly as :func:`tinyattn.select_pages`.
+
+Method: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2).
+Pattern: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import core
+from . import validation as V
+from .autograd import attention as differentiable_attention, needs_grad
+from .spans import span
+from . import spans as _spans
+
+__all__ = ["PagedAttentionPlan", "resolve_backend", "BACKENDS"]
+
+BACKENDS = ("torch", "triton")
+_FLT_MAX = torch.finfo(torch.float32).max
+_SINK_KEY = _FLT_MAX             # forced keys: recent pages (+inf) > sink pages (FLT_MAX) > every score
+_SCORE_CAP = 3.0e38              # real +inf bounds are capped below the sink key
+_EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
+
+
+def resolve_backend(backend, device: torch.device) -> str:
+    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
+    if backend is None:
+        return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
+                         f"imported, got tensors on {device}")
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_zeroes_empty_rows() -> bool:
+    """Whether this torch's SDPA returns 0 (not NaN) for a query whose keys are all masked (torch >= 2.5)."""
+    q = torch.ones(1, 1, 1, 2)
+    mask = torch.full((1, 1, 1, 1), float("-inf"))
+    out = F.scaled_dot_product_attention(q, q[:, :, :1], q[:, :, :1], attn_mask=mask)
+    return bool((out == 0).all())
+
+
+def _kernels():
+    from .. import kernels        # imported lazily: a CPU-only user never needs triton
+    return kernels
+
+
+class PagedAttentionPlan:
+    """Per-step plan of paged (dense or query-aware sparse) attention; reusable across steps.
+
+    Args:
+        backend: ``None`` (by device: Triton for CUDA tensors or under ``TRITON_INTERPRET=1``, torch
+            otherwise), ``"torch"`` or ``"triton"``.
+
+    Call :meth:`plan` once per step, then :meth:`run` once per layer. A plan is not thread-safe, and the
+    tensors given to :meth:`plan` must not change until the last :meth:`run` of the step.
+    """
+
+    def __init__(self, *, backend: str | None = None):
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+        self._backend_arg = backend
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._planned = False
+
+    def __repr__(self) -> str:
+        if not self._planned:
+            return "PagedAttentionPlan(not planned)"
+        return (f"PagedAttentionPlan(backend={self.backend!r}, batch={self.batch}, "
+                f"num_query_tokens={self.num_query_tokens}, heads={self.num_q_heads}/{self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, page_size={self.page_size}, page_budget={self.page_budget})")
+
+    # ------------------------------------------------------------------------------------------- plan
+    def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, num_query_tokens: int = 1, page_budget: int | None = None,
+             num_sink_pages: int = 0, num_recent_pages: int = 1, scale: float | None = None,
+             num_pages: int | None = None, trusted: bool = False) -> "PagedAttentionPlan":
+        """Validate and convert the step's tables and settings; returns ``self``.
+
+        Args:
+            block_table: ``[B, max_pages_per_seq]`` int32 (int64 accepted): physical page of each logical page.
+            seq_lens: ``[B]`` int32 (int64 accepted): valid tokens per row including the ``Tq`` queries.
+            num_q_heads, num_kv_heads, head_dim: ``Hq`` (a multiple of ``Hkv``), ``Hkv``, ``D``.
+            page_size: tokens per page (a power of two for the Triton backend).
+            num_query_tokens: ``Tq``, queries per row (1 = decode); causal bottom-right.
+            page_budget: pages kept per (row, KV head) when :meth:`run` selects (``None``: :meth:`run` with
+                boxes is dense). num_sink_pages, num_recent_pages: pages always kept (see
+                :func:`tinyattn.select_pages`); ``num_sink_pages + max(num_recent_pages, 1) <= page_budget``.
+            scale: softmax scale, default ``head_dim ** -0.5``.
+            num_pages: pages in the pool the layers' caches hold; when given, the block-table ids of valid
+                pages are checked against it (else only against the id dtype).
+            trusted: skip the data-dependent checks (``seq_lens`` within the table, page ids in range),
+                e.g. for tables made by :class:`tinyattn.PagedKVCache`: then planning makes no host sync.
+
+        Raises:
+            TypeError / ValueError naming the argument, the expected and the actual value.
+        """
+        for name, value, low in (("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("page_size", page_size, 1),
+                                 ("num_query_tokens", num_query_tokens, 0)):
+            V.expect_int(name, value, low)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+        V.check_tables(block_table, seq_lens, None, block_table.device if isinstance(block_table, torch.Tensor)
+                       else None)
+        if page_budget is not None:
+            page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
+                page_budget, num_sink_pages, num_recent_pages)
+        self.backend = resolve_backend(self._backend_arg, block_table.device)
+        if self.backend == "triton":
+            V.check_kernel_page_size(page_size)
+        self.scale = V.check_scale(scale, head_dim)
+        self.device = block_table.device
+        self.batch, self.max_pages = block_table.shape
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.page_size, self.num_query_tokens = page_size, num_query_tokens
+        self.page_budget, self.num_sink_pages, self.num_recent_pages = page_budget, num_sink_pages, num_recent_pages
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
+        if not trusted:
+            self._check_values(num_pages)
+        self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
+        self._nothing = self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
+        self._selects = self.selects
+        self._fast_ok = not self._nothing and _sdpa_zeroes_empty_rows()
+        if self.backend == "triton":
+            self._plan_triton()
+        self._planned = True
+        return self
+
+    def _check_values(self, num_pages: int | None) -> None:
+        """Data-dependent checks (one host sync): the ops' own, so that the errors read the same."""
+        if num_pages is None:
+            num_pages = torch.iinfo(self.block_table.dtype).max
+        with V.value_checks(True):
+            V.check_table_values(self.block_table, self.seq_lens, self.page_size, num_pages)
+            if self.page_budget is not None:
+                V.check_query_pages_fit(self.seq_lens, self.num_query_tokens, self.page_size, self.page_budget)
+
+    def check_pool(self, k_cache: torch.Tensor) -> None:
+        """Block-table ids of valid pages inside ``k_cache``'s pool (one host sync; :meth:`run` never checks)."""
+        with V.value_checks(True):
+            V.check_table_values(self.block_table, self.seq_lens, self.page_size, k_cache.shape[0])
+
+    @property
+    def selects(self) -> bool:
+        """True when :meth:`run` with boxes really selects: some row holds more pages than ``page_budget``.
+
+        ``False`` when every row fits its budget (the sparse step is then the dense one, and :meth:`run`
+        skips scoring and top-k), or with no budget.
+        """
+        if self.page_budget is None:
+            return False
+        if self._lens is None:
+            return True
+        return max((core.cdiv_pages(n, self.page_size) for n in self._lens), default=0) > self.page_budget
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_min=None, k_max=None,
+            page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None):
+        """Attention of one layer under this plan.
+
+        Args:
+            q: ``[B, Hq, D]`` (decode) or ``[B, Tq, Hq, D]``, the dtype of the pool.
+            k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` this layer's pool.
+            k_min, k_max: ``[num_pages, Hkv, D]`` page boxes: select ``page_budget`` pages by the Quest bound
+                (when the plan has a budget and some row exceeds it), then attend to them.
+            page_indices: ``[B, Hkv, K]`` logical pages chosen elsewhere (e.g. a selection policy), ``-1``
+                padded, no duplicates; exclusive with ``k_min``/``k_max``. Neither: dense attention.
+            return_lse: also return fp32 lse ``[B, Hq]`` / ``[B, Tq, Hq]`` (natural log, ``-inf`` where a
+                query sees no key).
+            out: optional output tensor like ``q`` (Triton backend: then ``run`` allocates nothing).
+
+        Nothing is validated here (see :meth:`plan`); differentiable in ``q``, ``k_cache``, ``v_cache``.
+        """
+        if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
+                and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                                      or v_cache.requires_grad))
+                and page_indices is None and self._fast_ok and not torch.compiler.is_compiling()):
+            return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max)     # the decode hot path
+        q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        if self._nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
+            return self._finish(q, *_empty_attention(q4, k_cache, v_cache), return_lse, out)
+        selection = None
+        if k_min is not None and self._selects:
+            page_indices = self._select(q4.detach(), k_min, k_max)
+            selection = dict(page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
+                             num_recent_pages=self.num_recent_pages)
+        elif page_indices is not None:
+            selection = dict(page_budget=page_indices.shape[-1], num_sink_pages=self.num_sink_pages,
+                             num_recent_pages=self.num_recent_pages)
+        with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_indices=page_indices, scale=self.scale, selection=selection):
+            if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
+                result = self._differentiable(q4, k_cache, v_cache, page_indices)
+            elif self.backend == "triton" and q4.dtype != torch.float64:
+                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse)
+            else:
+                result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse)
+        return self._finish(q, *result, return_lse, out)
+
+    def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max):
+        """Torch backend, no lse, no grad, no profiler: the fewest PyTorch calls (see the module docstring)."""
+        if k_cache.shape[0] == 0:
+            return torch.zeros_like(q)
+        B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
+        q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        qg = core.group_queries(q4, Hkv, None if q.dtype in _EXACT else torch.float32)  # [B, Hkv, M, D]
+        if k_min is not None and self._selects:
+            t = self._sparse or self._sparse_tables()
+            rows = t["rows"].gather(2, self._select_torch(qg, k_min, k_max, t)[..., None].expand(t["shape"]))
+            rows, bias, n_keys = rows.view(-1), t["sel_bias"], t["K"] * self.page_size
+        else:
+            t = self._dense or self._dense_tables()
+            rows, bias, n_keys = t["rows"], t["bias"], t["L"]
+        k = k_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
+        v = v_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
+        if k.dtype != qg.dtype:
+            k, v = k.to(qg.dtype), v.to(qg.dtype)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
+        o = core.ungroup(o, q4.shape[1]).to(q.dtype)
+        return o.view(q.shape)
+
+    @staticmethod
+    def _finish(q, out4, lse, return_lse, out):
+        o = out4.squeeze(1) if q.dim() == 3 else out4
+        if out is not None and o.data_ptr() != out.data_ptr():
+            out.copy_(o)
+            o = out
+        if not return_lse:
+            return o
+        lse = lse.float()
+        return o, (lse.squeeze(1) if q.dim() == 3 else lse)
+
+    # ---------------------------------------------------------------------------- selection (Quest)
+    def _select(self, q4, k_min, k_max) -> torch.Tensor:
+        """Selected logical pages ``[B, Hkv, K]`` of each (row, KV head) by the Quest bound."""
+        if self.backend == "triton" and q4.dtype != torch.float64:
+            return self._select_triton(q4, k_min, k_max)
+        t = self._sparse_tables()
+        qg = core.group_queries(q4, self.num_kv_heads, None if q4.dtype in _EXACT else torch.float32)
+        with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_size=self.page_size):
+            scores = self._scores_torch(qg, k_min, k_max, t)
+        with span("topk", scores=scores, seq_lens=self.seq_lens, page_budget=self.page_budget):
+            self._last_selection = self._top_pages(scores, t)
+        return self._last_selection
+
+    def _select_torch(self, qg, k_min, k_max, t) -> torch.Tensor:
+        self._last_selection = self._top_pages(self._scores_torch(qg, k_min, k_max, t), t)
+        return self._last_selection
+
+    @staticmethod
+    def _top_pages(scores, t) -> torch.Tensor:
+        """Forced pages first (recent, then sinks), then the highest bounds; NaN counts as ``-inf``."""
+        key = torch.where(t["forced_or_invalid"], t["forced_key"],
+                          scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP))
+        # stable: equal keys keep page order, so ties go to the lower page index (and valid pages come
+        # before the invalid ones), which also makes the position of every forced page fixed by the plan
+        return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : t["K"]]
+
+    def _scores_torch(self, qg, k_min, k_max, t) -> torch.Tensor:
+        """``ub = q⁺·k_max + q⁻·k_min`` (Quest eq.), max over the group and queries: ``[B, Hkv, Pv]`` fp32.
+
+        The boxes of the step's pages are gathered head-major (``[B * Hkv, Pv, D]``) so that both products
+        are batched matmuls over views.
+        """
+        B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
+        Pv = t["Pv"]
+        qf = qg.reshape(B * Hkv, -1, D)                                                  # [B*Hkv, M, D]
+        hi = k_max.reshape(-1, D).index_select(0, t["box_rows"]).view(B * Hkv, Pv, D)
+        lo = k_min.reshape(-1, D).index_select(0, t["box_rows"]).view(B * Hkv, Pv, D)
+        if hi.dtype != qf.dtype:
+            hi, lo = hi.to(qf.dtype), lo.to(qf.dtype)
+        ub = torch.baddbmm(torch.bmm(lo, qf.clamp(max=0).transpose(1, 2)), hi, qf.clamp(min=0).transpose(1, 2))
+        return ub.amax(-1).view(B, Hkv, Pv).float()                                      # [B, Hkv, Pv]
+
+    def _sparse_tables(self) -> dict:
+        """Torch-backend tables of a selecting step (built once per plan): pool rows of every slot of the
+        first ``Pv`` pages, their mask, the rows of the page boxes and the forced-page keys."""
+        if self._sparse is not None:
+            return self._sparse
+        B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
+        n = core.num_valid_pages(self.seq_lens, S).to(self.device)                      # [B]
+        Pv = self._max_valid_pages()
+        rows, _, visible = core.token_rows(self.block_table, self.seq_lens, page_size=S, num_kv_heads=Hkv,
+                                           num_query_tokens=Tq, max_pages=Pv)          # [B, Hkv, Pv, S]
+        j = torch.arange(Pv, device=self.device)
+        valid = j[None, :] < n[:, None]                                                  # [B, Pv]
+        phys = torch.where(valid, self.block_table[:, :Pv].to(torch.int64), 0).clamp(min=0)
+        lens = self.seq_lens.to(device=self.device, dtype=torch.int64)
+        first_query_page = (lens - Tq).clamp(min=0) // S
+        recent = torch.clamp(n - first_query_page, min=max(self.num_recent_pages, 1))  # [B]
+        is_recent = valid & (j[None, :] >= (n - recent)[:, None])
+        is_sink = valid & ~is_recent & (j[None, :] < self.num_sink_pages)
+        forced_key = torch.where(is_recent, math.inf, torch.where(is_sink, _SINK_KEY, -math.inf))
+        K = min(self.page_budget, Pv)
+        heads = torch.arange(Hkv, device=self.device)[None, :, None]
+        t = dict(Pv=Pv, K=K, rows=rows, shape=(B, Hkv, K, S),
+                 box_rows=(phys[:, None, :] * Hkv + heads).reshape(-1),                 # [B*Hkv*Pv] head-major
+                 bias=torch.where(visible, 0.0, -math.inf),                              # [B, Hkv, Tq, Pv, S]
+                 forced_or_invalid=(is_recent | is_sink | ~valid)[:, None, :],           # [B, 1, Pv]
+                 forced_key=forced_key[:, None, :].float())
+        # Where each selected page lands is fixed by the plan except for the scored ones (see _top_pages):
+        # recent pages first, then sinks, then scored pages (full pages before every query: all visible),
+        # then invalid pages. So the mask of a selection is the mask of a template selection that scores
+        # every page 0, computed once here instead of gathered per layer.
+        template = self._top_pages(torch.zeros(B, Hkv, Pv, device=self.device), t)[:, :1]   # [B, 1, K]
+        idx = template[:, :, None, :, None].expand(B, 1, Tq, K, S)
+        bias = t["bias"][:, :1].gather(3, idx).reshape(B, 1, Tq, K * S)
+        if Tq > 1:
+            G = self.num_q_heads // Hkv
+            bias = bias[:, :, :, None].expand(B, 1, Tq, G, K * S).reshape(B, 1, Tq * G, K * S)
+        t["sel_bias"] = bias
+        self._sparse = t
+        return t
+
+    def _max_valid_pages(self) -> int:
+        if self._lens is None:
+            return self.max_pages
+        return min(self.max_pages, max((core.cdiv_pages(n, self.page_size) for n in self._lens), default=0))
+
+    # ------------------------------------------------------------------------------- torch attention
+    def _dense_tables(self) -> dict:
+        """Pool rows of every valid key of each row (``[B, Hkv, Lmax]``) and the additive mask, or no mask
+        when every query sees every key of the step (equal lengths, decode)."""
+        if self._dense is not None:
+            return self._dense
+        B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
+        lmax = self.max_pages * S if self._lens is None else min(max(self._lens, default=0), self.max_pages * S)
+        P = -(-lmax // S)
+        rows, _, visible = core.token_rows(self.block_table, self.seq_lens, page_size=S, num_kv_heads=Hkv,
+                                           num_query_tokens=Tq, max_pages=P)
+        rows = rows.reshape(B, Hkv, P * S)[..., :lmax]
+        vis = visible[:, :1].reshape(B, 1, Tq, P * S)[..., :lmax]                        # same for every head
+        need_mask = self._lens is None or not bool(vis.all())
+        bias = None
+        if need_mask:
+            G = self.num_q_heads // Hkv
+            bias = torch.where(vis, 0.0, -math.inf)
+            if Tq > 1:                                                                    # query rows (t, g)
+                bias = bias[:, :, :, None].expand(B, 1, Tq, G, lmax).reshape(B, 1, Tq * G, lmax)
+        self._dense = dict(rows=rows.reshape(-1), L=lmax, bias=bias)
+        return self._dense
+
+    def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse):
+        B, Tq, Hq, D = q4.shape
+        Hkv = self.num_kv_heads
+        dt = torch.float64 if q4.dtype == torch.float64 else torch.float32
+        qg = core.group_queries(q4, Hkv, dt)                                             # [B, Hkv, M, D]
+        k_flat, v_flat = k_cache.reshape(-1, D), v_cache.reshape(-1, D)
+        if page_indices is None:
+            t = self._dense_tables()
+            rows, bias, n_keys = t["rows"], t["bias"], t["L"]
+        else:
+            rows, bias, n_keys = self._selected_rows(page_indices)
+        k = k_flat.index_select(0, rows).view(B, Hkv, n_keys, D)
+        v = v_flat.index_select(0, rows).view(B, Hkv, n_keys, D)
+        if k.dtype != dt:
+            k, v = k.to(dt), v.to(dt)
+        if return_lse or not _sdpa_zeroes_empty_rows() or (
+                page_indices is not None and page_indices is not self._last_selection):
+            # the NaN-safe core with its lse; also for pages listed by a caller, which may leave a query
+            # with no visible key
+            o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
+            return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
+        return core.ungroup(o, Tq).to(q4.dtype), None
+
+    def _selected_rows(self, page_indices):
+        """Pool rows ``[B*Hkv*K*S]`` and additive mask ``[B, Hkv, M or 1, K*S]`` of the listed pages."""
+        B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
+        K = page_indices.shape[-1]
+        if page_indices is self._last_selection:
+            t = self._sparse
+            idx = page_indices[..., None].expand(B, Hkv, K, S)
+            rows = t["rows"].gather(2, idx)                                              # [B, Hkv, K, S]
+            bias = t["bias"].gather(3, idx[:, :, None].expand(B, Hkv, Tq, K, S))         # [B, Hkv, Tq, K, S]
+        else:
+            rows, _, visible = core.page_rows(self.block_table, self.seq_lens, page_indices, page_size=S,
+                                              num_kv_heads=Hkv, num_query_tokens=Tq)
+            bias = torch.where(visible, 0.0, -math.inf)
+        bias = bias.reshape(B, Hkv, Tq, K * S)
+        if Tq > 1:
+            G = self.num_q_heads // Hkv
+            bias = bias[:, :, :, None].expand(B, Hkv, Tq, G, K * S).reshape(B, Hkv, Tq * G, K * S)
+        return rows.reshape(-1), bias, K * S
+
+    _last_selection = None     # the pages the torch path selected last (their rows come from the tables)
+
+    # ------------------------------------------------------------------------------------ triton path
+    def _plan_triton(self) -> None:
+        B, Tq, Hkv, Hq = self.batch, self.num_query_tokens, self.num_kv_heads, self.num_q_heads
+        self._bt32 = self.block_table.to(torch.int32).contiguous()
+        self._sl32 = self.seq_lens.to(torch.int32).contiguous()
+        self._scores = self._buffer("scores", (B, Hkv, self.max_pages), torch.float32)
+        self._lse = self._buffer("lse", (B, Tq, Hq), torch.float32)
+        self._selected = None if self.page_budget is None else \
+            self._buffer("selected", (B, Hkv, self.page_budget), torch.int32)
+        k = _kernels()
+        splits = []
+        for sparse in (False, True):
+            if sparse and self.page_budget is None:
+                splits.append(1)
+                continue
+            n_list = self.page_budget if sparse else self.max_pages
+            splits.append(k.attention.plan_num_splits(B, Tq, Hq, Hkv, self.head_dim, self.page_size, n_list,
+                                                      self.device))
+        self._splits = dict(zip((False, True), splits))
+        n = max(splits)
+        self._ws_o = self._buffer("ws_o", (n, B, Tq, Hq, self.head_dim), torch.float32) if n > 1 else None
+        self._ws_lse = self._buffer("ws_lse", (n, B, Tq, Hq), torch.float32) if n > 1 else None
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A workspace reused across :meth:`plan` calls while it is large enough (no allocation per step)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.device != self.device or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+    def _select_triton(self, q4, k_min, k_max) -> torch.Tensor:
+        k = _kernels()
+        with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_size=self.page_size):
+            k.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=self.page_size, out=self._scores)
+        with span("topk", scores=self._scores, seq_lens=self.seq_lens, page_budget=self.page_budget):
+            k.select_pages(self._scores, self._sl32, page_size=self.page_size, page_budget=self.page_budget,
+                           num_sink_pages=self.num_sink_pages, num_recent_pages=self.num_recent_pages,
+                           num_query_tokens=self.num_query_tokens, out=self._selected)
+        return self._selected
+
+    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse):
+        o = out if out is not None else torch.empty_like(q4)
+        o4 = o.unsqueeze(1) if o.dim() == 3 else o
+        sparse = page_indices is not None
+        if sparse and page_indices is not self._selected:
+            page_indices = page_indices.to(torch.int32).contiguous()
+        lse = torch.empty_like(self._lse) if return_lse else self._lse   # the caller keeps a returned lse
+        splits = self._splits[True] if sparse and page_indices.shape[-1] == (self.page_budget or -1) else None
+        _kernels().paged_attention(q4, k_cache, v_cache, self._bt32, self._sl32, page_indices=page_indices,
+                                   scale=self.scale, out=o4, lse=lse,
+                                   num_splits=self._splits[False] if not sparse else splits,
+                                   ws_o=self._ws_o, ws_lse=self._ws_lse)
+        return o4, lse
+
+    # ------------------------------------------------------------------------------- autograd path
+    def _differentiable(self, q4, k_cache, v_cache, page_indices):
+        """The custom op with a backward (training, ``torch.compile``); selection is already done."""
+        backend = self.backend
+        if page_indices is None and (backend == "torch" or q4.dtype == torch.float64):
+            page_indices = core.dense_page_indices(self.seq_lens, self.num_kv_heads, self.max_pages, self.page_size)
+        elif page_indices is not None:
+            page_indices = core.canonical_page_indices(page_indices, self.seq_lens, self.page_size)
+        return differentiable_attention(q4, k_cache, v_cache, self.block_table, self.seq_lens, page_indices,
+                                        self.scale, backend)
+
+
+def _empty_attention(q4, k_cache, v_cache):
+    """out = 0 and lse = -inf everywhere, still connected to q/k/v so that their gradients are zeros.
+
+    Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
+    turn NaN padding into NaN).
+    """
+    link = q4.flatten()[:0].sum() + k_cache.flatten()[:0].sum() + v_cache.flatten()[:0].sum()
+    out = torch.zeros_like(q4) + link.to(q4.dtype)
+    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
+    return out, lse
