@@ -18,6 +18,8 @@ and is fully masked (its output is 0 and its lse ``-inf``, see :func:`softmax_pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NEG_INF = float("-inf")
@@ -95,14 +97,38 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     return rows, pos, visible
 
 
+@functools.lru_cache(maxsize=64)
+def _slot_head(page_size: int, num_kv_heads: int, num_pages: int, device: torch.device):
+    """Constant tables of a geometry: ``s * Hkv + h`` ``[Hkv, 1, S]``, positions ``j * S + s`` ``[P, S]``, heads."""
+    heads = torch.arange(num_kv_heads, device=device)
+    slot_head = torch.arange(page_size, device=device)[None, None, :] * num_kv_heads + heads[:, None, None]
+    pos = torch.arange(num_pages * page_size, device=device).view(num_pages, page_size)
+    return slot_head, pos, heads[None, :, None, None]
+
+
 def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, num_kv_heads: int,
                num_query_tokens: int = 1, max_pages: int | None = None):
-    """:func:`page_rows` of every logical page ``0 .. max_pages - 1`` (default: the table width)."""
+    """:func:`page_rows` of every logical page ``0 .. max_pages - 1`` (default: the table width).
+
+    The same result as ``page_rows`` with ``pages = arange(max_pages)``, in a handful of tensor ops (no
+    gather): a plan builds it once per step.
+    """
     B = block_table.shape[0]
     P = block_table.shape[1] if max_pages is None else max_pages
-    pages = torch.arange(P, device=block_table.device).expand(B, num_kv_heads, P)
-    return page_rows(block_table, seq_lens, pages, page_size=page_size, num_kv_heads=num_kv_heads,
-                     num_query_tokens=num_query_tokens)
+    S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
+    slot_head, pos, heads = _slot_head(S, Hkv, P, block_table.device)
+    lens = seq_lens.to(torch.int64)
+    table = block_table[:, :P].to(torch.int64) * (S * Hkv)                              # [B, P]
+    key_ok = pos[None] < lens[:, None, None]                                            # [B, P, S]
+    rows = table[:, None, :, None] + slot_head[None, :, :, :]                           # [B, Hkv, P, S]
+    filler = torch.where(lens > 0, table[:, 0], 0)[:, None, None, None] + heads if P else heads
+    rows = torch.where(key_ok[:, None], rows, filler)
+    if Tq == 1:                             # the query is the last token: it sees every valid key
+        visible = key_ok[:, None, None].expand(B, Hkv, 1, P, S)
+    else:
+        q_pos = lens[:, None] - Tq + torch.arange(Tq, device=lens.device)               # [B, Tq]
+        visible = (key_ok[:, None] & (pos[None, None] <= q_pos[:, :, None, None]))[:, None].expand(B, Hkv, Tq, P, S)
+    return rows, pos.expand(B, Hkv, P, S), visible
 
 
 def group_queries(q4: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -196,7 +196,8 @@ class PagedAttentionPlan:
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_min=None, k_max=None,
-            page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None):
+            page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None,
+            scale: float | None = None):
         """Attention of one layer under this plan.
 
         Args:
@@ -209,9 +210,18 @@ class PagedAttentionPlan:
             return_lse: also return fp32 lse ``[B, Hq]`` / ``[B, Tq, Hq]`` (natural log, ``-inf`` where a
                 query sees no key).
             out: optional output tensor like ``q`` (Triton backend: then ``run`` allocates nothing).
+            scale: this layer's softmax scale when it differs from the plan's (e.g. GPT-2's per-layer
+                scaling); ``None``: the plan's.
 
         Nothing is validated here (see :meth:`plan`); differentiable in ``q``, ``k_cache``, ``v_cache``.
         """
+        if scale is not None and scale != self.scale:
+            saved, self.scale = self.scale, float(scale)
+            try:
+                return self.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices,
+                                return_lse=return_lse, out=out)
+            finally:
+                self.scale = saved
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
@@ -320,36 +330,39 @@ class PagedAttentionPlan:
         if self._sparse is not None:
             return self._sparse
         B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
-        n = core.num_valid_pages(self.seq_lens, S).to(self.device)                      # [B]
         Pv = self._max_valid_pages()
+        K = min(self.page_budget, Pv)
         rows, _, visible = core.token_rows(self.block_table, self.seq_lens, page_size=S, num_kv_heads=Hkv,
                                            num_query_tokens=Tq, max_pages=Pv)          # [B, Hkv, Pv, S]
-        j = torch.arange(Pv, device=self.device)
-        valid = j[None, :] < n[:, None]                                                  # [B, Pv]
-        phys = torch.where(valid, self.block_table[:, :Pv].to(torch.int64), 0).clamp(min=0)
-        lens = self.seq_lens.to(device=self.device, dtype=torch.int64)
-        first_query_page = (lens - Tq).clamp(min=0) // S
-        recent = torch.clamp(n - first_query_page, min=max(self.num_recent_pages, 1))  # [B]
-        is_recent = valid & (j[None, :] >= (n - recent)[:, None])
-        is_sink = valid & ~is_recent & (j[None, :] < self.num_sink_pages)
-        forced_key = torch.where(is_recent, math.inf, torch.where(is_sink, _SINK_KEY, -math.inf))
-        K = min(self.page_budget, Pv)
-        heads = torch.arange(Hkv, device=self.device)[None, :, None]
+        lens = self.seq_lens.to(torch.int64)
+        n = (lens + (S - 1)) // S                                                        # [B] valid pages
+        j = core._slot_head(S, Hkv, Pv, self.device)[1][:, 0] // S                      # arange(Pv), cached
+        recent = (n - (lens - Tq).clamp(min=0) // S).clamp(min=max(self.num_recent_pages, 1))
+        forced_key = torch.where(j >= (n - recent)[:, None], math.inf,                   # recent pages
+                                 _SINK_KEY if self.num_sink_pages else -math.inf)
+        if self.num_sink_pages:
+            forced_key = torch.where(j < self.num_sink_pages, forced_key, torch.where(
+                forced_key == math.inf, math.inf, -math.inf))
+        valid = j < n[:, None]                                                           # [B, Pv]
+        forced_key = torch.where(valid, forced_key, -math.inf)
         t = dict(Pv=Pv, K=K, rows=rows, shape=(B, Hkv, K, S),
-                 box_rows=(phys[:, None, :] * Hkv + heads).reshape(-1),                 # [B*Hkv*Pv] head-major
-                 bias=torch.where(visible, 0.0, -math.inf),                              # [B, Hkv, Tq, Pv, S]
-                 forced_or_invalid=(is_recent | is_sink | ~valid)[:, None, :],           # [B, 1, Pv]
+                 box_rows=(torch.where(valid, self.block_table[:, :Pv].to(torch.int64), 0)[:, None, :] * Hkv
+                           + torch.arange(Hkv, device=self.device)[None, :, None]).reshape(-1),  # head-major
+                 forced_or_invalid=((forced_key != -math.inf) | ~valid)[:, None, :],     # [B, 1, Pv]
                  forced_key=forced_key[:, None, :].float())
         # Where each selected page lands is fixed by the plan except for the scored ones (see _top_pages):
         # recent pages first, then sinks, then scored pages (full pages before every query: all visible),
         # then invalid pages. So the mask of a selection is the mask of a template selection that scores
         # every page 0, computed once here instead of gathered per layer.
-        template = self._top_pages(torch.zeros(B, Hkv, Pv, device=self.device), t)[:, :1]   # [B, 1, K]
-        idx = template[:, :, None, :, None].expand(B, 1, Tq, K, S)
-        bias = t["bias"][:, :1].gather(3, idx).reshape(B, 1, Tq, K * S)
+        template = self._top_pages(torch.zeros(B, 1, Pv, device=self.device), t)             # [B, 1, K]
+        idx = template[:, :, None, :, None].expand(B, 1, visible.shape[2], K, S)
+        bias = torch.where(visible[:, :1].gather(3, idx), 0.0, -math.inf).reshape(B, 1, -1, K * S)
         if Tq > 1:
             G = self.num_q_heads // Hkv
             bias = bias[:, :, :, None].expand(B, 1, Tq, G, K * S).reshape(B, 1, Tq * G, K * S)
+            t["bias"] = torch.where(visible, 0.0, -math.inf)                             # [B, Hkv, Tq, Pv, S]
+        else:
+            t["bias"] = torch.where(visible, 0.0, -math.inf)
         t["sel_bias"] = bias
         self._sparse = t
         return t

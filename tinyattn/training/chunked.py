@@ -2,7 +2,7 @@
 
 :func:`chunk_forward` is the model's forward (same weights, same math as ``LlamaModel.forward``) for the
 next chunk of each row, reading earlier chunks' K/V from the memory through
-:func:`tinyattn.sparse_paged_attention` (held pages only) with autograd on. :func:`run_sequences` drives
+:class:`tinyattn.layer.PagedAttention` (held pages only) with autograd on. :func:`run_sequences` drives
 a whole batch of sequences chunk by chunk: evict, forward, loss, backward, observe page gradients,
 commit; it is used both for training (weight gradients accumulate over the chunks) and for evaluation.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import tinyattn
+from ..layer import PagedAttention
 from ..models import apply_rope, rope_tables
 from .memory import ChunkedKVMemory
 from .retention import RetentionPolicy
@@ -64,17 +64,19 @@ def chunk_forward(model, tokens: torch.Tensor, memory: ChunkedKVMemory, *, backe
     cos, sin = cos_t[pos].expand(B, n, -1), sin_t[pos].expand(B, n, -1)
     seq_lens = memory.seq_lens()
     x = model.tok_embeddings(tokens)
-    with tinyattn.value_checks(False):                  # tables built by ChunkedKVMemory
-        for li, layer in enumerate(model.layers):
-            h = layer.attention_norm(x)
-            q = apply_rope(layer.wq(h).view(B, n, Hq, hd), cos, sin)
-            k = apply_rope(layer.wk(h).view(B, n, Hkv, hd), cos, sin)
-            v = layer.wv(h).view(B, n, Hkv, hd)
-            k_pool, v_pool = memory.write(li, k, v, track_gradients=track_gradients)
-            attn = tinyattn.sparse_paged_attention(q, k_pool, v_pool, memory.block_table(li), seq_lens,
-                                                   page_indices=memory.page_indices(li, Hkv), backend=backend)
-            x = x + layer.wo(attn.reshape(B, n, Hq * hd))
-            x = x + layer.ffn(layer.ffn_norm(x))
+    attention = PagedAttention(backend=backend)           # the one attention layer, with retained pages
+    for li, layer in enumerate(model.layers):
+        h = layer.attention_norm(x)
+        q = apply_rope(layer.wq(h).view(B, n, Hq, hd), cos, sin)
+        k = apply_rope(layer.wk(h).view(B, n, Hkv, hd), cos, sin)
+        v = layer.wv(h).view(B, n, Hkv, hd)
+        k_pool, v_pool = memory.write(li, k, v, track_gradients=track_gradients)
+        # each layer retains its own pages, so each has its own block table: one plan per layer
+        attention.begin(memory.block_table(li), seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=hd,
+                        page_size=memory.page_size, num_query_tokens=n, decode=False)   # tables trusted
+        attn = attention(li, q, k_pool, v_pool, page_indices=memory.page_indices(li, Hkv))
+        x = x + layer.wo(attn.reshape(B, n, Hq * hd))
+        x = x + layer.ffn(layer.ffn_norm(x))
     return model.output(model.norm(x)).float()
 
 

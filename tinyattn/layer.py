@@ -1,0 +1,190 @@
+"""The one attention layer: what every model path calls for paged, query-aware sparse attention.
+
+:class:`PagedAttention` holds the sparsity settings (:class:`SparsityConfig`) and a per-step
+:class:`tinyattn.PagedAttentionPlan`. A forward step calls :meth:`PagedAttention.begin` once with the
+step's tables, then the layer object once per model layer; the decision of *how* a layer attends lives
+here and nowhere else:
+
+======================================  ==============================================================
+step / layer                            attention
+======================================  ==============================================================
+prefill (``decode=False``)              dense over every valid page (causal, bottom-right); a stateful
+                                        policy (H2O) observes the attention mass in its sparse layers
+decode, layer ``< dense_layers``        dense
+decode, no ``page_budget``              dense
+decode, sparse layer, Quest             fused: score the page boxes, top-k, attend (one plan run)
+decode, sparse layer, other policy      ``policy.select`` -> pages -> attend; ``policy.observe``
+explicit ``page_indices``               those pages (training's retained pages)
+======================================  ==============================================================
+
+Sink and recent pages are forced by the plan's selection rules (:func:`tinyattn.select_pages`).
+Users: the LLaMA runtime (:mod:`tinyattn.models.llama`), the Hugging Face adapter
+(:mod:`tinyattn.integrations.hf`), chunked fine-tuning (:mod:`tinyattn.training.chunked`), and the coming
+engine and vLLM backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops.plan import PagedAttentionPlan
+from .ops.validation import check_selection_options
+
+__all__ = ["SparsityConfig", "PagedAttention"]
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """How decode steps attend.
+
+    Args:
+        page_budget: pages kept per (sequence, KV head) at each decode step; ``None`` = dense.
+            Token budget = ``page_budget * page_size``.
+        num_sink_pages: leading pages always kept (attention sinks, StreamingLLM).
+        num_recent_pages: trailing pages always kept (the page being written is always kept).
+        dense_layers: number of leading layers that stay dense (Quest keeps 2).
+        policy: how pages are chosen: a name of :data:`tinyattn.selection.POLICIES` (``"quest"``, the
+            default, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a
+            :class:`tinyattn.selection.SelectionPolicy` instance; stored as an instance.
+
+    Raises:
+        ValueError for a bad option, or ``num_sink_pages + max(num_recent_pages, 1) > page_budget`` (the ops'
+        rule and message).
+    """
+
+    page_budget: int | None = None
+    num_sink_pages: int = 0
+    num_recent_pages: int = 1
+    dense_layers: int = 0
+    policy: object = "quest"
+
+    def __post_init__(self):
+        from .selection import get_policy
+
+        object.__setattr__(self, "policy", get_policy(self.policy))
+        for name in ("num_sink_pages", "num_recent_pages", "dense_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if self.page_budget is not None:
+            check_selection_options(self.page_budget, self.num_sink_pages, self.num_recent_pages)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.page_budget is None
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        return self.page_budget is not None and layer >= self.dense_layers
+
+
+class PagedAttention:
+    """One attention component for every path: plan once per step, decide and run per layer.
+
+    Args:
+        sparsity: :class:`SparsityConfig` (default: dense).
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Attributes:
+        metrics: a :class:`tinyattn.selection.SelectionMetrics` that sparse layers record their hit rate and
+            captured mass into (a dense pass per sparse layer), or ``None`` (off).
+
+    Example (one decode step)::
+
+        attn = PagedAttention(SparsityConfig(page_budget=4))
+        attn.begin(cache.block_table(ids), cache.seq_lens(ids), num_q_heads=8, num_kv_heads=4, head_dim=8,
+                   page_size=16, decode=True)
+        for li in range(num_layers):
+            out = attn(li, q, cache.k_cache[li], cache.v_cache[li], cache.k_min[li], cache.k_max[li])
+    """
+
+    def __init__(self, sparsity: SparsityConfig | None = None, *, backend: str | None = None, metrics=None):
+        self.sparsity = sparsity or SparsityConfig()
+        self.backend = backend
+        self.metrics = metrics
+        self.plan = PagedAttentionPlan(backend=backend)
+        self.decode = False
+        self.seq_ids = None
+
+    def __repr__(self) -> str:
+        s = self.sparsity
+        return (f"PagedAttention(page_budget={s.page_budget}, num_sink_pages={s.num_sink_pages}, "
+                f"num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
+                f"policy={s.policy.name!r}, backend={self.backend!r})")
+
+    def begin(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
+              head_dim: int, page_size: int, num_query_tokens: int = 1, decode: bool | None = None,
+              scale: float | None = None, seq_ids=None, trusted: bool = True) -> "PagedAttention":
+        """Plan one forward step (all layers share its tables); returns ``self``.
+
+        Args:
+            block_table, seq_lens: the step's tables, lengths including the ``num_query_tokens`` new tokens.
+            decode: whether sparse layers select (default: ``num_query_tokens == 1``); a prefill is dense.
+            scale: softmax scale (default ``head_dim ** -0.5``). seq_ids: the rows' ids in the cache
+                (state key of stateful policies). trusted: tables made by :class:`tinyattn.PagedKVCache`
+                (default): no value checks, no host sync.
+        """
+        s = self.sparsity
+        self.decode = num_query_tokens == 1 if decode is None else bool(decode)
+        budget = s.page_budget if self.decode else None
+        self.plan.plan(block_table, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, page_size=page_size, num_query_tokens=num_query_tokens,
+                       page_budget=budget, num_sink_pages=s.num_sink_pages if budget else 0,
+                       num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted)
+        self.seq_ids = seq_ids
+        self._fused = s.policy.fused and self.metrics is None
+        return self
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None, *,
+                 page_indices: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """Attention output (shape and dtype of ``q``) of model layer ``layer`` under the current step.
+
+        ``q``: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; the pool and boxes of this layer;
+        ``page_indices``: attend to these logical pages (``[B, Hkv, K]``, -1 padded) instead of deciding.
+        ``scale``: this layer's softmax scale if it differs from the step's (GPT-2 scales per layer).
+        """
+        if scale is not None and scale != self.plan.scale:
+            saved, self.plan.scale = self.plan.scale, float(scale)
+            try:
+                return self(layer, q, k_cache, v_cache, k_min, k_max, page_indices=page_indices)
+            finally:
+                self.plan.scale = saved
+        if page_indices is not None:
+            return self.plan.run(q, k_cache, v_cache, page_indices=page_indices)
+        sparse = self.decode and self.sparsity.layer_is_sparse(layer)
+        if sparse and self._fused:
+            return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max)
+        if sparse:        # every step, even one where all pages fit: a stateful policy observes each one
+            return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max)
+        out = self.plan.run(q, k_cache, v_cache)
+        if self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer):
+            from . import selection
+
+            selection.observe_prefill(self.sparsity.policy, self._context(layer, q, k_cache, v_cache, k_min, k_max))
+        return out
+
+    def _context(self, layer, q, k_cache, v_cache, k_min, k_max):
+        from .selection import SelectionContext
+
+        s, p = self.sparsity, self.plan
+        return SelectionContext(layer=layer, q=q, k_cache=k_cache, v_cache=v_cache, k_min=k_min, k_max=k_max,
+                                block_table=p.block_table, seq_lens=p.seq_lens, page_budget=s.page_budget,
+                                num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
+                                seq_ids=self.seq_ids, scale=p.scale, backend=self.backend)
+
+    def _policy_attend(self, layer, q, k_cache, v_cache, k_min, k_max):
+        """A policy other than fused Quest (or metrics on): select, attend to the pages, observe, record."""
+        from .selection import page_attention_mass
+
+        policy = self.sparsity.policy
+        ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max)
+        idx = policy.select(ctx)
+        out = self.plan.run(q, k_cache, v_cache, page_indices=idx)
+        if policy.stateful:
+            policy.observe(ctx, idx, page_attention_mass(q, k_cache, ctx.block_table, ctx.seq_lens,
+                                                         page_indices=idx, scale=ctx.scale))
+        if self.metrics is not None:
+            self.metrics.record(ctx, idx)
+        return out
