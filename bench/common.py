@@ -201,14 +201,13 @@ def make_decode_problem(*, batch: int, context: int, num_q_heads: int, num_kv_he
 # ---------------------------------------------------------------------------- bytes model
 def decode_bytes(*, batch: int, context: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  elem: int, budget_tokens: int | None = None, box_elem: int | None = None) -> int:
-    """Bytes a decode step must read (DESIGN.md §1): dense when ``budget_tokens`` is None, else sparse."""
-    io = 2 * batch * num_q_heads * head_dim * elem
-    if budget_tokens is None or budget_tokens >= context:
-        return batch * num_kv_heads * 2 * context * head_dim * elem + io
-    box_elem = elem if box_elem is None else box_elem
-    pages = -(-context // page_size)
-    per_head = 2 * pages * head_dim * box_elem + 2 * min(budget_tokens, context) * head_dim * elem
-    return batch * num_kv_heads * per_head + io
+    """Bytes a decode step must read (DESIGN.md §1, :mod:`tinyattn.metrics`): dense when ``budget_tokens`` is
+    None, else sparse with a budget of ``budget_tokens // page_size`` pages; plus the queries and outputs."""
+    from tinyattn import metrics
+
+    budget = None if budget_tokens is None else max(budget_tokens // page_size, 1)
+    per_head = metrics.sparse_bytes(context, head_dim, page_size, budget, elem, box_elem)
+    return batch * num_kv_heads * per_head + metrics.io_bytes(batch, num_q_heads, head_dim, elem)
 
 
 # ---------------------------------------------------------------------------- timing

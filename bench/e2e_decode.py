@@ -128,7 +128,10 @@ def run(args) -> list[dict]:
                   (("dense", dense_rt), ("sparse", sparse_rt))}
         dense_ms = statistics.median(times["dense"]) * 1e3
         sparse_ms = statistics.median(times["sparse"]) * 1e3
-        kv_bytes = 2 * L * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * cfg.n_layers
+        from tinyattn import metrics
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        kv_bytes = metrics.dense_bytes(L, cfg.head_dim, elem) * cfg.n_kv_heads * cfg.n_layers   # a dense step's K/V
         row = dict(context=L, budget_tokens=args.budget, dense_ms=dense_ms, sparse_ms=sparse_ms,
                    dense_tok_s=1e3 / dense_ms, sparse_tok_s=1e3 / sparse_ms, speedup=dense_ms / sparse_ms,
                    dense_attn_share=shares["dense"], sparse_attn_share=shares["sparse"], kv_bytes=kv_bytes,

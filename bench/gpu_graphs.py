@@ -86,10 +86,13 @@ def time_us(fn, device) -> float:
 
 
 def bytes_moved(method, L, B, Hkv, D, S, budget_pages, elt):
-    """DESIGN.md §1 per step: K and V of every token (dense), or the page boxes plus the kept pages (sparse)."""
+    """DESIGN.md §1 per step (:mod:`tinyattn.metrics`): K and V of every token (dense), or the page boxes plus
+    the kept pages (sparse)."""
+    from tinyattn import metrics
+
     if method == "sparse":
-        return B * Hkv * (2 * (L // S) * D + 2 * min(budget_pages * S, L) * D) * elt
-    return 2 * B * Hkv * L * D * elt
+        return B * Hkv * metrics.sparse_bytes(L, D, S, budget_pages, elt)
+    return B * Hkv * metrics.dense_bytes(L, D, elt)
 
 
 def main(argv=None) -> int:

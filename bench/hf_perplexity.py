@@ -62,12 +62,15 @@ def decode_logprobs(model, seqs: list[list[int]], **cache_options) -> list[torch
 
 
 def pages_read_fraction(seqs, page_size, page_budget, num_layers, dense_layers) -> float:
-    """Pages attended per decode step over all layers, relative to dense (bounds not counted)."""
+    """Pages attended per decode step over all layers, relative to dense (bounds not counted;
+    :func:`tinyattn.metrics.pages_read`)."""
+    from tinyattn.metrics import pages_read
+
     read = dense = 0
     for s in seqs:
         for n in range(1, len(s)):                              # the step that predicts s[n] sees n tokens
-            pages = -(-n // page_size)
-            sparse = pages if page_budget is None else min(pages, page_budget)
+            pages = pages_read(n, page_size)
+            sparse = pages_read(n, page_size, page_budget)
             read += dense_layers * pages + (num_layers - dense_layers) * sparse
             dense += num_layers * pages
     return read / dense

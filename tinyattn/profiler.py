@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import metrics as M
 from .ops import spans as _spans
-from .ops.torch_backend import num_valid_pages
 
 __all__ = ["profile", "layer", "cli_profile", "print_cli_report", "add_cli_option", "Profile", "SpanRecord",
            "LayerQuality", "oracle_quality"]
@@ -86,11 +86,11 @@ class LayerQuality:
 
     @property
     def hit_rate(self) -> float:
-        return self.pages_hit / self.pages_selected if self.pages_selected else float("nan")
+        return M.hit_rate(self.pages_hit, self.pages_selected)
 
     @property
     def captured_mass(self) -> float:
-        return self.mass_sum / self.mass_count if self.mass_count else float("nan")
+        return M.captured_mass(self.mass_sum, self.mass_count)
 
 
 class _CpuClock:
@@ -221,8 +221,8 @@ class Profile:
                                                           **_selection_rules(info))
         if not mass_n:                                               # no row holds more pages than the budget
             return
-        record.hit_rate = hits / selected if selected else float("nan")
-        record.captured_mass = mass_sum / mass_n if mass_n else float("nan")
+        record.hit_rate = M.hit_rate(hits, selected)
+        record.captured_mass = M.captured_mass(mass_sum, mass_n)
         qual = self.quality[record.layer]
         qual.calls += 1
         qual.pages_selected += selected
@@ -422,31 +422,30 @@ def _esize(t: torch.Tensor) -> int:
 
 
 def _count(record: SpanRecord, info) -> None:
-    """Pages and bytes read by a phase, from the tensors the op handed to its span (DESIGN.md §1 model)."""
+    """Pages and bytes read by a phase, from the tensors the op handed to its span (:mod:`tinyattn.metrics`,
+    the DESIGN.md §1 model, counted on the actual tables: valid tokens of the pages attended)."""
     op = record.op
     if op == "attention":
         q, k_cache, block_table, seq_lens = info["q"], info["k_cache"], info["block_table"], info["seq_lens"]
         page_indices = info.get("page_indices")
-        S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        page_size, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         lens = seq_lens.to(torch.int64)
-        n = num_valid_pages(lens, S)                                                       # [B]
+        n = M.num_pages(lens, page_size)                                                   # [B]
         if page_indices is None:                                                        # dense: every valid page
             tokens = int(lens.sum()) * Hkv
             record.pages = int(n.sum()) * Hkv
         else:
-            sel = page_indices.to(torch.int64)
-            ok = (sel >= 0) & (sel < n[:, None, None])
-            tok = torch.clamp(lens[:, None, None] - sel * S, 0, S)                     # valid tokens of each page
-            tokens = int(torch.where(ok, tok, 0).sum())
-            record.pages = int(ok.sum())
-            record.sparse = page_indices.shape[-1] < block_table.shape[1] and bool((ok.sum(-1) < n[:, None]).any())
-        record.bytes = 2 * tokens * D * _esize(k_cache) + 2 * q.numel() * _esize(q)
+            pages, tok = M.selection_reads(page_indices, lens, page_size)                  # [B, Hkv] each
+            tokens = int(tok.sum())
+            record.pages = int(pages.sum())
+            record.sparse = page_indices.shape[-1] < block_table.shape[1] and bool((pages < n[:, None]).any())
+        record.bytes = M.kv_bytes(tokens, D, _esize(k_cache)) + 2 * q.numel() * _esize(q)   # + queries, outputs
     elif op == "score":
-        q, k_min, seq_lens, S = info["q"], info["k_min"], info["seq_lens"], info["page_size"]
+        q, k_min, seq_lens, page_size = info["q"], info["k_min"], info["seq_lens"], info["page_size"]
         Hkv, D = k_min.shape[1], k_min.shape[2]
-        pages = int(num_valid_pages(seq_lens, S).sum()) * Hkv
+        pages = int(M.num_pages(seq_lens, page_size).sum()) * Hkv
         record.pages = pages
-        record.bytes = 2 * pages * D * _esize(k_min) + q.numel() * _esize(q)
+        record.bytes = M.box_bytes(pages, D, _esize(k_min)) + q.numel() * _esize(q)
     elif op == "topk":
         scores = info["scores"]
         record.pages = scores.numel()
@@ -458,9 +457,9 @@ def _count(record: SpanRecord, info) -> None:
             record.pages = int(info.get("pages", k_new.shape[0]))
             record.bytes = k_new.numel() * _esize(k_new) + 2 * record.pages * k_new[0].numel() * _esize(k_new)
         elif k_cache is not None:                 # full recompute of the pages the rows touch
-            S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+            page_size, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
             lens = info["seq_lens"].to(torch.int64)
-            record.pages = int(num_valid_pages(lens, S).sum()) * Hkv
+            record.pages = int(M.num_pages(lens, page_size).sum()) * Hkv
             record.bytes = int(lens.sum()) * Hkv * D * _esize(k_cache)
 
 

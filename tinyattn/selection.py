@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import metrics as _metrics
+from .metrics import selection_overlap
 from .ops import api as _api
 from .ops.torch_backend import num_valid_pages
 
@@ -506,41 +508,15 @@ class SelectionMetrics:
     @property
     def hit_rate(self) -> float:
         """Pages of the oracle's selections that the policy also picked, over all oracle pages (NaN if none)."""
-        n = sum(self.oracle_pages.values())
-        return sum(self.hits.values()) / n if n else float("nan")
+        return _metrics.hit_rate(sum(self.hits.values()), sum(self.oracle_pages.values()))
 
     @property
     def captured_mass(self) -> float:
         """Mean share of the true attention mass on the selected pages (NaN if no sample)."""
-        n = self.samples
-        return sum(self.mass.values()) / n if n else float("nan")
-
-    def per_layer(self) -> dict[int, tuple[float, float]]:
-        """``{layer: (hit_rate, captured_mass)}``."""
-        return {lay: (self.hits[lay] / self.oracle_pages[lay] if self.oracle_pages[lay] else float("nan"),
-                      self.mass[lay] / self.count[lay]) for lay in sorted(self.count)}
+        return _metrics.captured_mass(sum(self.mass.values()), self.samples)
 
     def format(self) -> str:
         return f"hit rate {self.hit_rate:.1%} vs oracle, captured mass {self.captured_mass:.1%}"
-
-
-def selection_overlap(selected: torch.Tensor, oracle: torch.Tensor, mass: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per (row, KV head): ``(|selected ∩ oracle|, |oracle|, mass on selected)`` as fp32 ``[B, Hkv]``.
-
-    ``selected``, ``oracle``: ``[B, Hkv, K]`` logical pages (``-1`` = none); ``mass``: ``[B, Hkv, P]``.
-    """
-    P = mass.shape[2]
-    sel = selected.long()
-    orc = oracle.long()
-    sel_ok = (sel >= 0) & (sel < P)
-    in_oracle = torch.zeros(*orc.shape[:2], P + 1, dtype=torch.bool, device=mass.device)
-    in_oracle.scatter_(2, torch.where((orc >= 0) & (orc < P), orc, P), True)
-    in_oracle[..., P] = False
-    hit = torch.gather(in_oracle, 2, torch.where(sel_ok, sel, P)).sum(-1).float()
-    n_oracle = in_oracle.sum(-1).float()
-    captured = torch.where(sel_ok, torch.gather(mass, 2, sel.clamp(0, P - 1)), 0.0).sum(-1).float()
-    return hit, n_oracle, captured
 
 
 # ---------------------------------------------------------------------------------------------- runtime glue

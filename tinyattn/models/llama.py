@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyattn import selection
+from tinyattn import metrics, selection
 from tinyattn.ops.spans import layer as profile_layer
 
 __all__ = [
@@ -326,7 +326,7 @@ class GenerationStats:
 
     Page and byte counts are per decode step summed over rows, layers and KV heads; "dense" is
     what full attention would read at the same step. Sparse bytes include the page bounding boxes
-    (``k_min`` + ``k_max``) of every valid page, as in DESIGN.md §1.
+    (``k_min`` + ``k_max``) of every valid page, as in DESIGN.md §1; the formulas are :mod:`tinyattn.metrics`'.
     """
 
     num_sequences: int = 0
@@ -487,27 +487,24 @@ class LlamaRuntime:
         return logits
 
     def _count_reads(self, stats: GenerationStats, seq_lens: torch.Tensor) -> None:
+        """Add one decode step's reads to ``stats``: the :mod:`tinyattn.metrics` model (DESIGN.md §1) per
+        (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget."""
         cfg = self.model.config
-        S, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
-        esize = torch.empty((), dtype=self.model.dtype).element_size()
+        page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
         lens = seq_lens.long()
-        pages = (lens + S - 1) // S
         n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
         n_dense = cfg.n_layers - n_sparse
-        dense_pages = int(pages.sum()) * Hkv
-        dense_bytes = 2 * int(lens.sum()) * D * Hkv * esize
+        dense_pages = int(metrics.pages_read(lens, page_size).sum()) * Hkv
+        dense_bytes = int(metrics.dense_bytes(lens, D, elem).sum()) * Hkv
         stats.pages_dense += dense_pages * cfg.n_layers
         stats.kv_bytes_dense += dense_bytes * cfg.n_layers
         stats.pages_read += dense_pages * n_dense
         stats.kv_bytes_read += dense_bytes * n_dense
         if n_sparse:
             budget = self.sparsity.page_budget
-            sel = torch.clamp(pages, max=budget)
-            sparse_all = pages <= budget  # every page selected: the same reads as dense
-            meta = 2 * pages * D  # k_min + k_max of every valid page
-            kv = torch.where(sparse_all, 2 * lens * D, meta + 2 * sel * S * D)
-            stats.pages_read += int(sel.sum()) * Hkv * n_sparse
-            stats.kv_bytes_read += int(kv.sum()) * Hkv * esize * n_sparse
+            stats.pages_read += int(metrics.pages_read(lens, page_size, budget).sum()) * Hkv * n_sparse
+            stats.kv_bytes_read += int(metrics.sparse_bytes(lens, D, page_size, budget, elem).sum()) * Hkv * n_sparse
         stats.decode_steps += 1
 
     # -------------------------------------------------------------- generation
@@ -585,8 +582,5 @@ class LlamaRuntime:
 
 
 def _cache_bytes(cache) -> int:
-    total = 0
-    for name in ("k_cache", "v_cache", "k_min", "k_max"):
-        for t in getattr(cache, name, []):
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes the cache allocated: K/V pools and page boxes, all layers."""
+    return cache.kv_bytes
