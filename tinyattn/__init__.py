@@ -1,21 +1,58 @@
 """tinyattn: query-aware sparse paged attention (Quest / TinyServe) as Triton kernels and PyTorch ops.
 
-Public contract: ``docs/api.md`` (and ``../shared/spec/DESIGN.md``). The kernels live in
+Public contract: ``docs/api.md`` (it implements the project's design card, DESIGN.md). The kernels live in
 ``tinyattn.kernels``, the public functions and their PyTorch twins in ``tinyattn.ops``.
+
+Everything ``docs/api.md`` documents is importable from here. The ops are imported eagerly; the cache,
+the model runtime, selection policies, training helpers and the subpackages (``tinyattn.models``,
+``tinyattn.kernels``, ...) load on first access (PEP 562 ``__getattr__``), so that ``import tinyattn``
+stays light: it imports neither triton nor the model code.
 """
+
+import importlib
 
 from .ops import (page_scores, paged_attention, reference, select_pages, sparse_paged_attention,
                   update_page_metadata, value_checks)
+from .ops.plan import PagedAttentionPlan
 
 __version__ = "0.1.0"
 
+# name -> module it lives in (relative to this package), loaded on first access
+_LAZY = {
+    "PagedAttention": ".layer",
+    "PagedKVCache": ".cache",
+    "CacheFullError": ".cache",
+    "page_grad_norms": ".ops.page_grad",
+    "LlamaConfig": ".models",
+    "LlamaModel": ".models",
+    "LlamaRuntime": ".models",
+    "SparsityConfig": ".models",
+    "GenerationOutput": ".models",
+    "GenerationStats": ".models",
+    "Tokenizer": ".models",
+    "load_llama2c": ".models",
+    "SelectionPolicy": ".selection",
+    "SelectionContext": ".selection",
+    "SelectionMetrics": ".selection",
+    "get_policy": ".selection",
+    "ChunkedKVMemory": ".training",
+}
+_SUBMODULES = ("cache", "integrations", "kernels", "layer", "metrics", "models", "ops", "profiler", "selection", "training")
+
 __all__ = ["paged_attention", "update_page_metadata", "page_scores", "select_pages", "sparse_paged_attention",
-           "reference", "value_checks", "PagedKVCache", "__version__"]
+           "reference", "value_checks", "PagedAttentionPlan", "__version__", *_LAZY]
 
 
 def __getattr__(name):
-    # the cache is imported lazily so that `import tinyattn` stays light
-    if name == "PagedKVCache":
-        from .cache import PagedKVCache
-        return PagedKVCache
-    raise AttributeError(f"module 'tinyattn' has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'tinyattn' has no attribute {name!r}")
+    globals()[name] = value          # later accesses skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -104,13 +104,6 @@ class PagedKVCache:
         tensors = self.k_cache + self.v_cache + self.k_min + self.k_max
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def used_kv_bytes(self, seq_ids: Sequence[int] | None = None) -> int:
-        """Bytes of K/V held by the pages of ``seq_ids`` (all sequences by default), all layers."""
-        ids = self.sequences if seq_ids is None else list(seq_ids)
-        n_pages = sum(len(self._pages[s]) for s in ids)
-        per_page = 2 * self.page_size * self.num_kv_heads * self.head_dim * self.k_cache[0].element_size()
-        return n_pages * per_page * self.num_layers
-
     # ---- allocation ----------------------------------------------------------------------------
     def extend(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> torch.Tensor:
         """Make room for ``num_tokens`` more tokens in each sequence and advance their lengths.

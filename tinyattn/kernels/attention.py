@@ -27,7 +27,8 @@ import triton.language as tl
 
 from . import needs_upcast, pad_head_dim
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634                # log2(e): the kernels use exp2/log2, so logits are scaled by it
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the same constant, readable inside @triton.jit bodies
 NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
 
 
@@ -130,7 +131,7 @@ def _attn_fwd_kernel(
                + o_d[None, :] * stride_od)
         tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
         p_l = lse + i_b * stride_lb + o_t.to(tl.int64) * stride_lt + o_hq * stride_lh
-        tl.store(p_l, b_lse2 / 1.4426950408889634, mask=m_m)
+        tl.store(p_l, b_lse2 / _LOG2E, mask=m_m)
 
 
 @triton.jit
@@ -207,7 +208,7 @@ def _merge_splits_kernel(
            + o_h[:, None, None] * stride_wh + o_d[None, None, :])
     b_po = tl.load(p_w, mask=m_hs[:, :, None] & m_d[None, None, :], other=0.0)  # [BH, BS, BD]
     b_o = tl.sum(b_w[:, :, None] * b_po, axis=1) / b_sum_safe[:, None]  # [BH, BD]
-    b_lse_out = tl.where(b_sum == 0.0, float("-inf"), (b_max + tl.log2(b_sum_safe)) / 1.4426950408889634)
+    b_lse_out = tl.where(b_sum == 0.0, float("-inf"), (b_max + tl.log2(b_sum_safe)) / _LOG2E)
 
     m_h = o_h < HQ
     p_o = out + i_b * stride_ob + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :] * stride_od

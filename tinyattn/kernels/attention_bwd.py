@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import needs_upcast, pad_head_dim
-from .attention import LOG2E, attention_blocks
+from .attention import _LOG2E, LOG2E, attention_blocks
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _attn_bwd_kernel(
         o_e = i_b * stride_eb + o_t.to(tl.int64) * stride_et + o_hq * stride_eh
         b_delta -= tl.load(dlse + o_e, mask=m_m, other=0.0)
     # a row that sees nothing has lse = -inf and every logit masked: shift by 0 so no inf - inf occurs
-    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * 1.4426950408889634)  # [BM] base 2
+    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * _LOG2E)  # [BM] base 2
 
     if SPARSE:
         n_list = NUM_LIST

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .llama import LlamaConfig
+from .config import LlamaConfig
 
 __all__ = ["read_llama2c_header", "load_llama2c"]
 

@@ -55,6 +55,7 @@ BACKENDS = ("torch", "triton")
 _FLT_MAX = torch.finfo(torch.float32).max
 _SINK_KEY = _FLT_MAX             # forced keys: recent pages (+inf) > sink pages (FLT_MAX) > every score
 _SCORE_CAP = 3.0e38              # real +inf bounds are capped below the sink key
+_WORKSPACE_MAX_BYTES = 512 * 2**20       # gathers above this size are not kept between calls
 _EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
 
 
@@ -262,8 +263,8 @@ class PagedAttentionPlan:
         else:
             t = self._dense or self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
-        k = k_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
-        v = v_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
+        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
+        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
         if k.dtype != qg.dtype:
             k, v = k.to(qg.dtype), v.to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
@@ -273,8 +274,9 @@ class PagedAttentionPlan:
     @staticmethod
     def _finish(q, out4, lse, return_lse, out):
         o = out4.squeeze(1) if q.dim() == 3 else out4
-        if out is not None and o.data_ptr() != out.data_ptr():
-            out.copy_(o)
+        if out is not None:                   # the caller's tensor itself (written in place by the kernel)
+            if o.data_ptr() != out.data_ptr():
+                out.copy_(o)
             o = out
         if not return_lse:
             return o
@@ -317,8 +319,8 @@ class PagedAttentionPlan:
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
         Pv = t["Pv"]
         qf = qg.reshape(B * Hkv, -1, D)                                                  # [B*Hkv, M, D]
-        hi = k_max.reshape(-1, D).index_select(0, t["box_rows"]).view(B * Hkv, Pv, D)
-        lo = k_min.reshape(-1, D).index_select(0, t["box_rows"]).view(B * Hkv, Pv, D)
+        hi = self._gather_rows("hi", k_max, t["box_rows"]).view(B * Hkv, Pv, D)
+        lo = self._gather_rows("lo", k_min, t["box_rows"]).view(B * Hkv, Pv, D)
         if hi.dtype != qf.dtype:
             hi, lo = hi.to(qf.dtype), lo.to(qf.dtype)
         ub = torch.baddbmm(torch.bmm(lo, qf.clamp(max=0).transpose(1, 2)), hi, qf.clamp(min=0).transpose(1, 2))
@@ -385,7 +387,8 @@ class PagedAttentionPlan:
                                            num_query_tokens=Tq, max_pages=P)
         rows = rows.reshape(B, Hkv, P * S)[..., :lmax]
         vis = visible[:, :1].reshape(B, 1, Tq, P * S)[..., :lmax]                        # same for every head
-        need_mask = self._lens is None or not bool(vis.all())
+        # from the host copy of seq_lens: no device read here (run must not sync)
+        need_mask = self._lens is None or Tq > 1 or any(n != lmax for n in self._lens)
         bias = None
         if need_mask:
             G = self.num_q_heads // Hkv
@@ -400,14 +403,13 @@ class PagedAttentionPlan:
         Hkv = self.num_kv_heads
         dt = torch.float64 if q4.dtype == torch.float64 else torch.float32
         qg = core.group_queries(q4, Hkv, dt)                                             # [B, Hkv, M, D]
-        k_flat, v_flat = k_cache.reshape(-1, D), v_cache.reshape(-1, D)
         if page_indices is None:
             t = self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         else:
             rows, bias, n_keys = self._selected_rows(page_indices)
-        k = k_flat.index_select(0, rows).view(B, Hkv, n_keys, D)
-        v = v_flat.index_select(0, rows).view(B, Hkv, n_keys, D)
+        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
+        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
         if k.dtype != dt:
             k, v = k.to(dt), v.to(dt)
         if return_lse or not _sdpa_zeroes_empty_rows() or (
@@ -462,6 +464,18 @@ class PagedAttentionPlan:
         n = max(splits)
         self._ws_o = self._buffer("ws_o", (n, B, Tq, Hq, self.head_dim), torch.float32) if n > 1 else None
         self._ws_lse = self._buffer("ws_lse", (n, B, Tq, Hq), torch.float32) if n > 1 else None
+
+    def _gather_rows(self, name: str, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``x`` viewed as ``[-1, D]``, rows ``rows``, into a workspace reused across layers and steps.
+
+        A fresh large output at every call costs page faults that triple the gather time on a CPU; the
+        gathered K/V only live until the attention of the same call returns.
+        """
+        flat = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0] * flat.shape[1]
+        if n * flat.element_size() > _WORKSPACE_MAX_BYTES:
+            return flat.index_select(0, rows)
+        return torch.index_select(flat, 0, rows, out=self._buffer(name, (rows.shape[0], flat.shape[1]), flat.dtype))
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A workspace reused across :meth:`plan` calls while it is large enough (no allocation per step)."""

@@ -90,10 +90,6 @@ class PagedShapes:
     page_size: int
     max_pages_per_seq: int
 
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
 
 def check_query(q) -> torch.Tensor:
     expect_tensor("q", q)

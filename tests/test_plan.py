@@ -1,0 +1,196 @@
+"""PagedAttentionPlan (plan once per step, run per layer) and the one attention layer, against the reference.
+
+Expected values come from ``tinyattn.reference`` (independent loop twins). The plan's torch fast path has
+its own selection (a stable sort) and its own gather tables, so every property is checked on it directly.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tinyattn
+from tinyattn import reference as R
+from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.ops.plan import PagedAttentionPlan
+
+from paged_problems import make_problem
+
+BACKENDS = ["torch", "triton"]
+
+
+def _problem(seed, B, Hq, Hkv, D, S, lens, Tq=1, dtype=torch.float32):
+    """A pool with pages scattered by randperm, NaN in every slot no row owns, boxes from the reference."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(1, max(math.ceil(n / S) for n in lens) + 1)                # one spare table column per row
+    N = B * P + 3
+    perm = torch.randperm(N, generator=g)
+    table = perm[: B * P].view(B, P).to(torch.int32)
+    k = torch.full((N, S, Hkv, D), float("nan"), dtype=dtype)
+    v = torch.full((N, S, Hkv, D), float("nan"), dtype=dtype)
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            k[table[b, pos // S], pos % S] = torch.randn(Hkv, D, generator=g).to(dtype)
+            v[table[b, pos // S], pos % S] = torch.randn(Hkv, D, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    k_min = torch.zeros(N, Hkv, D, dtype=dtype)
+    k_max = torch.zeros(N, Hkv, D, dtype=dtype)
+    R.update_page_metadata(k, table, seq_lens, k_min, k_max)
+    q = torch.randn(B, Tq, Hq, D, generator=g).to(dtype)
+    return q, k, v, table, seq_lens, k_min, k_max
+
+
+shapes = st.tuples(st.integers(1, 3), st.sampled_from([(2, 1), (4, 2), (6, 2), (3, 3)]),
+                   st.sampled_from([4, 8, 24]), st.sampled_from([4, 8, 16]))
+
+
+@settings(deadline=None, max_examples=25)
+@given(shapes=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_plan_run_matches_reference_torch(shapes, data, seed):
+    B, (Hq, Hkv), D, S = shapes
+    Tq = data.draw(st.sampled_from([1, 1, 3]))
+    lens = [data.draw(st.integers(Tq, 6 * S)) for _ in range(B)]
+    budget = data.draw(st.integers(2, 6))
+    sinks = data.draw(st.integers(0, 1))
+    q, k, v, table, sl, k_min, k_max = _problem(seed, B, Hq, Hkv, D, S, lens, Tq)
+    need = max(math.ceil(n / S) - (n - Tq) // S for n in lens)        # pages holding the queries
+    budget = max(budget, need + sinks)
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                                    page_size=S, num_query_tokens=Tq, page_budget=budget,
+                                                    num_sink_pages=sinks)
+    qq = q[:, 0] if Tq == 1 else q
+    dense_ref, dense_lse = R.paged_attention(qq, k, v, table, sl, return_lse=True)
+    sparse_ref, sparse_lse = R.sparse_paged_attention(qq, k, v, table, sl, k_min=k_min, k_max=k_max,
+                                                      page_budget=budget, num_sink_pages=sinks, return_lse=True)
+    for kwargs, ref, ref_lse in (({}, dense_ref, dense_lse), (dict(k_min=k_min, k_max=k_max), sparse_ref, sparse_lse)):
+        out = plan.run(qq, k, v, **kwargs)                               # the fast path (SDPA)
+        out2, lse = plan.run(qq, k, v, return_lse=True, **kwargs)        # the NaN-safe core with lse
+        for o in (out, out2):
+            assert not torch.isnan(o).any()
+            torch.testing.assert_close(o, ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-4)
+
+
+@settings(deadline=None, max_examples=30)
+@given(P=st.integers(1, 20), budget=st.integers(1, 8), sinks=st.integers(0, 2), recent=st.integers(0, 2),
+       seed=st.integers(0, 2**16), n_ties=st.integers(0, 3))
+def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties):
+    """The plan's stable-sort selection keeps exactly the pages of the reference select_pages (ties to the
+    lower page, NaN as -inf, forced recent and sink pages)."""
+    S, Hkv, D = 4, 2, 4
+    if sinks + max(recent, 1) > budget:
+        return
+    g = torch.Generator().manual_seed(seed)
+    n = P * S - int(torch.randint(0, S, (1,), generator=g))
+    q, k, v, table, sl, k_min, k_max = _problem(seed, 1, 2, Hkv, D, S, [n])
+    # ties: copy some pages' boxes onto others, and one NaN box
+    for _ in range(n_ties):
+        a, b = torch.randint(0, P, (2,), generator=g).tolist()
+        k_min[table[0, a]], k_max[table[0, a]] = k_min[table[0, b]], k_max[table[0, b]]
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=Hkv, head_dim=D,
+                                                    page_size=S, page_budget=budget, num_sink_pages=sinks,
+                                                    num_recent_pages=recent)
+    if not plan.selects:
+        return
+    q0 = q[:, 0]
+    plan.run(q0, k, v, k_min=k_min, k_max=k_max)
+    got = torch.sort(plan._last_selection, dim=-1).values
+    scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
+    want = R.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
+    assert torch.equal(got.to(torch.int32), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_reused_across_layers_and_steps(backend):
+    """One plan, several layers (different pools), then a re-plan with other shapes: same as the public ops."""
+    plan = PagedAttentionPlan(backend=backend)
+    for step, (B, lens) in enumerate(((2, [40, 17]), (3, [41, 18, 90]), (1, [5]))):
+        q0, k0, v0, table, sl, k_min0, k_max0 = _problem(10 * step, B, 4, 2, 8, 8, lens)
+        k1, v1 = k0 * -2.0, v0 + 1.0               # a second layer: other values, same pages (NaN stays NaN)
+        k_min1, k_max1 = torch.zeros_like(k_min0), torch.zeros_like(k_max0)
+        R.update_page_metadata(k1, table, sl, k_min1, k_max1)
+        layers = [(q0, k0, v0, None, None, k_min0, k_max0), (q0 * 0.5, k1, v1, None, None, k_min1, k_max1)]
+        plan.plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8, page_budget=3)
+        for q, k, v, _, _, k_min, k_max in layers:
+            # the same table for every layer of a step: the pools differ, the geometry does not
+            out = plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max)
+            ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
+
+
+def test_run_makes_no_host_sync(monkeypatch):
+    """plan.run (torch backend, dense and sparse, with and without lse) reads no tensor value on the host."""
+    q, k, v, table, sl, k_min, k_max = _problem(0, 2, 8, 4, 8, 16, [200, 77])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=8, num_kv_heads=4, head_dim=8,
+                                                    page_size=16, page_budget=4)
+    calls = []
+
+    def forbid(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, **kw):
+            calls.append(name)
+            return real(self, *a, **kw)
+        return wrapped
+
+    for name in _SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, forbid(name))
+    monkeypatch.setattr(torch, "nonzero", forbid("nonzero"))
+    for kwargs in ({}, dict(k_min=k_min, k_max=k_max)):
+        for lse in (False, True):
+            plan.run(q[:, 0], k, v, return_lse=lse, **kwargs)
+    monkeypatch.undo()
+    assert calls == []
+
+
+def test_triton_run_allocates_nothing_with_out(monkeypatch):
+    """With ``out=`` the Triton path of run allocates no tensor (split-K partials, scores, pages: the plan's)."""
+    q, k, v, table, sl, k_min, k_max = _problem(1, 2, 4, 2, 8, 8, [60, 33])
+    plan = PagedAttentionPlan(backend="triton").plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                                     page_size=8, page_budget=3)
+    out = torch.empty_like(q[:, 0])
+    plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max, out=out)        # warm (compiles under the interpreter)
+    made = []
+    for name in ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "ones", "tensor"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _n=name, **kw: (made.append(_n), _real(*a, **kw))[1])
+    got = plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max, out=out)
+    monkeypatch.undo()
+    assert made == [] and got is out
+    ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["quest", "streaming", "h2o"])
+def test_layer_decision(policy):
+    """PagedAttention: dense layers dense, sparse layers select with the policy, prefill dense."""
+    q, k, v, table, sl, k_min, k_max = _problem(3, 2, 4, 2, 8, 8, [70, 41])
+    attn = PagedAttention(SparsityConfig(page_budget=3, dense_layers=1, policy=policy), backend="torch")
+    attn.begin(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8, trusted=False)
+    dense = attn(0, q[:, 0], k, v, k_min, k_max)
+    torch.testing.assert_close(dense, R.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
+    sparse = attn(1, q[:, 0], k, v, k_min, k_max)
+    if policy == "quest":
+        ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+        torch.testing.assert_close(sparse, ref, atol=2e-5, rtol=1e-4)
+    else:
+        assert not torch.allclose(sparse, dense)                    # 3 of 9 pages: not the dense answer
+    attn.begin(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8, decode=False)
+    torch.testing.assert_close(attn(1, q[:, 0], k, v, k_min, k_max), dense, atol=2e-5, rtol=1e-4)
+
+
+def test_plan_rejects_bad_tables():
+    plan = PagedAttentionPlan(backend="torch")
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        plan.plan(table, torch.tensor([10, 99], dtype=torch.int32), num_q_heads=2, num_kv_heads=1, head_dim=4,
+                  page_size=8)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        plan.plan(table, torch.tensor([1, 2], dtype=torch.int32), num_q_heads=3, num_kv_heads=2, head_dim=4,
+                  page_size=8)
+    with pytest.raises(TypeError, match="block_table"):
+        plan.plan(table.float(), torch.tensor([1, 2]), num_q_heads=2, num_kv_heads=1, head_dim=4, page_size=8)
