@@ -5,10 +5,21 @@
 #   bash bench/gpu.sh                  # writes out/gpu/  (or "$OUT" when set, e.g. by a CI / device runner)
 #   QUICK=1 bash bench/gpu.sh          # smaller sweep (about 1 minute)
 #
-# Needs only what the image has: torch (CUDA build) and triton; flash-attn is used when importable and
-# skipped otherwise. No interactive input; each step has its own time limit and a failed step does not stop
-# the others (the exit status is that of the first failure); the limits add up to 300 s. Commit the CSV /
-# PNG / summary.md it writes to docs/bench/gpu/ with the GPU named (docs/benchmarks.md, "GPU").
+# Needs torch (CUDA build) and triton on the machine; flash-attn is used when importable and skipped
+# otherwise. The pure-Python packages the tests and the ops need (einops, pytest, hypothesis, ...) are
+# installed from wheels carried with the checkout in .whl/ (git-ignored) when the machine lacks them, so a
+# GPU machine without a package registry works. Download them once, on a machine that has one:
+#
+#   pip download --no-deps --only-binary=:all: --platform any --python-version 3.10 -d .whl einops pytest \
+#       pluggy iniconfig packaging pygments hypothesis sortedcontainers attrs pytest-xdist execnet tqdm \
+#       exceptiongroup tomli typing_extensions
+#
+# (`--platform any`: pure-Python wheels, which install on any Python >= 3.10 whatever the machine's version;
+# exceptiongroup, tomli and typing_extensions are only used on Python < 3.11). They are installed with
+# `pip install --no-index --find-links .whl --target .whl/site` and put on PYTHONPATH: the machine's own
+# environment is not changed. No interactive input; each step has its own time limit and a failed step does
+# not stop the others (the exit status is that of the first failure); the limits add up to 300 s. Commit the
+# CSV / PNG / summary.md it writes to docs/bench/gpu/ with the GPU named (docs/benchmarks.md, "GPU").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0           # tests/conftest.py defaults it to 1 for the CPU suites
@@ -53,10 +64,23 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
   echo "no CUDA device: nothing to do (the CPU benchmarks are bench/*.py without --device cuda)"
   exit 1
 fi
-if ! python -c "import einops" 2>/dev/null; then
-  echo "einops is not installed: using the stand-in bench/_shim/einops (rearrange only)"
-  export PYTHONPATH="$PWD/bench/_shim${PYTHONPATH:+:$PYTHONPATH}"
+# the Python packages of the run: the machine's own, else the wheels carried in .whl/ (see the top)
+NEEDED="einops pytest hypothesis xdist tqdm"
+have_all() { python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $NEEDED; }
+if ! have_all; then
+  if ! ls .whl/*.whl > /dev/null 2>&1; then
+    echo "missing Python packages (need: $NEEDED) and no wheels in .whl/: run the pip download command at the" \
+         "top of bench/gpu.sh on a machine with a package registry, and bring .whl/ with the checkout"
+    exit 1
+  fi
+  echo "installing the carried wheels from .whl/ into .whl/site"
+  python -m pip install --quiet --no-index --find-links .whl --target .whl/site --upgrade \
+    einops pytest hypothesis pytest-xdist tqdm || { echo "pip install from .whl/ failed"; exit 1; }
+  export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"
+  have_all || { echo "still missing one of: $NEEDED"; exit 1; }
 fi
+python -c "import einops, pytest, hypothesis; print('einops', einops.__version__, 'pytest', pytest.__version__,
+'hypothesis', hypothesis.__version__)" | tee -a "$DEST/env.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$DEST/nvidia-smi.csv" 2>/dev/null || true
 
 if [ "${QUICK:-0}" = "1" ]; then
@@ -65,12 +89,7 @@ else
   CONTEXTS="1K,2K,4K,8K,16K,32K,64K,128K"; BUDGETS="512,1024,2048,4096"; E2E_CONTEXTS="1K,4K,16K,32K,64K,128K"; REPEATS=100
 fi
 
-if python -c "import pytest" 2>/dev/null; then
-  step gpu_tests 80 python -m pytest -q -p no:cacheprovider tests/gpu -rs
-else
-  echo "pytest is not installed: running tests/gpu with bench/gpu_tests.py"
-  step gpu_tests 80 python bench/gpu_tests.py
-fi
+step gpu_tests 80 python -m pytest -q -p no:cacheprovider tests/gpu -rs
 step decode_attention 100 python bench/decode_attention.py --device cuda --out "$DEST" \
   --contexts "$CONTEXTS" --budgets "$BUDGETS" --repeats "$REPEATS"
 step kernel_breakdown 40 python bench/kernel_breakdown.py --device cuda --out "$DEST" \

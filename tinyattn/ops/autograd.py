@@ -122,11 +122,6 @@ def _torch_bwd(dout, dlse, q4, k_cache, v_cache, block_table, seq_lens, page_ind
 
 
 # ---------------------------------------------------------------------------- custom ops
-def _kernels():
-    from .. import kernels
-    return kernels
-
-
 @torch.library.custom_op("tinyattn::paged_attention_fwd", mutates_args=())
 def paged_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                         page_indices: Optional[Tensor], scale: float, backend: str) -> tuple[Tensor, Tensor]:
