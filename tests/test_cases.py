@@ -279,8 +279,10 @@ def test_7_selection_properties(backend, data):
     raw = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, float("-inf"), 3.5]), min_size=B * Hkv * P,
                              max_size=B * Hkv * P))
     scores = torch.tensor(raw).reshape(B, Hkv, P)
-    opts = dict(page_size=page_size, page_budget=data.draw(st.integers(1, P + 2)),
-                num_sink_pages=data.draw(st.integers(0, 3)), num_recent_pages=data.draw(st.integers(0, 3)))
+    sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    forced = sinks + max(recent, 1)                                  # a smaller budget raises (issue 15)
+    opts = dict(page_size=page_size, page_budget=data.draw(st.integers(forced, max(forced, P + 2))),
+                num_sink_pages=sinks, num_recent_pages=recent)
     got = tinyattn.select_pages(scores, lens, **opts, backend=backend)
     assert torch.equal(got, reference.select_pages(scores, lens, **opts))
     n_valid = (lens + page_size - 1) // page_size
@@ -335,7 +337,8 @@ def test_7_large_budgets_with_ties_match_reference(backend, data):
                                              max_size=B * Hkv * P)))
     scores = torch.where(torch.rand(B, Hkv, P, generator=torch.Generator().manual_seed(P)) < 0.5,
                          pool[choice].reshape(B, Hkv, P), torch.randn(B, Hkv, P))
-    opts = dict(page_size=4, page_budget=data.draw(st.integers(17, P + 3)), num_sink_pages=data.draw(st.integers(0, 3)),
-                num_recent_pages=data.draw(st.integers(0, 20)))
+    sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 20))
+    opts = dict(page_size=4, page_budget=data.draw(st.integers(max(17, sinks + max(recent, 1)), P + 3)),
+                num_sink_pages=sinks, num_recent_pages=recent)
     got = tinyattn.select_pages(scores, lens, **opts, backend=backend)
     assert torch.equal(got, reference.select_pages(scores, lens, **opts))

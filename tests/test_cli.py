@@ -148,7 +148,8 @@ def test_argument_errors(args, pattern, capsys):
 @needs_model
 def test_runtime_errors(tmp_path, capsys):
     code, err = run_main(["generate", *model_args(), "--page-budget", "1", "--num-sink-pages", "1"], capsys)
-    assert code == 2 and "num_sink_pages + num_recent_pages (1 + 1) must not exceed page_budget (1)" in err
+    assert code == 2 and ("page_budget: expected at least num_sink_pages + max(num_recent_pages, 1) = 1 + 1 = 2"
+                          in err), err
     code, err = run_main(["eval", *model_args(), "--data", str(VALID), "--dense-layers", "9"], capsys)
     assert code == 2 and "--dense-layers (9) exceeds" in err
     empty = tmp_path / "empty.txt"

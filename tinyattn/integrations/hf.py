@@ -67,6 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
+from tinyattn.ops.validation import check_selection_options
 
 __all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
 
@@ -209,9 +210,8 @@ class TinyAttnCache(Cache):
         for name, value in (("page_budget", page_budget), ("num_pages", num_pages)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: expected None or an int >= 1, got {value!r}")
-        if page_budget is not None and num_sink_pages + num_recent_pages > page_budget:
-            raise ValueError(f"page_budget: expected at least num_sink_pages + num_recent_pages = "
-                             f"{num_sink_pages} + {num_recent_pages}, got {page_budget}")
+        if page_budget is not None:   # the ops' rule and message: sinks + max(recent, 1) <= budget
+            check_selection_options(page_budget, num_sink_pages, num_recent_pages)
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
         if config is None or not hasattr(config, "get_text_config"):

@@ -8,7 +8,7 @@ with ``n = cdiv(seq_len, page_size)`` valid pages:
 - else, in priority order until the budget is full: (1) the last ``R`` pages, ``R = max(recent, 1,
   pages holding the Tq query tokens)`` (newest first if they alone overflow the budget); (2) the first
   ``num_sink_pages`` pages; (3) the highest scores among the rest, ties to the lower page index,
-  NaN ranking below ``-inf``, pages past the end never chosen.
+  NaN counting as ``-inf`` (a tie with it, won by the lower index), pages past the end never chosen.
 
 Output: ascending page ids, ``-1`` padded. Grid ``(B, Hkv)``; one program holds the row's scores as
 a ``[BP]`` tile of order-preserving int32 keys and picks the top pages with ``tl.argmax`` in a loop
@@ -52,11 +52,11 @@ def _select_pages_kernel(
     rest = tl.minimum(n, BUDGET) - tl.sum(keep.to(tl.int32), axis=0)
 
     # (3) order-preserving int32 image of the score: flip the magnitude bits of negatives;
-    # -0 == +0 so that ties stay ties; NaN just above the "not a candidate" key
+    # -0 == +0 and NaN == -inf so that ties stay ties (the lower page index wins them)
     b_s = tl.where(b_s == 0.0, 0.0, b_s)
+    b_s = tl.where(b_s != b_s, float("-inf"), b_s)
     b_bits = b_s.to(tl.int32, bitcast=True)
-    b_key = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)  # [BP]
-    b_key = tl.where(b_s != b_s, -2147483647, b_key)
+    b_key = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)  # [BP], -inf -> -2139095041
     if RADIX:
         keep |= _top_rest_by_radix(b_key, m_j & ~keep, o_j, rest)
     else:

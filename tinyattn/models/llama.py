@@ -32,6 +32,7 @@ from torch import nn
 
 from tinyattn import metrics, selection
 from tinyattn.ops.spans import layer as profile_layer
+from tinyattn.ops.validation import check_selection_options
 
 from .config import LlamaConfig
 
@@ -78,11 +79,8 @@ class SparsityConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.page_budget is not None and self.num_sink_pages + self.num_recent_pages > self.page_budget:
-            raise ValueError(
-                f"num_sink_pages + num_recent_pages ({self.num_sink_pages} + {self.num_recent_pages}) must not "
-                f"exceed page_budget ({self.page_budget})"
-            )
+        if self.page_budget is not None:   # the ops' rule and message: sinks + max(recent, 1) <= budget
+            check_selection_options(self.page_budget, self.num_sink_pages, self.num_recent_pages)
 
     @property
     def is_dense(self) -> bool:

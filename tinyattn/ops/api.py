@@ -16,6 +16,7 @@ import torch
 
 from . import torch_backend as T
 from .spans import span
+from . import library as L
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
 
@@ -79,8 +80,9 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
               page_indices=page_indices, scale=scale, selection=selection):
-        if needs_grad(q4, k_cache, v_cache):
-            # training: the custom op with a backward (Triton kernels or the torch formula); selection is done
+        if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
+            # training: the custom op with a backward (Triton kernels or the torch formula); selection is done.
+            # Under torch.compile always the custom op: opaque to the compiler, with or without grad
             out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices,
                                                 scale, backend)
         elif backend == "torch" or q.dtype == torch.float64:
@@ -147,13 +149,7 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
         block_table, seq_lens: as in :func:`paged_attention`.
         k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache`` or fp32; written in place.
     """
-    V.expect_tensor("k_cache", k_cache)
-    V.expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
-    V.expect_dtype("k_cache", k_cache, V.FLOAT_DTYPES + (torch.float64,))
-    num_pages, page_size, Hkv, D = k_cache.shape
-    V.check_tables(block_table, seq_lens, None, k_cache.device)
-    V.check_table_values(block_table, seq_lens, page_size, num_pages)
-    V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
     backend = resolve_backend(backend, k_cache.device)
     if backend == "triton":
         V.check_kernel_page_size(page_size)
@@ -175,19 +171,7 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
         q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
         block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
     """
-    q = V.check_query(q)
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    page_size = V.expect_int("page_size", page_size, 1)
-    V.expect_tensor("k_min", k_min)
-    V.expect_dim("k_min", k_min, (3,), "[num_pages, Hkv, D]")
-    num_pages, Hkv, D = k_min.shape
-    if q4.shape[-1] != D:
-        raise ValueError(f"k_min: expected head_dim {q4.shape[-1]} (that of q) in dim 2, got {D}")
-    if Hkv == 0 or q4.shape[2] % Hkv != 0:
-        raise ValueError(f"q: expected a number of query heads divisible by num_kv_heads={Hkv}, got Hq={q4.shape[2]}")
-    V.check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
-    V.check_tables(block_table, seq_lens, q4.shape[0], q.device)
-    V.check_table_values(block_table, seq_lens, page_size, num_pages)
+    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(page_size)
@@ -197,11 +181,9 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
 def _page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend):
     """page_scores on validated inputs (sparse_paged_attention calls it without validating twice)."""
     with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
-        if backend == "torch" or q4.dtype == torch.float64:
-            return T.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
-        out = torch.empty(q4.shape[0], k_min.shape[1], block_table.shape[1], dtype=torch.float32, device=q4.device)
-        _kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size, out=out)
-        return out
+        # under torch.compile: the opaque custom op (the body launches Triton or makes host-side choices)
+        run = L.page_scores_op if torch.compiler.is_compiling() else L.run_page_scores
+        return run(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
 
 
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
@@ -213,43 +195,24 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
     ``num_sink_pages`` pages (attention sinks, StreamingLLM), then the highest ``scores``; ties go to the lower
     page index. A row with at most ``page_budget`` valid pages keeps them all. Output is ascending, ``-1``
     padded, never a duplicate, never a page past the row's end. The token budget is ``page_budget * page_size``.
+    NaN scores count as ``-inf`` (ties with it go to the lower page index). ``ValueError`` when
+    ``num_sink_pages + max(num_recent_pages, 1) > page_budget``.
 
     Args:
         scores: fp32 ``[B, Hkv, max_pages_per_seq]`` (from :func:`page_scores`). seq_lens: ``[B]`` int.
         page_size, page_budget (>= 1), num_sink_pages (>= 0), num_recent_pages (>= 0), num_query_tokens (>= 1): ints.
     """
-    V.expect_tensor("scores", scores)
-    V.expect_dim("scores", scores, (3,), "[B, Hkv, max_pages_per_seq]")
-    V.expect_dtype("scores", scores, (torch.float32,))
-    page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
-        page_budget, num_sink_pages, num_recent_pages)
-    page_size = V.expect_int("page_size", page_size, 1)
-    num_query_tokens = V.expect_int("num_query_tokens", num_query_tokens, 1)
-    V.expect_tensor("seq_lens", seq_lens)
-    V.expect_dim("seq_lens", seq_lens, (1,), "[B]")
-    V.expect_dtype("seq_lens", seq_lens, V.INDEX_DTYPES)
-    if seq_lens.shape[0] != scores.shape[0]:
-        raise ValueError(f"seq_lens: expected {scores.shape[0]} entries (dim 0 of scores), got {seq_lens.shape[0]}")
-    V.expect_device("seq_lens", seq_lens, scores.device, "scores")
-    if V._VALUE_CHECKS and seq_lens.numel():
-        top = int(seq_lens.max())
-        if top > scores.shape[2] * page_size or int(seq_lens.min()) < 0:
-            raise ValueError(f"seq_lens: expected values in [0, {scores.shape[2] * page_size}] (pages in scores x "
-                             f"page_size), got range [{int(seq_lens.min())}, {top}]")
-    V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
-    options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
-                   num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
+    options = V.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
+                                    num_query_tokens)
     return _select_pages(scores, seq_lens, options, resolve_backend(backend, scores.device))
 
 
 def _select_pages(scores, seq_lens, options, backend):
     """select_pages on validated inputs; ``options`` holds its keyword arguments."""
     with span("topk", scores=scores, seq_lens=seq_lens, page_budget=options["page_budget"]):
-        if backend == "torch":
-            return T.select_pages(scores, seq_lens, **options)
-        out = torch.empty(*scores.shape[:2], options["page_budget"], dtype=torch.int32, device=scores.device)
-        _kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
-        return out
+        run = L.select_pages_op if torch.compiler.is_compiling() else L.run_select_pages
+        return run(scores, seq_lens, options["page_size"], options["page_budget"], options["num_sink_pages"],
+                   options["num_recent_pages"], options["num_query_tokens"], backend)
 
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
@@ -276,7 +239,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
 
     Raises:
         ValueError / TypeError as :func:`paged_attention`, and when neither ``page_indices`` nor
-        ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages.
+        ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages or
+        ``num_sink_pages + max(num_recent_pages, 1)`` pages.
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
@@ -285,32 +249,16 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
+    selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                         num_sink_pages, num_recent_pages)
     if page_indices is None:
-        if k_min is None or k_max is None or page_budget is None:
-            missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
-            raise ValueError(f"page_indices: expected page_indices, or k_min, k_max and page_budget together; "
-                             f"got page_indices=None and no {', '.join(missing)}")
-        V.check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
-                            q.device)
-        options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
-                           V.check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
-        V.check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
         if _nothing_to_attend(q4, k_cache, block_table, None):
             return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)
         # inputs are validated once above; selection has no gradient, so it scores a detached q
         scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
-        page_indices = _select_pages(scores, seq_lens, dict(options, page_size=shapes.page_size,
+        page_indices = _select_pages(scores, seq_lens, dict(selection, page_size=shapes.page_size,
                                                             num_query_tokens=shapes.num_query_tokens), backend)
-        selection = options
     else:
-        given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
-        if given:
-            raise ValueError(f"page_indices: expected either page_indices or k_min, k_max and page_budget, "
-                             f"got page_indices together with {', '.join(given)}")
-        V.check_page_indices(page_indices, shapes, q.device)
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
-        selection = dict(page_budget=page_indices.shape[-1],
-                         num_sink_pages=V.expect_int("num_sink_pages", num_sink_pages, 0),
-                         num_recent_pages=V.expect_int("num_recent_pages", num_recent_pages, 0))
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
                       return_lse, backend, selection)

@@ -85,7 +85,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
     """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place)."""
-    page_size = k_cache.shape[1]
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
     for b in range(block_table.shape[0]):
         n_tokens = int(seq_lens[b])
         for j in range(_cdiv(n_tokens, page_size)):
@@ -100,7 +100,7 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
 
     Returns fp32 ``[B, Hkv, max_pages_per_seq]``, ``-inf`` for pages past each row's end.
     """
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
     B, Tq, Hq, D = q4.shape
     Hkv = k_min.shape[1]
     G = Hq // Hkv
@@ -129,12 +129,13 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
                  num_query_tokens=1, backend=None):
     """Top-``page_budget`` logical pages per (row, KV head): forced recent and sink pages, then best scores.
 
-    Returns int32 ``[B, Hkv, page_budget]``, ascending, ``-1`` padded. Ties go to the lower page index;
-    NaN scores count as ``-inf``.
+    Returns int32 ``[B, Hkv, page_budget]``, ascending, ``-1`` padded. NaN scores count as ``-inf``; ties
+    (``-inf`` vs ``-inf`` and NaN vs ``-inf`` included) go to the lower page index.
     """
-    page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
-        page_budget, num_sink_pages, num_recent_pages)
-    V.check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
+    opts = V.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
+                                 num_query_tokens)
+    page_size, page_budget, num_query_tokens = opts["page_size"], opts["page_budget"], opts["num_query_tokens"]
+    num_sink_pages, num_recent_pages = opts["num_sink_pages"], opts["num_recent_pages"]
     B, Hkv, _ = scores.shape
     out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32)
     for b in range(B):
@@ -146,7 +147,8 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
                 keep = list(range(n))
             else:
                 keep = _forced_pages(n, first_query_page, num_sink_pages, num_recent_pages)[:page_budget]
-                row = torch.nan_to_num(scores[b, h, :n].float().cpu(), nan=float("-inf"))
+                row = scores[b, h, :n].float().cpu()
+                row = torch.where(torch.isnan(row), float("-inf"), row)    # NaN counts as -inf (a tie with it)
                 ranked = sorted(range(n), key=lambda j: (-row[j].item(), j))
                 keep += [j for j in ranked if j not in keep][: page_budget - len(keep)]
             keep = sorted(keep)
@@ -163,15 +165,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     """
     q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
     scale = V.check_scale(scale, shapes.head_dim)
+    V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget, num_sink_pages,
+                             num_recent_pages)
     if page_indices is None:
-        if k_min is None or k_max is None or page_budget is None:
-            raise ValueError("page_indices: expected either page_indices or all of k_min, k_max and page_budget, "
-                             "got none of page_indices")
         scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size)
         page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
                                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                     num_query_tokens=shapes.num_query_tokens)
-    V.check_page_indices(page_indices, shapes, q.device)
 
     def selected(b, h):
         n = _cdiv(int(seq_lens[b]), shapes.page_size)

@@ -124,7 +124,7 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
 
     The key of a scored page packs an order-preserving integer image of the fp32 score (high 32 bits) with
     ``P - 1 - j`` (low bits), so equal scores go to the lower page index exactly as the reference does; NaN
-    counts as ``-inf``. Forced pages get keys above every score, invalid pages the minimum.
+    counts as ``-inf`` (so NaN vs ``-inf`` is a tie, won by the lower page index). Forced pages get keys above every score, invalid pages the minimum.
     """
     B, Hkv, P = scores.shape
     device = scores.device
@@ -140,7 +140,8 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     is_sink = is_valid & ~is_recent & (j < num_sink_pages)
     forced = torch.where(is_recent, _FORCED_KEY + 2 * P + j, _FORCED_KEY + P - j)      # newest, then first pages
     fallback = torch.where(is_recent | is_sink, forced, _INVALID_KEY)                   # [B, 1, P]
-    s = torch.nan_to_num(scores.float(), nan=NEG_INF) + 0.0                             # -0.0 == 0.0
+    # NaN counts as -inf (nan_to_num would also turn -inf into -finfo.max, ranking NaN below it); -0.0 == 0.0
+    s = torch.where(torch.isnan(scores), NEG_INF, scores.float()) + 0.0
     bits = s.view(torch.int32)
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32                    # float order as int
     key = torch.where(is_valid & ~(is_recent | is_sink), key + (P - 1 - j), fallback)

@@ -34,6 +34,13 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = previous
 
 
+def value_checks_active() -> bool:
+    """Whether the data-dependent checks run now: on (see :func:`value_checks`) and not while ``torch.compile``
+    traces. They read tensor values on the host (``int(...)``, ``.tolist()``), which would break a
+    ``fullgraph=True`` trace; a compiled caller checks its inputs by running the op once eagerly."""
+    return _VALUE_CHECKS and not torch.compiler.is_compiling()
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -117,7 +124,7 @@ def check_tables(block_table, seq_lens, batch: int | None, device: torch.device)
 
 def check_table_values(block_table, seq_lens, page_size: int, num_pages: int) -> None:
     """seq_lens in [0, capacity] and every block-table entry of a valid page in [0, num_pages)."""
-    if not _VALUE_CHECKS or seq_lens.numel() == 0:
+    if not value_checks_active() or seq_lens.numel() == 0:
         return
     capacity = block_table.shape[1] * page_size
     lens = seq_lens.to(torch.int64)
@@ -186,20 +193,31 @@ def check_page_indices(page_indices, shapes: PagedShapes, device: torch.device) 
         raise ValueError(f"page_indices: expected shape [B={shapes.batch}, Hkv={shapes.num_kv_heads}, page_budget], "
                          f"got {tuple(page_indices.shape)}")
     expect_device("page_indices", page_indices, device, "q")
-    if _VALUE_CHECKS and page_indices.numel() and int(page_indices.min()) < -1:
+    if value_checks_active() and page_indices.numel() and int(page_indices.min()) < -1:
         raise ValueError(f"page_indices: expected logical page ids >= -1 (-1 = padding), "
                          f"got a minimum of {int(page_indices.min())}")
 
 
 def check_selection_options(page_budget, num_sink_pages, num_recent_pages) -> tuple[int, int, int]:
-    return (expect_int("page_budget", page_budget, 1),
-            expect_int("num_sink_pages", num_sink_pages, 0),
-            expect_int("num_recent_pages", num_recent_pages, 0))
+    """Ints ``page_budget >= 1``, ``num_sink_pages >= 0``, ``num_recent_pages >= 0``, and a budget that holds
+    the always-kept pages: ``num_sink_pages + max(num_recent_pages, 1) <= page_budget`` (the partial last page
+    is always kept, so at least one recent page counts). The one rule of the ops, the references,
+    :class:`tinyattn.models.SparsityConfig`, the HF cache and the CLI."""
+    page_budget = expect_int("page_budget", page_budget, 1)
+    num_sink_pages = expect_int("num_sink_pages", num_sink_pages, 0)
+    num_recent_pages = expect_int("num_recent_pages", num_recent_pages, 0)
+    forced = num_sink_pages + max(num_recent_pages, 1)
+    if forced > page_budget:
+        raise ValueError(f"page_budget: expected at least num_sink_pages + max(num_recent_pages, 1) = "
+                         f"{num_sink_pages} + {max(num_recent_pages, 1)} = {forced} (the pages always kept), got "
+                         f"page_budget={page_budget} with num_sink_pages={num_sink_pages}, "
+                         f"num_recent_pages={num_recent_pages}")
+    return page_budget, num_sink_pages, num_recent_pages
 
 
 def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_budget: int) -> None:
     """With Tq > 1 every page holding a query must be kept: the budget has to cover them."""
-    if num_query_tokens <= 1 or not _VALUE_CHECKS or seq_lens.numel() == 0:
+    if num_query_tokens <= 1 or not value_checks_active() or seq_lens.numel() == 0:
         return
     lens = seq_lens.to(torch.int64)
     first = (lens - num_query_tokens).clamp(min=0) // page_size
@@ -207,6 +225,89 @@ def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_
     if needed > page_budget:
         raise ValueError(f"page_budget: expected at least {needed} (the pages holding the Tq={num_query_tokens} "
                          f"query tokens), got {page_budget}")
+
+
+def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max) -> tuple[int, int, int, int]:
+    """Arguments of ``update_page_metadata``; returns ``(num_pages, page_size, Hkv, D)`` of ``k_cache``."""
+    expect_tensor("k_cache", k_cache)
+    expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
+    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,))
+    num_pages, page_size, Hkv, D = k_cache.shape
+    if page_size < 1:
+        raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
+    check_tables(block_table, seq_lens, None, k_cache.device)
+    check_table_values(block_table, seq_lens, page_size, num_pages)
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    return num_pages, page_size, Hkv, D
+
+
+def check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size) -> tuple[torch.Tensor, int]:
+    """Arguments of ``page_scores``; returns q as ``[B, Tq, Hq, D]`` and ``page_size``."""
+    q = check_query(q)
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    page_size = expect_int("page_size", page_size, 1)
+    expect_tensor("k_min", k_min)
+    expect_dim("k_min", k_min, (3,), "[num_pages, Hkv, D]")
+    num_pages, Hkv, D = k_min.shape
+    if q4.shape[-1] != D:
+        raise ValueError(f"k_min: expected head_dim {q4.shape[-1]} (that of q) in dim 2, got {D}")
+    if Hkv == 0 or q4.shape[2] % Hkv != 0:
+        raise ValueError(f"q: expected a number of query heads divisible by num_kv_heads={Hkv}, got Hq={q4.shape[2]}")
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
+    check_tables(block_table, seq_lens, q4.shape[0], q.device)
+    check_table_values(block_table, seq_lens, page_size, num_pages)
+    return q4, page_size
+
+
+def check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
+                        num_query_tokens) -> dict:
+    """Arguments of ``select_pages``; returns its keyword options as checked ints."""
+    expect_tensor("scores", scores)
+    expect_dim("scores", scores, (3,), "[B, Hkv, max_pages_per_seq]")
+    expect_dtype("scores", scores, (torch.float32,))
+    page_budget, num_sink_pages, num_recent_pages = check_selection_options(
+        page_budget, num_sink_pages, num_recent_pages)
+    page_size = expect_int("page_size", page_size, 1)
+    num_query_tokens = expect_int("num_query_tokens", num_query_tokens, 1)
+    expect_tensor("seq_lens", seq_lens)
+    expect_dim("seq_lens", seq_lens, (1,), "[B]")
+    expect_dtype("seq_lens", seq_lens, INDEX_DTYPES)
+    if seq_lens.shape[0] != scores.shape[0]:
+        raise ValueError(f"seq_lens: expected {scores.shape[0]} entries (dim 0 of scores), got {seq_lens.shape[0]}")
+    expect_device("seq_lens", seq_lens, scores.device, "scores")
+    if value_checks_active() and seq_lens.numel():
+        low, top = torch.stack([seq_lens.min(), seq_lens.max()]).tolist()           # one host sync
+        if top > scores.shape[2] * page_size or low < 0:
+            raise ValueError(f"seq_lens: expected values in [0, {scores.shape[2] * page_size}] (pages in scores x "
+                             f"page_size), got range [{low}, {top}]")
+    check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
+    return dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
+
+
+def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                           num_sink_pages, num_recent_pages) -> dict:
+    """The page arguments of ``sparse_paged_attention``: either ``page_indices``, or ``k_min``, ``k_max`` and
+    ``page_budget`` together. Returns the selection rules ``{page_budget, num_sink_pages, num_recent_pages}``
+    (with ``page_indices``: its width and the rules the caller says it chose them under)."""
+    if page_indices is None:
+        if k_min is None or k_max is None or page_budget is None:
+            missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
+            raise ValueError(f"page_indices: expected page_indices, or k_min, k_max and page_budget together; "
+                             f"got page_indices=None and no {', '.join(missing)}")
+        check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
+                          q.device)
+        options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
+                           check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
+        check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
+        return options
+    given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
+    if given:
+        raise ValueError(f"page_indices: expected either page_indices or k_min, k_max and page_budget, "
+                         f"got page_indices together with {', '.join(given)}")
+    check_page_indices(page_indices, shapes, q.device)
+    return dict(page_budget=page_indices.shape[-1], num_sink_pages=expect_int("num_sink_pages", num_sink_pages, 0),
+                num_recent_pages=expect_int("num_recent_pages", num_recent_pages, 0))
 
 
 def check_scale(scale, head_dim: int) -> float:
