@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "bench"
+DEFAULT_OUT = ROOT / "out" / "bench"     # scratch (git-ignored); the committed figures: --out docs/bench
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a checkout without installing
@@ -69,7 +69,9 @@ def base_parser(description: str, default_name: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per method first (default: 2)")
     p.add_argument("--cold", action="store_true",
                    help="cpu: evict the caches before each timed call (cuda always does, via do_bench)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="output folder (default: out/bench/ of the checkout, git-ignored scratch; --out docs/bench "
+                        "replaces the figures docs/benchmarks.md shows)")
     p.add_argument("--name", default=default_name, help=f"file stem of the CSV / PNG (default: {default_name})")
     p.add_argument("--no-plot", action="store_true", help="write the CSV only")
     p.add_argument("--quick", action="store_true", help="tiny sizes, a few repeats: proves the script runs")

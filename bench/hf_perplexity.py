@@ -8,9 +8,10 @@ in one batch, so every prediction after the first pages was made with query-awar
 Reported: mean NLL (nats / target token), perplexity, top-1 agreement with stock, and the fraction of
 KV pages read per decode step relative to dense (sparse layers read ``min(pages, budget)``).
 
-Example (converts stories260K first when --model-dir does not exist)::
+Example (converts the stories260K model shipped with tinyattn first when --model-dir does not exist; the
+text defaults to the 7 TinyStories validation stories shipped with it)::
 
-    python bench/hf_perplexity.py --model-dir /tmp/stories260K-hf --page-size 16 --page-budgets 2 4 8
+    python bench/hf_perplexity.py --model-dir /tmp/stories260K-hf --page-size 16 --page-budgets 2,4,8
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+if str(ROOT) not in sys.path:           # run as `python bench/hf_perplexity.py` from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+from tinyattn.argtypes import non_negative_int, positive_int, positive_int_list  # noqa: E402
 
 
 def load_texts(path: Path) -> list[str]:
@@ -86,23 +90,34 @@ def summarize(logp: list[torch.Tensor], seqs, ref: list[torch.Tensor]):
     return nll / n, agree / n, n
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options; budgets are comma-separated like ``python -m tinyattn eval --page-budgets 2,4,8``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", default="/tmp/stories260K-hf",
-                   help="Hugging Face checkpoint directory (converted from stories260K when it does not exist)")
-    p.add_argument("--text", default=str(SHARED / "data" / "tinystories_valid_excerpt.txt"),
-                   help="text file of stories (split on <|endoftext|> or blank lines)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--page-budgets", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--num-sink-pages", type=int, default=0)
-    p.add_argument("--num-recent-pages", type=int, default=1)
-    p.add_argument("--dense-layers", type=int, default=0)
-    p.add_argument("--max-context", type=int, default=512, help="tokens per story including BOS")
+                   help="Hugging Face checkpoint directory (converted from the stories260K model shipped with "
+                        "tinyattn when it does not exist; default: /tmp/stories260K-hf)")
+    p.add_argument("--text", default=None,
+                   help="text file of stories (split on <|endoftext|> or blank lines; default: the 7 TinyStories "
+                        "validation stories shipped with tinyattn)")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--page-budgets", type=positive_int_list, default=[2, 4, 8], metavar="K1,K2,...",
+                   help="comma-separated page budgets (default: 2,4,8)")
+    p.add_argument("--num-sink-pages", type=non_negative_int, default=0)
+    p.add_argument("--num-recent-pages", type=non_negative_int, default=1)
+    p.add_argument("--dense-layers", type=non_negative_int, default=0)
+    p.add_argument("--max-context", type=positive_int, default=512, help="tokens per story including BOS")
     p.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="tinyattn backend (default: by device)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    args = p.parse_args(argv)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from tinyattn import assets
+
+    text = assets.resolve_file(args.text, "--text", assets.default_text_path)
 
     import tinyattn.integrations.hf  # noqa: F401  registers "tinyattn"
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,12 +126,11 @@ def main(argv=None) -> int:
     if not (model_dir / "config.json").exists():
         from tinyattn.integrations.convert import convert
 
-        m = SHARED / "models" / "stories260K"
-        convert(m / "stories260K.bin", model_dir, m / "tok512.bin")
+        convert(assets.default_model_path(), model_dir, assets.default_tokenizer_path())
     tok = AutoTokenizer.from_pretrained(model_dir)
     stock = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     tiny = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="tinyattn").eval()
-    seqs = [tok(t)["input_ids"][: args.max_context] for t in load_texts(Path(args.text))]
+    seqs = [tok(t)["input_ids"][: args.max_context] for t in load_texts(text)]
     seqs = [s for s in seqs if len(s) >= 2]
     L = tiny.config.num_hidden_layers
 
@@ -146,5 +160,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

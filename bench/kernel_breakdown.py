@@ -1,7 +1,8 @@
 """Per-kernel breakdown of a sparse decode step: metadata upkeep, scoring, top-k, attention.
 
-For each context (budget 2048 tokens by default) the four phases of one decode step are timed on their
-own, through the public ops, in the same interleaved run as the fused call and the SDPA baseline:
+For each context (budget 2048 tokens by default) the four parts of one decode step are each timed **alone,
+as their own public call** (``*_alone_us`` in the CSV), in the same interleaved run as the fused call and the
+SDPA baseline:
 
 - ``metadata``: the per-step upkeep in a decode loop, incremental: the new token's key is folded into
   its page's box with ``scatter_reduce_(amin/amax)``, exactly what ``PagedKVCache.write`` does, so it does
@@ -10,12 +11,17 @@ own, through the public ops, in the same interleaved run as the fused call and t
 - ``score``: :func:`tinyattn.page_scores` (reads every page box);
 - ``topk``: :func:`tinyattn.select_pages`;
 - ``attention``: :func:`tinyattn.sparse_paged_attention` given the selected ``page_indices``;
-- ``step``: the fused call (score + top-k + attention in one :func:`tinyattn.sparse_paged_attention`)
-  plus the metadata upkeep, i.e. what a decode step costs; ``sdpa`` (folded GQA) and ``sdpa_gqa``
-  (``enable_gqa=True``): the dense baselines, the faster of the two is the speedup's reference
-  (see ``bench/decode_attention.py``).
+- ``step_fused_us``: what a decode step costs: the fused call (score + top-k + attention in one
+  :func:`tinyattn.sparse_paged_attention`, ``fused_call_us``) plus the metadata upkeep. Every speedup is of
+  this figure. ``sdpa`` (folded GQA) and ``sdpa_gqa`` (``enable_gqa=True``): the dense baselines, the faster
+  of the two is the speedup's reference (see ``bench/decode_attention.py``).
 
-Shares are of the sum of the four phases. Examples::
+The step is **not** the sum of the parts and is usually below it: each part timed alone pays its own call
+(input validation, output allocation, dispatch; on CUDA a launch and, in ``do_bench``, a synchronisation and
+an L2 flush each), and the parts alone hand their intermediate results (scores, page indices) through the
+public API, where the fused call validates once and passes them on internally. ``parts_alone_sum_us`` is that
+sum; the ``*_share_of_parts`` columns are shares of it, i.e. where the work goes, not fractions of the step.
+Examples::
 
     python bench/kernel_breakdown.py                              # CPU, 4K..128K, budget 2048
     python bench/kernel_breakdown.py --contexts 32K --repeats 30  # the CPU target point
@@ -107,12 +113,13 @@ def run(args) -> list[dict]:
         t = {k: v["median_us"] for k, v in res.items()}
         phase_sum = sum(t[ph] for ph in PHASES)
         step = t["fused"] + t["metadata"]
-        row = dict(context=L, budget_tokens=args.budget, **{f"{ph}_us": t[ph] for ph in PHASES},
-                   phases_sum_us=phase_sum, step_us=step, sdpa_us=min(t["sdpa"], t["sdpa_gqa"]),
+        row = dict(context=L, budget_tokens=args.budget, **{f"{ph}_alone_us": t[ph] for ph in PHASES},
+                   parts_alone_sum_us=phase_sum, fused_call_us=t["fused"], step_fused_us=step,
+                   sdpa_us=min(t["sdpa"], t["sdpa_gqa"]),
                    baseline="sdpa" if t["sdpa"] <= t["sdpa_gqa"] else "sdpa_gqa", sdpa_fold_us=t["sdpa"],
                    metadata_page_us=t["metadata_page"],
-                   **{f"{ph}_share": t[ph] / phase_sum for ph in PHASES},
-                   score_topk_share=(t["score"] + t["topk"]) / phase_sum,
+                   **{f"{ph}_share_of_parts": t[ph] / phase_sum for ph in PHASES},
+                   score_topk_share_of_parts=(t["score"] + t["topk"]) / phase_sum,
                    speedup_vs_sdpa=min(t["sdpa"], t["sdpa_gqa"]) / step, sdpa_gqa_us=t["sdpa_gqa"],
                    speedup_vs_sdpa_gqa=t["sdpa_gqa"] / step,
                    ideal_speedup=C.decode_bytes(batch=B, context=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
@@ -121,11 +128,12 @@ def run(args) -> list[dict]:
                                     elem=p.q.element_size(), budget_tokens=args.budget),
                    idle_before=idle, device=args.device, dtype=args.dtype, cold=args.cold)
         rows.append(row)
-        phases = "  ".join(f"{ph} {t[ph]:.0f}us ({row[ph + '_share']:.0%})" for ph in PHASES)
-        print(f"  L={C.fmt_tokens(L):>5}: {phases}"
-              + f"  | step {step:.0f}us, best SDPA {row['sdpa_us']:.0f}us, x{row['speedup_vs_sdpa']:.2f} "
-                f"(ideal x{row['ideal_speedup']:.2f}; x{row['speedup_vs_sdpa_gqa']:.2f} vs SDPA enable_gqa); "
-                f"score+topk {row['score_topk_share']:.0%} of the step")
+        phases = "  ".join(f"{ph} {t[ph]:.0f}us ({row[ph + '_share_of_parts']:.0%})" for ph in PHASES)
+        print(f"  L={C.fmt_tokens(L):>5}: parts alone: {phases}, sum {phase_sum:.0f}us"
+              + f"  | step (fused call + metadata) {step:.0f}us, best SDPA {row['sdpa_us']:.0f}us, "
+                f"x{row['speedup_vs_sdpa']:.2f} (ideal x{row['ideal_speedup']:.2f}; "
+                f"x{row['speedup_vs_sdpa_gqa']:.2f} vs SDPA enable_gqa); score+topk "
+                f"{row['score_topk_share_of_parts']:.0%} of the parts' sum")
         p = methods = None                           # free the caches before the next context
     return rows
 
@@ -137,27 +145,34 @@ def plot(rows, args, path: Path) -> None:
     xs = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for ph in PHASES:
-        vals = [r[f"{ph}_us"] / 1e3 for r in rows]
-        ax.bar(xs, vals, bottom=bottom, label=ph)
+        vals = [r[f"{ph}_alone_us"] / 1e3 for r in rows]
+        ax.bar(xs, vals, bottom=bottom, label=f"{ph} (timed alone)")
         for i, (v, b, r) in enumerate(zip(vals, bottom, rows)):
-            if v > 0.06 * r["phases_sum_us"] / 1e3:
-                ax.text(i, b + v / 2, f"{r[ph + '_share']:.0%}", ha="center", va="center", fontsize=7)
+            if v > 0.06 * r["parts_alone_sum_us"] / 1e3:
+                ax.text(i, b + v / 2, f"{r[ph + '_share_of_parts']:.0%}", ha="center", va="center", fontsize=7)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(xs, [r["step_fused_us"] / 1e3 for r in rows], "r_", ms=28, mew=2,
+            label="step: fused call + metadata")
     ax.plot(xs, [r["sdpa_us"] / 1e3 for r in rows], "k_", ms=28, mew=2, label="SDPA (dense, faster form)")
     ax.set_xticks(xs, [C.fmt_tokens(r["context"]) for r in rows])
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms per decode step (log)")
-    ax.set_title(f"sparse decode step by phase, budget {args.budget} tokens; shares of the step", fontsize=10)
+    ax.set_title(f"sparse decode step, budget {args.budget} tokens: parts timed as separate calls (stacked, "
+                 f"shares of their sum) vs the fused step", fontsize=9)
     ax.legend(fontsize=8)
     C.save_figure(plt, fig, path, C.shape_title(args), 8)
 
 
 def main(argv=None) -> int:
-    return C.run_main(argv, parse_args, run, plot, [("context", "context", "d"), ("metadata_us", "metadata (us)", ".0f"),
-                         ("score_us", "score (us)", ".0f"), ("topk_us", "top-k (us)", ".0f"),
-                         ("attention_us", "attention (us)", ".0f"), ("score_topk_share", "score+top-k share", ".0%"),
-                         ("step_us", "step (us)", ".0f"), ("sdpa_us", "best SDPA (us)", ".0f"),
+    return C.run_main(argv, parse_args, run, plot, [("context", "context", "d"),
+                         ("metadata_alone_us", "metadata alone (us)", ".0f"),
+                         ("score_alone_us", "score alone (us)", ".0f"), ("topk_alone_us", "top-k alone (us)", ".0f"),
+                         ("attention_alone_us", "attention alone (us)", ".0f"),
+                         ("parts_alone_sum_us", "sum of parts (us)", ".0f"),
+                         ("score_topk_share_of_parts", "score+top-k share of parts", ".0%"),
+                         ("step_fused_us", "step: fused call + metadata (us)", ".0f"),
+                         ("sdpa_us", "best SDPA (us)", ".0f"),
                          ("speedup_vs_sdpa", "speedup", ".2f"), ("ideal_speedup", "ideal", ".2f"),
                          ("sdpa_gqa_us", "SDPA enable_gqa (us)", ".0f"),
                          ("speedup_vs_sdpa_gqa", "speedup vs it", ".2f")])

@@ -1,7 +1,9 @@
 """Profile a stories260K ``generate`` run: the per-layer / per-op table of :mod:`tinyattn.profiler`.
 
 The same as ``python -m tinyattn generate --profile TRACE.json`` with the options below, for the docs:
-writes ``<out>/<name>.txt`` (generated text + summary table) and ``<out>/<name>.trace.json``.
+writes ``<out>/<name>.txt`` (generated text + summary table) and ``<out>/<name>.trace.json`` (``<out>``:
+``out/bench/`` by default, git-ignored; ``--out docs/bench`` replaces the profile docs/benchmarks.md shows).
+The model and tokenizer default to the stories260K shipped with tinyattn.
 
 Layers are attributed by the runtime's ``tinyattn.profiler.layer(i)`` calls; a runtime without them is
 given forward pre-hooks on each block's first norm that do the same.
@@ -25,28 +27,29 @@ import torch  # noqa: E402
 
 import common as C  # noqa: E402
 
-SHARED = C.ROOT.parent / "shared"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K" / "stories260K.bin")
-    p.add_argument("--tokenizer", type=Path, default=SHARED / "models" / "stories260K" / "tok512.bin")
+    p.add_argument("--model", type=Path, default=None, help="llama2.c checkpoint (default: the shipped stories260K)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="its tokenizer (default: the shipped tok512.bin)")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--page-budget", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=C.DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=C.DEFAULT_OUT,
+                   help="output folder (default: out/bench/, git-ignored; --out docs/bench for the docs' copy)")
     p.add_argument("--name", default="profile_stories260K")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     import tinyattn.profiler as tp
+    from tinyattn import assets
     from tinyattn.models import LlamaModel, LlamaRuntime, Tokenizer
 
-    model = LlamaModel.from_llama2c(args.model)
-    tok = Tokenizer(args.tokenizer)
+    model = LlamaModel.from_llama2c(assets.resolve_file(args.model, "--model", assets.default_model_path))
+    tok = Tokenizer(assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path))
     rt = LlamaRuntime(model, page_size=args.page_size, page_budget=args.page_budget, backend="torch")
     source = Path(sys.modules[LlamaModel.__module__].__file__).read_text()
     hooks = []

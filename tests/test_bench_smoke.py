@@ -56,6 +56,13 @@ def test_quick_run_writes_csv_and_plot(name, tmp_path, capsys, keep_threads):
             if r["method"] == r["baseline"]:
                 assert float(r["speedup"]) == 1.0
     if name == "kernel_breakdown":
-        for r in rows:
-            shares = sum(float(r[f"{ph}_share"]) for ph in ("metadata", "score", "topk", "attention"))
+        for r in rows:   # the parts are shares of their own sum; the step is the fused call + metadata
+            parts = ("metadata", "score", "topk", "attention")
+            shares = sum(float(r[f"{ph}_share_of_parts"]) for ph in parts)
             assert shares == pytest.approx(1.0, abs=1e-3)
+            assert float(r["parts_alone_sum_us"]) == pytest.approx(sum(float(r[f"{ph}_alone_us"]) for ph in parts),
+                                                                   rel=1e-4)
+            assert float(r["step_fused_us"]) == pytest.approx(float(r["fused_call_us"]) + float(r["metadata_alone_us"]),
+                                                              rel=1e-4)
+            assert float(r["speedup_vs_sdpa"]) == pytest.approx(float(r["sdpa_us"]) / float(r["step_fused_us"]),
+                                                                rel=1e-3)

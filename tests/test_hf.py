@@ -254,6 +254,35 @@ def test_reorder_crop_and_growth_match_recomputation():
         assert c.batch_size == 2
 
 
+def test_the_pool_grows_in_place_and_never_leaks_a_page():
+    """Growth, beam reordering and crop go through PagedKVCache's own operations (resize, fork, truncate):
+    one pool object, sequence ids kept where rows stay, every page either free or held by exactly one row."""
+    tiny, _ = models("llama")
+    ids = torch.stack([prompt(10, 40), prompt(10, 41)])
+    c = cache(tiny, page_budget=2, num_pages=6)
+    with torch.no_grad():
+        tiny(ids, cache=c, use_cache=True)                          # 2 x 3 pages of 4 tokens: the pool is full
+        pool, table = c.pool, c.block_table().tolist()
+        for t in range(3):                                           # the 3rd step needs 2 pages: doubles in place
+            tiny(torch.tensor([[5 + t], [6 + t]]), cache=c, use_cache=True)
+        assert c.pool is pool and pool.num_pages == 12 and pool.k_cache[0].shape[0] == 12
+        assert [row[:3] for row in c.block_table().tolist()] == table   # pages did not move
+
+        def held():
+            pages = [p for sid in c._seq_ids for p in pool.pages(sid)]
+            assert len(pages) == len(set(pages)) and pool.num_free_pages + len(pages) == pool.num_pages
+            return pages
+
+        first = list(c._seq_ids)
+        c.reorder_cache(torch.tensor([1, 1]))                        # row 1 kept, one fork of it; row 0 freed
+        assert c.pool is pool and c._seq_ids[0] == first[1] and c._seq_ids[1] not in first
+        assert len(held()) == 8
+        c.crop(-8)                                                   # 13 -> 5 tokens: 2 pages per row
+        assert c.pool is pool and c.seq_lens().tolist() == [5, 5] and len(held()) == 4
+        k0, _ = c.to_dense(0)
+        assert torch.equal(k0[0], k0[1])                             # the fork holds the same keys
+
+
 def test_without_cache_is_stock_sdpa():
     tiny, stock = models("opt")
     ids = prompt(12, 9)[None]
@@ -319,3 +348,19 @@ def test_triton_backend_short():
     out = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="triton"))
     assert torch.equal(out.sequences, ref.sequences)
     assert max_logit_diff(out, ref) < TOL
+
+
+def test_reusing_a_cache_for_a_smaller_batch_raises_a_clear_error():
+    """Issue 15: generate() with a cache of a bigger batch used to fail inside transformers (a reshape of 0 new
+    tokens); direct forward calls raise the documented batch-size error."""
+    tiny, _ = models("llama")
+    ids, mask = left_pad([prompt(7, 1), prompt(12, 2)])
+    c = cache(tiny, page_budget=4)
+    with torch.no_grad():
+        generate(tiny, ids, mask, max_new_tokens=2, cache=c)
+        with pytest.raises(ValueError, match="TinyAttnCache: no new token .* batch of 2 rows"):
+            generate(tiny, prompt(6, 1), max_new_tokens=2, cache=c)              # smaller batch, shorter input
+        with pytest.raises(ValueError, match="batch size changed from 2 to 1"):
+            generate(tiny, prompt(20, 3), max_new_tokens=2, cache=c)             # smaller batch, longer input
+        with pytest.raises(ValueError, match="batch size changed from 2 to 1"):
+            tiny(prompt(6, 1)[None], cache=c, use_cache=True)

@@ -139,3 +139,16 @@ def test_gpu_script_runs_real_pytest_with_carried_wheels():
     assert {"einops", "pytest", "hypothesis", "pytest-xdist", "tqdm", "pygments"} <= wheels
     # docs/benchmarks.md documents the same download
     assert _download_packages((ROOT / "docs" / "benchmarks.md").read_text()) == wheels
+
+
+def test_one_glossary_and_no_ambiguous_size_letters():
+    text = (ROOT / "docs" / "layout.md").read_text()
+    glossary = text[text.index("## Names"):text.index("## The page pool")]
+    for name in ("`B`", "`Tq`", "`Hq`, `Hkv`", "`G`", "`D`", "`page_size`", "`num_pages`", "`max_pages_per_seq`",
+                 "`page_budget`", "`num_splits`", "`num_valid_pages`"):
+        assert f"| {name}" in glossary, name
+    # torch-side modules follow it: no size called P (pool pages? table width?) or S (page size? splits?)
+    for rel in ("cache.py", "selection.py", "profiler.py", "metrics.py", "training/memory.py", "ops/autograd.py"):
+        tree = ast.parse((ROOT / "tinyattn" / rel).read_text())
+        stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        assert not stored & {"P", "S"}, (rel, stored & {"P", "S"})

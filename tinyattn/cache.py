@@ -40,16 +40,22 @@ class PagedKVCache:
         page_size: tokens per page. num_pages: physical pages in the pool (per layer).
         dtype: K/V dtype (fp16, bf16, fp32, or fp64 for gradient checks); k_min/k_max use the same dtype.
         device: where the pools live.
+        page_boxes: keep the per-page ``k_min``/``k_max`` (default); ``False`` for a plain paged K/V store
+            that never scores pages (chunked training's memory): ``k_min``/``k_max`` are then empty lists.
 
     Memory: ``2 * num_layers * num_pages * page_size * Hkv * D`` elements for K/V, plus
     ``2 * num_layers * num_pages * Hkv * D`` for the boxes (see :attr:`kv_bytes`).
+
+    Pages are owned here: besides :meth:`extend` / :meth:`free`, :meth:`fork` (copy a sequence, beam search),
+    :meth:`truncate` (crop, boxes kept exact), :meth:`resize` (grow or shrink the pool, contents kept),
+    :meth:`drop_pages` (evict pages, positions kept) and :meth:`copy_pages`.
 
     Raises:
         ValueError for sizes below 1; :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_boxes: bool = True):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -61,8 +67,9 @@ class PagedKVCache:
         box = (num_pages, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(pool, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(pool, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.k_min = [torch.full(box, float("inf"), dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.k_max = [torch.full(box, float("-inf"), dtype=dtype, device=self.device) for _ in range(num_layers)]
+        box_layers = num_layers if page_boxes else 0
+        self.k_min = [torch.full(box, float("inf"), dtype=dtype, device=self.device) for _ in range(box_layers)]
+        self.k_max = [torch.full(box, float("-inf"), dtype=dtype, device=self.device) for _ in range(box_layers)]
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # a stack: low ids are handed out first
         self._pages: dict[int, list[int]] = {}                        # seq id -> physical pages, in order
         self._lens: dict[int, int] = {}                               # seq id -> valid tokens
@@ -78,7 +85,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Forget a sequence and return its pages to the pool."""
         self._check_ids([seq_id])
-        self._free.extend(reversed(self._pages.pop(seq_id)))
+        self._free.extend(p for p in reversed(self._pages.pop(seq_id)) if p >= 0)   # -1: a dropped page
         del self._lens[seq_id]
 
     @property
@@ -94,7 +101,7 @@ class PagedKVCache:
         return self._lens[seq_id]
 
     def pages(self, seq_id: int) -> list[int]:
-        """Physical pages of a sequence, in logical order (a copy)."""
+        """Physical pages of a sequence, in logical order (a copy); ``-1`` for a page :meth:`drop_pages` evicted."""
         self._check_ids([seq_id])
         return list(self._pages[seq_id])
 
@@ -130,17 +137,17 @@ class PagedKVCache:
             raise CacheFullError(f"PagedKVCache is out of pages: the request needs {sum(needed)} new pages, "
                                  f"{len(self._free)} of {self.num_pages} are free (page_size {self.page_size}); "
                                  f"free a sequence or build a larger cache. No sequence was changed.")
-        slots = []
+        slots: list[int] = []
+        page_size = self.page_size
         for seq_id, count, n_new in zip(seq_ids, counts, needed):
             for _ in range(n_new):
                 self._take_page(seq_id)
-            start = self._lens[seq_id]
-            pos = torch.arange(start, start + count)
-            pages = torch.tensor(self._pages[seq_id], dtype=torch.int64)
-            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size
-                         if count else pos)
+            start, pages = self._lens[seq_id], self._pages[seq_id]
+            slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
-        return torch.cat(slots).to(self.device) if slots else torch.zeros(0, dtype=torch.int64, device=self.device)
+        out = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self._issued = (out, out // page_size)   # write() trusts exactly these slots (no range check, no host sync)
+        return out
 
     def _pages_needed(self, seq_id: int, count: int) -> int:
         total = -(-(self._lens[seq_id] + count) // self.page_size)
@@ -152,6 +159,180 @@ class PagedKVCache:
             k_min[page].fill_(float("inf"))          # an empty box: the first write sets it
             k_max[page].fill_(float("-inf"))
         self._pages[seq_id].append(page)
+
+    # ---- page operations: copy, fork, resize, truncate, drop ----------------------------------------
+    def copy_pages(self, src, dst) -> None:
+        """Copy physical pages ``src`` onto pages ``dst`` (one for one): K, V and boxes, in every layer.
+
+        All of ``src`` is read before anything is written, so the lists may overlap; ``dst`` must not repeat a
+        page. No sequence's page list changes: this is the primitive under :meth:`fork` (beam search).
+
+        Raises:
+            ValueError: ids outside ``[0, num_pages)``, lists of different lengths, a repeated ``dst`` page.
+        """
+        src_ids, dst_ids = self._page_ids("src", src), self._page_ids("dst", dst)
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"dst: expected as many pages as src ({len(src_ids)}), got {len(dst_ids)}")
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError("dst: expected distinct pages, got a repeated page id")
+        if not src_ids:
+            return
+        s = torch.tensor(src_ids, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
+        for pools in (self.k_cache, self.v_cache, self.k_min, self.k_max):
+            for t in pools:
+                t[d] = t[s]
+
+    def fork(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """A new sequence holding a copy of the first ``num_tokens`` tokens of ``seq_id`` (default: all of them).
+
+        Copy on fork: the new sequence gets pages of its own (``ceil(num_tokens / page_size)``, fewer if some
+        were dropped by :meth:`drop_pages`: those stay dropped in the copy), so both sequences can grow apart
+        (beam search, ``num_return_sequences``). Boxes are copied, and when the copy ends inside a page that
+        ``seq_id`` holds more tokens of, that page's box is recomputed from the copied keys: every box is exact.
+
+        Raises:
+            CacheFullError: too few free pages; nothing changed.
+            ValueError: unknown ``seq_id``, ``num_tokens`` outside ``[0, length(seq_id)]``.
+        """
+        self._check_ids([seq_id])
+        length = self._lens[seq_id]
+        n = length if num_tokens is None else self._token_count("num_tokens", num_tokens, length)
+        src = self._pages[seq_id][: -(-n // self.page_size)]
+        held = [p for p in src if p >= 0]
+        if len(held) > len(self._free):
+            raise CacheFullError(f"PagedKVCache is out of pages: fork needs {len(held)} new pages, {len(self._free)} "
+                                 f"of {self.num_pages} are free; free a sequence or resize() the cache. "
+                                 f"No sequence was changed.")
+        new = self.add_sequence()
+        for p in src:
+            if p >= 0:
+                self._take_page(new)
+            else:
+                self._pages[new].append(-1)
+        self.copy_pages(held, [p for p in self._pages[new] if p >= 0])
+        self._lens[new] = n
+        if n < length:
+            self._refit_last_box(new)
+        return new
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq_id`` (crop, speculative-decoding rollback).
+
+        Whole pages past ``length`` go back to the pool. A new partial last page keeps its K/V (the slots past
+        ``length`` are never read, and the next :meth:`write` overwrites them), and its box is **recomputed**
+        from the keys of its remaining valid slots: boxes stay exact, not merely a sound upper bound.
+
+        Raises:
+            ValueError: unknown ``seq_id``, ``length`` outside ``[0, length(seq_id)]``.
+        """
+        self._check_ids([seq_id])
+        old = self._lens[seq_id]
+        n = self._token_count("length", length, old)
+        if n == old:
+            return
+        pages = self._pages[seq_id]
+        keep = -(-n // self.page_size)
+        self._free.extend(p for p in reversed(pages[keep:]) if p >= 0)
+        del pages[keep:]
+        self._lens[seq_id] = n
+        self._issued = None                      # slots handed out by extend() may point into freed pages
+        self._refit_last_box(seq_id)
+
+    def resize(self, num_pages: int) -> None:
+        """Give the pool ``num_pages`` pages per layer, keeping every sequence, its page ids and their contents.
+
+        Growing adds free pages (handed out after the pages already free); shrinking is allowed down to one
+        page past the highest page in use. The per-layer tensors are replaced by new ones: read
+        ``cache.k_cache[layer]`` (and the other lists) again after a resize.
+
+        Raises:
+            ValueError: ``num_pages`` < 1, or not above the highest page id in use (nothing changed).
+        """
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages: expected an int >= 1, got {num_pages!r}")
+        highest = max((p for pages in self._pages.values() for p in pages), default=-1)
+        if num_pages <= highest:
+            raise ValueError(f"num_pages: expected more than {highest} (the highest page id in use), got {num_pages}")
+        old = self.num_pages
+        if num_pages == old:
+            return
+        keep = min(old, num_pages)
+
+        def resized(t: torch.Tensor, fill: float) -> torch.Tensor:
+            out = torch.full((num_pages, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[:keep] = t[:keep]
+            return out
+
+        self.k_cache = [resized(t, 0.0) for t in self.k_cache]
+        self.v_cache = [resized(t, 0.0) for t in self.v_cache]
+        self.k_min = [resized(t, float("inf")) for t in self.k_min]
+        self.k_max = [resized(t, float("-inf")) for t in self.k_max]
+        if num_pages > old:
+            self._free = list(range(num_pages - 1, old - 1, -1)) + self._free
+        else:
+            self._free = [p for p in self._free if p < num_pages]
+        self.num_pages = num_pages
+        self._issued = None
+
+    def drop_pages(self, seq_id: int, logical_pages) -> None:
+        """Evict logical pages of ``seq_id``: their physical pages go back to the pool.
+
+        The sequence keeps its length and every other page its logical position (positions, RoPE and causal
+        masks are unchanged); a dropped page reads as ``-1`` in :meth:`pages` and :meth:`block_table`, and is
+        never written again. Attend to the pages still held through ``page_indices`` (KV retention in
+        :class:`tinyattn.training.ChunkedKVMemory` does). The partial last page, which still receives tokens,
+        cannot be dropped.
+
+        Raises:
+            ValueError: unknown ``seq_id``; a page outside the sequence, already dropped, repeated, or the
+            partial last page. Nothing changed.
+        """
+        self._check_ids([seq_id])
+        pages = self._pages[seq_id]
+        wanted = self._page_ids("logical_pages", logical_pages, limit=len(pages), what="logical pages of the sequence")
+        if len(set(wanted)) != len(wanted):
+            raise ValueError("logical_pages: expected distinct pages, got a repeated page")
+        partial = len(pages) - 1 if self._lens[seq_id] % self.page_size else None
+        for j in wanted:
+            if pages[j] < 0:
+                raise ValueError(f"logical_pages: page {j} of sequence {seq_id} was already dropped")
+            if j == partial:
+                raise ValueError(f"logical_pages: page {j} is the partial last page of sequence {seq_id} (it still "
+                                 f"receives tokens) and cannot be dropped")
+        for j in wanted:
+            self._free.append(pages[j])
+            pages[j] = -1
+        self._issued = None
+
+    def _page_ids(self, name: str, ids, *, limit: int | None = None, what: str = "physical page ids") -> list[int]:
+        limit = self.num_pages if limit is None else limit
+        try:
+            out = [operator.index(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
+        except TypeError:
+            raise TypeError(f"{name}: expected a sequence or tensor of ints, got {type(ids).__name__}") from None
+        bad = [i for i in out if not 0 <= i < limit]
+        if bad:
+            raise ValueError(f"{name}: expected {what} in [0, {limit}), got {bad[0]}")
+        return out
+
+    @staticmethod
+    def _token_count(name: str, value, maximum: int) -> int:
+        if isinstance(value, bool) or not hasattr(value, "__index__") or not 0 <= operator.index(value) <= maximum:
+            raise ValueError(f"{name}: expected an int in [0, {maximum}] (the sequence's length), got {value!r}")
+        return operator.index(value)
+
+    def _refit_last_box(self, seq_id: int) -> None:
+        """Recompute the box of the sequence's last page from its valid slots (after a cut inside the page)."""
+        valid = self._lens[seq_id] % self.page_size
+        pages = self._pages[seq_id]
+        if not valid or not pages or pages[-1] < 0:
+            return
+        page = pages[-1]
+        for k_cache, k_min, k_max in zip(self.k_cache, self.k_min, self.k_max):
+            keys = k_cache[page, :valid]                                   # [valid, Hkv, D]
+            k_min[page] = keys.amin(0)
+            k_max[page] = keys.amax(0)
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -172,18 +353,28 @@ class PagedKVCache:
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
-        slots = slots.to(device=self.device, dtype=torch.int64)
-        capacity = self.num_pages * self.page_size
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-            raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
-                             f"[{int(slots.min())}, {int(slots.max())}]")
-        pages, offsets = slots // self.page_size, slots % self.page_size
-        self.k_cache[layer][pages, offsets] = k.to(self.dtype)
-        self.v_cache[layer][pages, offsets] = v.to(self.dtype)
+        issued = getattr(self, "_issued", None)
+        if issued is not None and slots is issued[0]:
+            pages = issued[1]                                  # made by extend(): in range by construction
+        else:
+            slots = slots.to(device=self.device, dtype=torch.int64)
+            capacity = self.num_pages * self.page_size
+            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+                raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
+                                 f"[{int(slots.min())}, {int(slots.max())}]")
+            pages = slots // self.page_size
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        Hkv, D = self.num_kv_heads, self.head_dim
+        # one index_copy_ per pool on its [num_pages * page_size, Hkv, D] view (slots are token rows)
+        self.k_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, k)
+        self.v_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, v)
+        if not self.k_min:                                     # page_boxes=False
+            return
         index = pages[:, None, None].expand_as(k)
         with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
-            self.k_min[layer].scatter_reduce_(0, index, k.to(self.dtype), "amin")
-            self.k_max[layer].scatter_reduce_(0, index, k.to(self.dtype), "amax")
+            self.k_min[layer].scatter_reduce_(0, index, k, "amin")
+            self.k_max[layer].scatter_reduce_(0, index, k, "amax")
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

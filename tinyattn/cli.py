@@ -16,9 +16,7 @@ from .argtypes import non_negative_float, non_negative_int, positive_int, positi
 
 __all__ = ["main", "build_parser"]
 
-_DEFAULT_MODEL = Path("..") / "shared" / "models" / "stories260K" / "stories260K.bin"
-_DEFAULT_TOKENIZER = Path("..") / "shared" / "models" / "stories260K" / "tok512.bin"
-_DEFAULT_DATA = Path("..") / "shared" / "data" / "tinystories_valid_excerpt.txt"
+_PROG = "tinyattn"                # the console script; ``python -m tinyattn`` passes its own name
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -29,9 +27,11 @@ class CLIError(Exception):
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
-                   help=f"llama2.c checkpoint (legacy format); default: {_DEFAULT_MODEL} if it exists")
+                   help="llama2.c checkpoint (legacy format); default: stories260K, the 260K-parameter "
+                        "TinyStories model shipped with tinyattn (tinyattn/data/)")
     g.add_argument("--tokenizer", type=Path, default=None,
-                   help=f"llama2.c tokenizer .bin; default: {_DEFAULT_TOKENIZER} if it exists")
+                   help="llama2.c tokenizer .bin; default: the shipped stories260K's tok512.bin (512 tokens; "
+                        "give the model's own tokenizer with another --model)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                    help="weight and KV-cache dtype (default: fp32)")
     g.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -94,14 +94,18 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
     add_cli_option(g)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
+    """The ``tinyattn`` parser; ``prog`` is the name usage lines and examples show (``tinyattn`` for the console
+    script, ``python -m tinyattn`` when run as a module)."""
     parser = argparse.ArgumentParser(
-        prog="python -m tinyattn",
-        description="tinyattn: query-aware sparse paged attention (Quest / TinyServe) on a real model.",
+        prog=prog,
+        description="tinyattn: query-aware sparse paged attention (Quest / TinyServe) on a real model. With no "
+                    "--model / --tokenizer / --data, every command uses the stories260K model and TinyStories "
+                    "text shipped with the package.",
         epilog="examples:\n"
-               "  python -m tinyattn generate --prompt 'Once upon a time' --page-size 16 --page-budget 4\n"
-               "  python -m tinyattn eval --data ../shared/data/tinystories_valid_excerpt.txt "
-               "--page-size 16 --page-budgets 2,4,8",
+               f"  {prog} generate --max-new-tokens 200 --temperature 0\n"
+               f"  {prog} generate --prompt 'Once upon a time' --page-size 16 --page-budget 4\n"
+               f"  {prog} eval --page-size 16 --page-budgets 2,4,8",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -111,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text from a llama2.c checkpoint: each prompt is prefilled densely, then the batch "
                     "decodes together through query-aware sparse paged attention. Prints the text of each prompt "
                     "then a stats block (tokens/s, pages read per step vs dense, KV bytes).",
-        epilog="example:\n"
-               "  python -m tinyattn generate --model ../shared/models/stories260K/stories260K.bin \\\n"
-               "      --tokenizer ../shared/models/stories260K/tok512.bin --max-new-tokens 200 \\\n"
-               "      --page-size 16 --page-budget 4 --prompt 'Once upon a time' --prompt 'Tom had a dog'",
+        epilog="examples:\n"
+               f"  {prog} generate --max-new-tokens 200 --page-size 16 --page-budget 4 \\\n"
+               "      --prompt 'Once upon a time' --prompt 'Tom had a dog'\n"
+               f"  {prog} generate --model stories15M.bin --tokenizer tokenizer.bin --prompt 'Once upon a time'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(gen)
@@ -139,11 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "KL(dense||sparse), pages read vs dense, hit rate and captured attention mass against the "
                     "oracle selection, NLL on the long-range tokens, NLL on the second copy of a story repeated "
                     "twice); see docs/accuracy.md.",
-        epilog="example:\n"
-               "  python -m tinyattn eval --model ../shared/models/stories260K/stories260K.bin \\\n"
-               "      --tokenizer ../shared/models/stories260K/tok512.bin \\\n"
-               "      --data ../shared/data/tinystories_valid_excerpt.txt --page-size 16 --page-budgets 2,4,8\n"
-               "  python -m tinyattn eval --page-sizes 8,16 --token-budgets 32,64,128,256 \\\n"
+        epilog="examples:\n"
+               f"  {prog} eval --page-size 16 --page-budgets 2,4,8\n"
+               f"  {prog} eval --data my_stories.txt --page-size 16 --page-budgets 2,4,8\n"
+               f"  {prog} eval --page-sizes 8,16 --token-budgets 32,64,128,256 \\\n"
                "      --policies quest,meanstd,oracle,streaming,h2o,random \\\n"
                "      --json docs/accuracy/results.json --plot-dir docs/accuracy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -151,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(ev)
     g = ev.add_argument_group("data")
     g.add_argument("--data", type=Path, default=None,
-                   help=f"text file of stories; default: {_DEFAULT_DATA} if it exists")
+                   help="text file of stories; default: 7 TinyStories validation stories shipped with tinyattn "
+                        "(tinyattn/data/tinystories_valid_excerpt.txt)")
     g.add_argument("--max-stories", type=positive_int, default=None, metavar="N",
                    help="evaluate only the first N stories (default: all)")
     g.add_argument("--max-context", type=positive_int, default=None, metavar="N",
@@ -173,43 +177,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "mass vs budget; one line per policy, one panel per page size) into DIR")
     _add_attention_options(ev, budgets=True)
     ev.set_defaults(func=_cmd_eval)
-    _add_convert_command(sub)
-    _add_finetune_command(sub)
+    _add_convert_command(sub, prog)
+    _add_finetune_command(sub, prog)
     return parser
 
 
-def _add_finetune_command(sub) -> None:
+def _add_finetune_command(sub, prog: str) -> None:
     """``finetune``: chunked long-context fine-tuning with KV retention (full / recency / gradient)."""
     from .training import finetune
 
     ft = sub.add_parser("finetune", help="chunked long-context fine-tuning with KV retention (full / recency / gradient)",
                         description=finetune.__doc__.split("\n\n")[0].replace("``finetune``: ", ""),
+                        epilog=finetune.EPILOG.replace("python -m tinyattn", prog),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     finetune.add_arguments(ft)
     ft.set_defaults(func=finetune.run)
 
 
-def _add_convert_command(sub) -> None:
+def _add_convert_command(sub, prog: str) -> None:
     """``convert``: llama2.c -> Hugging Face Llama checkpoint (needs the ``hf`` extra only when run)."""
     from .integrations import convert
 
     c = sub.add_parser("convert", help="llama2.c checkpoint -> Hugging Face Llama checkpoint",
-                       description=convert.DESCRIPTION, epilog=convert.EPILOG,
+                       description=convert.DESCRIPTION, epilog=convert.EPILOG.replace("python -m tinyattn", prog),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_arguments(c)
     c.set_defaults(func=convert.run)
-
-
-def _resolve_file(value: Path | None, default: Path, option: str) -> Path:
-    if value is None:
-        if default.is_file():
-            return default
-        raise CLIError(f"{option} is required (no default file at {default})")
-    if not value.exists():
-        raise CLIError(f"{option}: file not found: {value}")
-    if not value.is_file():
-        raise CLIError(f"{option}: not a file: {value}")
-    return value
 
 
 def _prepare_backend(backend: str | None) -> None:
@@ -230,10 +223,11 @@ def _prepare_backend(backend: str | None) -> None:
 def _load(args):
     import torch
 
+    from . import assets
     from .models import LlamaModel, Tokenizer
 
-    model_path = _resolve_file(args.model, _DEFAULT_MODEL, "--model")
-    tok_path = _resolve_file(args.tokenizer, _DEFAULT_TOKENIZER, "--tokenizer")
+    model_path = assets.resolve_file(args.model, "--model", assets.default_model_path)
+    tok_path = assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path)
     _prepare_backend(args.backend)
     model = LlamaModel.from_llama2c(model_path, dtype=getattr(torch, _DTYPES[args.dtype]))
     if args.threads is not None:
@@ -242,8 +236,9 @@ def _load(args):
         torch.set_num_threads(1)  # tiny matmuls: threads only add synchronisation (20x slower on a busy machine)
     tokenizer = Tokenizer(tok_path)
     if tokenizer.vocab_size != model.config.vocab_size:
+        hint = "" if args.tokenizer is not None else " (the default tokenizer is stories260K's: give --tokenizer)"
         raise CLIError(f"--tokenizer: {tok_path} has {tokenizer.vocab_size} tokens but the model {model_path} "
-                       f"expects vocab_size={model.config.vocab_size}")
+                       f"expects vocab_size={model.config.vocab_size}{hint}")
     return model, tokenizer
 
 
@@ -278,19 +273,28 @@ def _cmd_generate(args) -> int:
         print("---")
         print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}")
         print(out.stats.format())
-        longest = max(len(p) + len(n) for p, n in zip(prompts, out.tokens))
-        if longest > model.config.max_seq_len:
-            print(f"warning: sequences reached {longest} tokens, past the model's training context "
-                  f"({model.config.max_seq_len})", file=sys.stderr)
+    longest = max(len(p) + len(n) for p, n in zip(prompts, out.tokens))
+    _warn_past_context(longest, model.config.max_seq_len)
     print_cli_report(prof, args.profile)
     return 0
 
 
+def _warn_past_context(longest: int, max_seq_len: int) -> None:
+    """The one past-the-training-context warning of generate and eval (on stderr, after the output)."""
+    if longest > max_seq_len:
+        print(f"warning: sequences reached {longest} tokens, past the model's training context "
+              f"({max_seq_len}); quality will degrade", file=sys.stderr)
+
+
 def _cmd_eval(args) -> int:
+    import warnings
+
     from .models import evaluate, format_eval_table, load_stories
     from .models.evaluate import format_comparison, plot_eval
 
-    data = _resolve_file(args.data, _DEFAULT_DATA, "--data")
+    from . import assets
+
+    data = assets.resolve_file(args.data, "--data", assets.default_text_path)
     page_sizes = args.page_sizes or [args.page_size]
     if args.token_budgets is None and args.page_budgets is None:
         args.page_budgets = [2, 4, 8]
@@ -318,15 +322,17 @@ def _cmd_eval(args) -> int:
         raise CLIError(f"--max-context must be >= 2, got {max_context}")
     from .profiler import cli_profile, print_cli_report
 
-    with cli_profile(args.profile) as prof:
+    with warnings.catch_warnings(), cli_profile(args.profile) as prof:
+        warnings.filterwarnings("ignore", message="sequences reach")  # past-context warning: reported below
         result = evaluate(model, tokenizer, stories, page_size=args.page_size, page_budgets=args.page_budgets,
                           token_budgets=args.token_budgets, page_sizes=page_sizes, policies=args.policies,
                           num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                           dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
                           long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
                           selection_metrics=not args.no_selection_metrics, progress=not args.no_progress)
-    print(f"data: {data}")
+    print(f"data: {data if args.data is not None else data.name + ' (shipped with tinyattn)'}")
     print(format_eval_table(result))
+    _warn_past_context(result.max_sequence_tokens, model.config.max_seq_len)
     print_cli_report(prof, args.profile)
     if len(result.policies) > 1 and len(result.rows) > 1:
         for metric, relative in (("nll", True), ("top1_agreement", False), ("hit_rate", False),
@@ -345,8 +351,9 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = _PROG) -> int:
+    """Run the command line; ``prog`` names the program in usage lines (``python -m tinyattn`` passes its own)."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -360,4 +367,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m tinyattn.cli"))

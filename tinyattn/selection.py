@@ -95,16 +95,16 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     """
     q4 = _as_q4(q)
     B, Tq, Hq, D = q4.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     dt = _math_dtype(q4)
     device = q4.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
-    n = num_valid_pages(lens, S)
+    n = num_valid_pages(lens, page_size)
     if page_indices is None:
-        P = block_table.shape[1]
-        sel = torch.arange(P, device=device).expand(B, Hkv, P)
+        max_pages = block_table.shape[1]
+        sel = torch.arange(max_pages, device=device).expand(B, Hkv, max_pages)
     else:
         sel = page_indices.to(device=device, dtype=torch.int64)
     K = sel.shape[2]
@@ -113,18 +113,20 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     phys = torch.gather(bt, 1, sel.clamp(min=0, max=bt.shape[1] - 1).reshape(B, -1)).reshape(B, Hkv, K)
     phys = torch.where(ok, phys, 0).clamp(min=0)
     heads = torch.arange(Hkv, device=device)[None, :, None]
-    keys = k_cache.permute(0, 2, 1, 3)[phys, heads].to(dt)                            # [B, Hkv, K, S, D]
-    pos = sel[..., None] * S + torch.arange(S, device=device)                         # [B, Hkv, K, S]
+    keys = k_cache.permute(0, 2, 1, 3)[phys, heads].to(dt)                            # [B, Hkv, K, page_size, D]
+    pos = sel[..., None] * page_size + torch.arange(page_size, device=device)        # [B, Hkv, K, page_size]
     key_ok = ok[..., None] & (pos < lens[:, None, None, None])
     q_pos = lens[:, None] - Tq + torch.arange(Tq, device=device)                      # [B, Tq]
-    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])  # [B, Hkv, Tq, K, S]
+    # [B, Hkv, Tq, K, page_size]
+    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])
     qg = q4.to(dt).view(B, Tq, Hkv, G, D).permute(0, 2, 1, 3, 4)                      # [B, Hkv, Tq, G, D]
     logits = torch.einsum("bhtgd,bhksd->bhtgks", qg, keys) * scale
-    logits = logits.masked_fill(~visible[:, :, :, None], NEG_INF).flatten(-2)        # [B, Hkv, Tq, G, K*S]
+    # [B, Hkv, Tq, G, K * page_size]
+    logits = logits.masked_fill(~visible[:, :, :, None], NEG_INF).flatten(-2)
     m = logits.amax(-1, keepdim=True)
     p = torch.exp(logits - torch.where(torch.isfinite(m), m, 0.0))
     p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
-    return p.view(B, Hkv, Tq, G, K, S).sum((-1, 2, 3))                                # [B, Hkv, K]
+    return p.view(B, Hkv, Tq, G, K, page_size).sum((-1, 2, 3))                       # [B, Hkv, K]
 
 
 def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
@@ -135,17 +137,17 @@ def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     each row; pages past the row's end hold zeros. A serving system would keep these as running sums
     next to ``k_min``/``k_max``; here they are recomputed from the cache (an evaluation-only cost).
     """
-    B, P = block_table.shape
-    S = k_cache.shape[1]
+    B, max_pages = block_table.shape
+    page_size = k_cache.shape[1]
     dt = _math_dtype(k_cache)
     device = k_cache.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
-    j = torch.arange(P, device=device)
-    page_ok = j[None, :] < num_valid_pages(lens, S)[:, None]                             # [B, P]
+    j = torch.arange(max_pages, device=device)
+    page_ok = j[None, :] < num_valid_pages(lens, page_size)[:, None]                 # [B, max_pages]
     phys = torch.where(page_ok, block_table.to(device=device, dtype=torch.int64), 0).clamp(min=0)
-    keys = k_cache[phys].to(dt)                                                       # [B, P, S, Hkv, D]
-    count = (lens[:, None] - j[None, :] * S).clamp(min=0, max=S)                      # [B, P]
-    slot_ok = (torch.arange(S, device=device)[None, None, :] < count[..., None])[..., None, None]
+    keys = k_cache[phys].to(dt)                                                     # [B, max_pages, page_size, Hkv, D]
+    count = (lens[:, None] - j[None, :] * page_size).clamp(min=0, max=page_size)     # [B, max_pages]
+    slot_ok = (torch.arange(page_size, device=device)[None, None, :] < count[..., None])[..., None, None]
     keys = torch.where(slot_ok, keys, 0.0)
     denom = count.clamp(min=1).to(dt)[:, :, None, None]
     mean = keys.sum(2) / denom
@@ -297,13 +299,13 @@ class MeanStdPolicy(SelectionPolicy):
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         """fp32 ``[B, Hkv, max_pages]`` page scores, ``-inf`` past each row's end."""
-        mean, std = page_mean_std(ctx.k_cache, ctx.block_table, ctx.seq_lens)      # [B, P, Hkv, D]
+        mean, std = page_mean_std(ctx.k_cache, ctx.block_table, ctx.seq_lens)      # [B, max_pages, Hkv, D]
         q4 = ctx.q4
         B, Tq, Hq, D = q4.shape
         Hkv = ctx.num_kv_heads
         qg = q4.to(mean.dtype).view(B, Tq, Hkv, Hq // Hkv, D)
         score = (torch.einsum("bthgd,bphd->bhtgp", qg, mean)
-                 + self.alpha * torch.einsum("bthgd,bphd->bhtgp", qg.abs(), std)).amax((2, 3))  # [B, Hkv, P]
+                 + self.alpha * torch.einsum("bthgd,bphd->bhtgp", qg.abs(), std)).amax((2, 3))  # [B, Hkv, max_pages]
         j = torch.arange(ctx.max_pages, device=score.device)
         valid = j[None, :] < ctx.valid_pages()[:, None]
         return score.float().masked_fill(~valid[:, None, :], NEG_INF)
@@ -338,8 +340,8 @@ class StreamingPolicy(SelectionPolicy):
         return f"StreamingPolicy(num_sink_pages={self.num_sink_pages})"
 
     def select(self, ctx):
-        B, Hkv, P = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
-        recency = torch.arange(P, device=ctx.q.device, dtype=torch.float32).expand(B, Hkv, P)
+        B, Hkv, max_pages = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
+        recency = torch.arange(max_pages, device=ctx.q.device, dtype=torch.float32).expand(B, Hkv, max_pages)
         sinks = max(ctx.num_sink_pages, self.num_sink_pages)
         if ctx.num_recent_pages + sinks > ctx.page_budget:  # the budget cannot hold a sink: keep the newest
             sinks = max(ctx.page_budget - max(ctx.num_recent_pages, 1), 0)
@@ -404,27 +406,27 @@ class H2OPolicy(SelectionPolicy):
 
     def select(self, ctx):
         rows, score, evicted = self._state(ctx)
-        P = ctx.max_pages
-        s = score[rows, :, :P]
-        s = s.masked_fill(evicted[rows, :, :P], NEG_INF)
+        max_pages = ctx.max_pages
+        s = score[rows, :, :max_pages]
+        s = s.masked_fill(evicted[rows, :, :max_pages], NEG_INF)
         recent = max(ctx.num_recent_pages, int(ctx.page_budget * self.recent_ratio))
         recent = min(recent, max(ctx.page_budget - ctx.num_sink_pages, 1))
         idx = ctx.select_top(s, num_recent_pages=recent)
         # every valid page that did not make it is evicted (rows with <= budget pages keep them all)
-        kept = torch.zeros(*idx.shape[:2], P + 1, dtype=torch.bool, device=idx.device)
-        kept.scatter_(2, torch.where(idx >= 0, idx.long(), P), True)
-        valid = torch.arange(P, device=idx.device)[None, :] < ctx.valid_pages()[:, None]
-        evicted[rows, :, :P] |= valid[:, None, :] & ~kept[..., :P]
+        kept = torch.zeros(*idx.shape[:2], max_pages + 1, dtype=torch.bool, device=idx.device)
+        kept.scatter_(2, torch.where(idx >= 0, idx.long(), max_pages), True)
+        valid = torch.arange(max_pages, device=idx.device)[None, :] < ctx.valid_pages()[:, None]
+        evicted[rows, :, :max_pages] |= valid[:, None, :] & ~kept[..., :max_pages]
         return idx
 
     def observe(self, ctx, page_indices, page_mass):
         rows, score, _ = self._state(ctx)
-        P = score.shape[2]
+        max_pages = score.shape[2]
         idx = page_indices.long()
         ok = idx >= 0
-        add = torch.zeros(idx.shape[0], idx.shape[1], P + 1, device=score.device)
-        add.scatter_add_(2, torch.where(ok, idx, P), torch.where(ok, page_mass.float(), 0.0))
-        score[rows] += add[..., :P]
+        add = torch.zeros(idx.shape[0], idx.shape[1], max_pages + 1, device=score.device)
+        add.scatter_add_(2, torch.where(ok, idx, max_pages), torch.where(ok, page_mass.float(), 0.0))
+        score[rows] += add[..., :max_pages]
 
 
 class RandomPolicy(SelectionPolicy):
@@ -448,8 +450,8 @@ class RandomPolicy(SelectionPolicy):
         if self._gen is None or self._gen.device != device:
             self._gen = torch.Generator(device=device)
             self._gen.manual_seed(self.seed)
-        B, Hkv, P = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
-        return ctx.select_top(torch.rand(B, Hkv, P, generator=self._gen, device=device))
+        B, Hkv, max_pages = ctx.block_table.shape[0], ctx.num_kv_heads, ctx.max_pages
+        return ctx.select_top(torch.rand(B, Hkv, max_pages, generator=self._gen, device=device))
 
 
 POLICIES: dict[str, type[SelectionPolicy]] = {
@@ -491,7 +493,7 @@ class SelectionMetrics:
         active = ctx.valid_pages() > ctx.page_budget                                      # [B]
         if not bool(active.any()):
             return
-        mass = ctx.true_page_mass()                                                      # [B, Hkv, P]
+        mass = ctx.true_page_mass()                                                      # [B, Hkv, max_pages]
         oracle = ctx.select_top(mass)
         hit, n_oracle, captured = selection_overlap(page_indices, oracle, mass)        # [B, Hkv] each
         a = active[:, None].expand_as(hit)
@@ -537,9 +539,9 @@ def attend(policy: SelectionPolicy, ctx: SelectionContext, metrics: SelectionMet
 def observe_prefill(policy: SelectionPolicy, ctx: SelectionContext) -> None:
     """After a dense (prefill) attention: give a stateful policy the mass of every page."""
     if policy.stateful:
-        P = ctx.max_pages
+        max_pages = ctx.max_pages
         n = ctx.valid_pages()[:, None, None]
-        j = torch.arange(P, device=ctx.q.device)[None, None, :]
+        j = torch.arange(max_pages, device=ctx.q.device)[None, None, :]
         idx = torch.where(j < n, j, -1).expand(-1, ctx.num_kv_heads, -1)
         policy.observe(ctx, idx, page_attention_mass(ctx.q, ctx.k_cache, ctx.block_table, ctx.seq_lens,
                                                      page_indices=idx, scale=ctx.scale))

@@ -2,7 +2,8 @@
 
 ::
 
-    python -m tinyattn.integrations.convert --model stories260K.bin --tokenizer tok512.bin --out DIR
+    python -m tinyattn convert                                   # the shipped stories260K -> out/stories260K-hf
+    python -m tinyattn convert --model stories15M.bin --tokenizer tokenizer.bin --out /tmp/stories15M-hf
 
 writes ``DIR/config.json``, ``DIR/model.safetensors`` and ``DIR/generation_config.json`` and, with
 ``--tokenizer``, ``DIR/tokenizer.json`` + ``DIR/tokenizer_config.json`` (a byte-fallback BPE that encodes
@@ -150,6 +151,7 @@ def convert(model_path: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in llama2c_to_hf_state_dict(cfg, sd).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _chmod_like_umask(out / "model.safetensors")   # safetensors creates it 0600; the other files follow the umask
     config = hf_config_dict(cfg)
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -160,28 +162,40 @@ def convert(model_path: str | os.PathLike, out_dir: str | os.PathLike, tokenizer
     return out
 
 
+def _chmod_like_umask(path: Path) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would have (0666 minus the umask, e.g. 0644)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 DESCRIPTION = (
     "Convert a llama2.c checkpoint (legacy version-0 .bin, e.g. stories260K.bin) into a Hugging Face "
     "LlamaForCausalLM checkpoint directory: config.json, model.safetensors, generation_config.json and, with "
     "--tokenizer, tokenizer.json + tokenizer_config.json. The q/k projections are permuted from llama2.c's "
     "interleaved RoPE pairs to transformers' rotate-half layout, so the converted model's logits match "
-    "tinyattn's runtime. Needs the hf extra (transformers, safetensors).")
-EPILOG = ("example:\n"
-          "  python -m tinyattn convert --model ../shared/models/stories260K/stories260K.bin \\\n"
-          "      --tokenizer ../shared/models/stories260K/tok512.bin --out stories260K-hf --check")
+    "tinyattn's runtime. With no --model, converts the stories260K model shipped with tinyattn (and its "
+    "tokenizer). Needs the hf extra (transformers, safetensors).")
+EPILOG = ("examples:\n"
+          "  python -m tinyattn convert --check                      # shipped stories260K -> out/stories260K-hf\n"
+          "  python -m tinyattn convert --out /tmp/stories260K-hf --check\n"
+          "  python -m tinyattn convert --model stories15M.bin --tokenizer tokenizer.bin --out /tmp/stories15M-hf")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the converter's options to ``p`` (a parser or a ``convert`` sub-parser of the tinyattn CLI)."""
-    p.add_argument("--model", required=True, metavar="PATH",
+    p.add_argument("--model", default=None, metavar="PATH",
                    help="llama2.c checkpoint in the legacy format written by llama2.c export.py (7 int32 header "
-                        "fields, then fp32 tensors), e.g. stories260K.bin")
+                        "fields, then fp32 tensors), e.g. stories260K.bin (default: the stories260K model shipped "
+                        "with tinyattn)")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="llama2.c tokenizer file (tokenizer.bin / tok512.bin). When given, a Hugging Face "
                         "tokenizer that encodes and decodes like llama2.c (left padding) is written next to the "
-                        "model; without it only the model is written")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="output directory (created if missing; files in it with the same names are overwritten)")
+                        "model; without it only the model is written (default: the shipped tok512.bin when "
+                        "--model is omitted too)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (created if missing; files in it with the same names are overwritten; "
+                        "default: out/<model name>-hf under the current directory, git-ignored in a checkout)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="dtype of the saved weights (default: float32, the checkpoint's own precision)")
     p.add_argument("--check", action="store_true",
@@ -191,8 +205,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+_PROG = "python -m tinyattn.integrations.convert"
+
+
 def _parser() -> argparse.ArgumentParser:
-    return add_arguments(argparse.ArgumentParser(prog="python -m tinyattn convert", description=DESCRIPTION,
+    return add_arguments(argparse.ArgumentParser(prog=_PROG, description=DESCRIPTION,
                                                  epilog=EPILOG,
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
 
@@ -231,6 +248,15 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"convert needs the hf extra (missing: {', '.join(missing)}); "
                          f"install it with: pip install -e '.[hf]'")
+    from tinyattn import assets
+
+    if args.model is None and args.tokenizer is None:
+        args.tokenizer = str(assets.default_tokenizer_path())
+    args.model = str(assets.resolve_file(args.model, "--model", assets.default_model_path))
+    if args.tokenizer is not None:
+        args.tokenizer = str(assets.resolve_file(args.tokenizer, "--tokenizer"))
+    if args.out is None:
+        args.out = str(Path("out") / f"{Path(args.model).stem}-hf")
     dtype = getattr(torch, args.dtype)
     out = convert(args.model, args.out, args.tokenizer, dtype=dtype)
     print(f"wrote {out}/config.json, model.safetensors, generation_config.json"
@@ -247,7 +273,12 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """``python -m tinyattn.integrations.convert ...`` (and ``python -m tinyattn convert ...``)."""
-    return run(_parser().parse_args(argv))
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

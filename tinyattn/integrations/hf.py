@@ -30,11 +30,12 @@ How a forward pass goes through it, per attention layer:
      model's mask — bit-for-bit the computation stock ``attn_implementation="sdpa"`` does, which is
      why it is used rather than :func:`tinyattn.paged_attention` (which agrees to ~1e-7 but not
      bitwise);
-   - **more tokens into a non-empty cache** (chunked prefill, assisted decoding):
-     :func:`tinyattn.paged_attention` with ``q`` ``[B, T, Hq, D]``, bottom-right causal;
-   - **decode** (one token per row): :func:`tinyattn.sparse_paged_attention` with the cache's page
-     bounds and ``page_budget`` in layers ``>= dense_layers``; :func:`tinyattn.paged_attention` in the
-     first ``dense_layers`` layers and everywhere when ``page_budget is None``.
+   - otherwise the one attention layer of the package (:class:`tinyattn.layer.PagedAttention`, planned
+     once per forward pass, run per layer): **more tokens into a non-empty cache** (chunked prefill,
+     assisted decoding) attend densely with ``q`` ``[B, T, Hq, D]``, bottom-right causal; **decode** (one
+     token per row) selects ``page_budget`` pages with the cache's page bounds (Quest) or the chosen
+     ``policy`` in layers ``>= dense_layers``, and is dense in the first ``dense_layers`` layers and
+     everywhere when ``page_budget is None``.
 
    The softmax scale is the ``scaling`` argument the model passes (OPT pre-scales its queries and
    passes ``1.0``; GPT-2's ``scale_attn_by_inverse_layer_idx`` is folded into it).
@@ -67,6 +68,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
+from tinyattn.layer import PagedAttention, SparsityConfig
 from tinyattn.ops.validation import check_selection_options
 
 __all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
@@ -185,11 +187,15 @@ class TinyAttnCache(Cache):
             The pool doubles whenever it is full.
         backend: ``None`` (by device: Triton on CUDA or under ``TRITON_INTERPRET=1``, else PyTorch),
             ``"torch"`` or ``"triton"``, passed to every tinyattn op.
+        policy: page-selection policy of the sparse layers, as :class:`tinyattn.models.LlamaRuntime`'s:
+            ``"quest"`` (default), ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"`` or a
+            :class:`tinyattn.selection.SelectionPolicy`.
 
-    Beam search (``reorder_cache``), ``num_return_sequences`` and ``batch_select_indices`` /
-    ``batch_repeat_interleave`` copy the pages of the rows that move into fresh pages of the same pool
-    (as ``DynamicCache`` copies its tensors); ``crop`` copies the kept pages and recomputes the bounds
-    of the new last page.
+    The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
+    (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
+    ``batch_select_indices`` / ``batch_repeat_interleave`` keep a row's pages for its first copy and give
+    every further copy pages of its own (:meth:`~PagedKVCache.fork`, as ``DynamicCache`` copies its
+    tensors); ``crop`` truncates each row (:meth:`~PagedKVCache.truncate`, exact bounds).
 
     Raises:
         ValueError for bad options; at run time, ValueError for right padding or masks with holes,
@@ -202,7 +208,7 @@ class TinyAttnCache(Cache):
 
     def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int = 0,
                  num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, policy="quest"):
         for name, value, low in (("page_size", page_size, 1), ("num_sink_pages", num_sink_pages, 0),
                                  ("num_recent_pages", num_recent_pages, 0), ("dense_layers", dense_layers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -225,6 +231,10 @@ class TinyAttnCache(Cache):
         self.num_sink_pages, self.num_recent_pages, self.dense_layers = num_sink_pages, num_recent_pages, dense_layers
         self.num_pages, self.backend = num_pages, backend
         self.sliding_window = self._sliding_window(text_config)
+        # the one attention layer (tinyattn.layer): dense / fused Quest / policy decision per layer, one plan
+        self._attention = PagedAttention(SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
+                                                        num_recent_pages=num_recent_pages,
+                                                        dense_layers=dense_layers, policy=policy), backend=backend)
         super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
         self._clear()
 
@@ -301,6 +311,14 @@ class TinyAttnCache(Cache):
         return self._hf_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if query_length == 0 and self._pool is not None:
+            # generate() keeps only the input columns past get_seq_length(): an input no longer than the cache
+            # (a new, e.g. smaller, batch) leaves no token, and the model would fail inside transformers
+            raise ValueError(f"TinyAttnCache: no new token in this forward pass: the cache already holds "
+                             f"{self._hf_len} columns of a batch of {len(self._seq_ids)} rows and the input is not "
+                             f"longer. A cache holds one batch (use a fresh cache for another batch, or "
+                             f"reorder_cache / batch_select_indices / batch_repeat_interleave; to continue, pass "
+                             f"the earlier tokens plus the new ones)")
         return self._hf_len + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -351,8 +369,8 @@ class TinyAttnCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` columns (``transformers`` 5 convention: a count <= 0).
 
-        Rows lose the real tokens among those columns; the kept pages are copied and the bounds of
-        each row's new last page are recomputed from its remaining keys.
+        Rows lose the real tokens among those columns (:meth:`PagedKVCache.truncate`: whole pages go back to
+        the pool, and the bounds of a row's new partial last page are recomputed from its remaining keys).
         """
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: expected an int <= 0 (the number of tokens to remove, negated), "
@@ -417,32 +435,11 @@ class TinyAttnCache(Cache):
         return -(-n // self.page_size)
 
     def _grow(self, min_free: int) -> None:
-        """Move every row into a larger pool (at least ``min_free`` free pages; at least double)."""
-        old = self._pool
-        if old.num_free_pages >= min_free:
+        """Grow the pool in place to at least ``min_free`` free pages (at least doubling it)."""
+        pool = self._pool
+        if pool.num_free_pages >= min_free:
             return
-        num_pages = max(2 * old.num_pages, old.num_pages - old.num_free_pages + min_free)
-        new = PagedKVCache(old.num_layers, old.num_kv_heads, old.head_dim, page_size=old.page_size,
-                           num_pages=num_pages, dtype=old.dtype, device=old.device)
-        src, dst, ids = [], [], []
-        for sid in self._seq_ids:
-            nid = new.add_sequence()
-            new.extend([nid], old.length(sid))
-            src += old.pages(sid)
-            dst += new.pages(nid)
-            ids.append(nid)
-        self._copy_pages(old, new, src, dst)
-        self._pool, self._seq_ids = new, ids
-
-    @staticmethod
-    def _copy_pages(src_pool, dst_pool, src, dst) -> None:
-        if not src:
-            return
-        s = torch.tensor(src, dtype=torch.long, device=src_pool.device)
-        d = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
-        for name in ("k_cache", "v_cache", "k_min", "k_max"):
-            for a, b in zip(getattr(src_pool, name), getattr(dst_pool, name)):
-                b[d] = a[s]
+        pool.resize(max(2 * pool.num_pages, pool.num_pages - pool.num_free_pages + min_free))
 
     def _extend(self, counts: list[int]) -> torch.Tensor:
         try:
@@ -470,39 +467,27 @@ class TinyAttnCache(Cache):
         self._rebuild_rows(rows, lens)
 
     def _rebuild_rows(self, rows: list[int], lens: list[int]) -> None:
-        """New row ``i`` = the first ``lens[i]`` tokens of old row ``rows[i]``. Rows that stay where they
-        were with their full length keep their pages; the others are copied into fresh pages."""
+        """New row ``i`` = the first ``lens[i]`` tokens of old row ``rows[i]``. The first new row taking an old
+        row keeps its sequence (truncated in place when shorter); every other one is a fork of it
+        (:meth:`PagedKVCache.fork`: fresh pages, copied). Old rows nobody takes are freed."""
         pool = self._pool
         old_ids = list(self._seq_ids)
-        keep = [r == i and lens[i] == pool.length(old_ids[i]) for i, r in enumerate(rows)]
-        need = sum(self._pages_for(n) for n, k in zip(lens, keep) if not k)
+        owner: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            owner.setdefault(r, i)
+        for r, sid in enumerate(old_ids):
+            if r not in owner:
+                pool.free(sid)
+        forks = [i for i, r in enumerate(rows) if owner[r] != i]
+        need = sum(self._pages_for(lens[i]) for i in forks)
         if pool.num_free_pages < need:
             self._grow(need)
-            pool, old_ids = self._pool, list(self._seq_ids)
-        new_ids, src, dst, cropped = [], [], [], []
-        for i, (r, n, k) in enumerate(zip(rows, lens, keep)):
-            if k:
-                new_ids.append(old_ids[r])
-                continue
-            nid = pool.add_sequence()
-            pool.extend([nid], n)
-            n_pages = self._pages_for(n)
-            src += pool.pages(old_ids[r])[:n_pages]
-            dst += pool.pages(nid)
-            new_ids.append(nid)
-            if n % self.page_size and n < pool.length(old_ids[r]):
-                cropped.append(nid)
-        self._copy_pages(pool, pool, src, dst)
-        kept = set(new_ids)
-        for sid in old_ids:
-            if sid not in kept:
-                pool.free(sid)
+        new_ids = [old_ids[r] for r in rows]
+        for i in forks:                                  # before any truncation: a fork may keep more tokens
+            new_ids[i] = pool.fork(old_ids[rows[i]], lens[i])
+        for r, i in owner.items():
+            pool.truncate(old_ids[r], lens[i])           # a no-op at full length; exact boxes after a cut
         self._seq_ids = new_ids
-        if cropped:   # the new last page holds fewer tokens than the page it was copied from: new bounds
-            table, lens_t = pool.block_table(cropped), pool.seq_lens(cropped)
-            for layer in range(pool.num_layers):
-                tinyattn.update_page_metadata(pool.k_cache[layer], table, lens_t, pool.k_min[layer],
-                                              pool.k_max[layer], backend=self.backend)
         self._pending = None
 
     # ------------------------------------------------------------------ attention
@@ -533,8 +518,10 @@ class TinyAttnCache(Cache):
                                       f"({self.sliding_window} tokens); sliding-window attention is not supported "
                                       f"by tinyattn's paged ops")
         self._slots = self._extend(counts)
-        self._gather = real.reshape(-1).nonzero().squeeze(1).to(device)        # row-major, like the slots
+        # row-major, like the slots; None when every new token is real (decode without padding)
+        self._gather = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
         self._fresh = not any(before)
+        self._planned = False
         self._block_table = self._pool.block_table(self._seq_ids)
         self._seq_lens = self._pool.seq_lens(self._seq_ids)
         self._real = torch.cat([self._real, real], dim=1)
@@ -560,8 +547,10 @@ class TinyAttnCache(Cache):
         if not self._prepared:
             self._prepare_chunk(attention_mask, B, T, query.device)
         pool = self._pool
-        k = key.transpose(1, 2).reshape(B * T, Hkv, D)[self._gather]
-        v = value.transpose(1, 2).reshape(B * T, Hkv, D)[self._gather]
+        k = key.transpose(1, 2).reshape(B * T, Hkv, D)
+        v = value.transpose(1, 2).reshape(B * T, Hkv, D)
+        if self._gather is not None:                                            # drop left padding
+            k, v = k[self._gather], v[self._gather]
         pool.write(layer_idx, self._slots, k, v)
         if self._fresh:
             # prefill into an empty cache: exactly the stock SDPA computation over the new states
@@ -573,14 +562,13 @@ class TinyAttnCache(Cache):
             q = q[:, 0]                                                         # [B, Hq, D]
         if q.dtype != pool.dtype:
             q = q.to(pool.dtype)
-        args = (q, pool.k_cache[layer_idx], pool.v_cache[layer_idx], self._block_table, self._seq_lens)
-        if T == 1 and self.page_budget is not None and layer_idx >= self.dense_layers:
-            out = tinyattn.sparse_paged_attention(
-                *args, k_min=pool.k_min[layer_idx], k_max=pool.k_max[layer_idx], page_budget=self.page_budget,
-                num_sink_pages=self.num_sink_pages, num_recent_pages=self.num_recent_pages, scale=scaling,
-                backend=self.backend)
-        else:
-            out = tinyattn.paged_attention(*args, scale=scaling, backend=self.backend)
+        if not self._planned:       # first layer of this forward: one plan for every layer
+            self._attention.begin(self._block_table, self._seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                  page_size=self.page_size, num_query_tokens=T, decode=T == 1, scale=scaling,
+                                  seq_ids=list(self._seq_ids))
+            self._planned = True
+        out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
+                              pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling)
         return out.reshape(B, T, Hq, D).to(query.dtype), None
 
 

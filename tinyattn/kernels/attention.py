@@ -35,15 +35,15 @@ NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
 @triton.jit
 def _attn_fwd_kernel(
     q,  # [B, TQ, HQ, D]
-    k_cache,  # [P, PAGE_SIZE, HKV, D]
-    v_cache,  # [P, PAGE_SIZE, HKV, D]
+    k_cache,  # [num_pages, page_size, Hkv, D]
+    v_cache,  # [num_pages, page_size, Hkv, D]
     block_table,  # [B, MAXP] int32
     seq_lens,  # [B] int32
     page_indices,  # [B, HKV, K] int32 logical pages (SPARSE only)
     out,  # [B, TQ, HQ, D]                 (not SPLIT)
     lse,  # [B, TQ, HQ] fp32 natural log   (not SPLIT)
-    ws_o,  # [S, B, TQ, HQ, D] fp32        (SPLIT)
-    ws_lse,  # [S, B, TQ, HQ] fp32 base 2  (SPLIT)
+    ws_o,  # [num_splits, B, Tq, Hq, D] fp32        (SPLIT)
+    ws_lse,  # [num_splits, B, Tq, Hq] fp32 base 2  (SPLIT)
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
@@ -170,15 +170,15 @@ def _attn_tile(
     b_alpha = tl.exp2(b_m - b_shift)  # [BM]
     b_p = tl.exp2(b_s - b_shift[:, None])  # [BM, BN]
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    # P in the V dtype (fp16/bf16 tensor-core dot on GPU), accumulator in fp32
+    # the probabilities (FlashAttention's P) in the V dtype (fp16/bf16 tensor-core dot on GPU), fp32 accumulator
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
     return b_m_new, b_l, b_acc
 
 
 @triton.jit
 def _merge_splits_kernel(
-    ws_o,  # [S, B, TQ, HQ, D] fp32
-    ws_lse,  # [S, B, TQ, HQ] fp32 base 2
+    ws_o,  # [num_splits, B, Tq, Hq, D] fp32
+    ws_lse,  # [num_splits, B, Tq, Hq] fp32 base 2
     out,  # [B, TQ, HQ, D]
     lse,  # [B, TQ, HQ] fp32
     stride_ws, stride_wb, stride_wt, stride_wh,
@@ -251,6 +251,14 @@ def choose_num_splits(num_programs: int, max_tokens: int, block_n: int, num_sms:
     return max(1, min(triton.cdiv(num_sms, num_programs), by_work, 64))
 
 
+def plan_num_splits(batch: int, num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    page_size: int, num_list: int, device: torch.device) -> int:
+    """``num_splits`` that :func:`paged_attention` picks for these sizes (a plan computes it once per step)."""
+    meta = attention_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size)
+    num_mb = triton.cdiv(num_queries * num_heads // num_kv_heads, meta["BLOCK_M"])
+    return choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"], _num_sms(device))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -259,14 +267,17 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor], scale: float,
-                    out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None) -> None:
+                    out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None,
+                    ws_o: Optional[torch.Tensor] = None, ws_lse: Optional[torch.Tensor] = None) -> None:
     """Attention of q ``[B, Tq, Hq, D]`` over the paged cache; writes ``out`` (q's shape/dtype) and ``lse``.
 
     k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
     ``[B]`` int32 (including the Tq queries); page_indices ``None`` (dense) or ``[B, Hkv, K]`` int32
     logical pages, deduplicated (-1 entries and pages past the end are skipped; duplicates would be
     counted twice, the ops layer removes them); lse ``[B, Tq, Hq]`` fp32 natural log.
-    num_splits: ``None`` picks it with ``choose_num_splits``; an int forces it (tests).
+    num_splits: ``None`` picks it with ``choose_num_splits``; an int forces it (tests, plans).
+    ws_o ``[>= num_splits, B, Tq, Hq, D]`` / ws_lse ``[>= num_splits, B, Tq, Hq]`` fp32: split-K partials
+    preallocated by a plan (``tinyattn.ops.plan``); allocated here when ``None`` and needed.
     """
     batch, num_queries, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -282,11 +293,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"],
                                        _num_sms(q.device))
     split = num_splits > 1
-    if split:
+    if split and (ws_o is None or ws_lse is None or ws_o.shape[0] < num_splits):
         ws_o = torch.empty((num_splits, batch, num_queries, num_heads, head_dim), device=q.device,
                            dtype=torch.float32)
         ws_lse = torch.empty((num_splits, batch, num_queries, num_heads), device=q.device, dtype=torch.float32)
-    else:
+    elif not split:
         ws_o, ws_lse = out, lse  # unused
     idx = page_indices if sparse else block_table  # unused when dense
     _attn_fwd_kernel[(batch, num_kv_heads * num_mb, num_splits)](

@@ -36,8 +36,8 @@ from .attention import _LOG2E, LOG2E, attention_blocks
 @triton.jit
 def _attn_bwd_kernel(
     q,  # [B, TQ, HQ, D]
-    k_cache,  # [P, PAGE_SIZE, HKV, D]
-    v_cache,  # [P, PAGE_SIZE, HKV, D]
+    k_cache,  # [num_pages, page_size, Hkv, D]
+    v_cache,  # [num_pages, page_size, Hkv, D]
     block_table,  # [B, MAXP] int32
     seq_lens,  # [B] int32
     page_indices,  # [B, HKV, K] int32 logical pages (SPARSE only)
@@ -46,8 +46,8 @@ def _attn_bwd_kernel(
     lse,  # [B, TQ, HQ] fp32 natural log
     dlse,  # [B, TQ, HQ] fp32 (HAS_DLSE only)
     dq,  # [B, TQ, HQ, D]
-    dk,  # [P, PAGE_SIZE, HKV, D] fp32, zero-initialised, accumulated atomically
-    dv,  # [P, PAGE_SIZE, HKV, D] fp32, zero-initialised, accumulated atomically
+    dk,  # [num_pages, page_size, Hkv, D] fp32, zero-initialised, accumulated atomically
+    dv,  # [num_pages, page_size, Hkv, D] fp32, zero-initialised, accumulated atomically
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
@@ -155,13 +155,13 @@ def _attn_bwd_kernel(
 
 @triton.jit
 def _page_grad_norm_kernel(
-    dk,  # [P, PAGE_SIZE, HKV, D]
-    dv,  # [P, PAGE_SIZE, HKV, D]
-    norms,  # [P, HKV] fp32
+    dk,  # [num_pages, page_size, Hkv, D]
+    dv,  # [num_pages, page_size, Hkv, D]
+    norms,  # [num_pages, Hkv] fp32
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_np, stride_nh,
-    P, D,
+    P, D,  # P = num_pages (the pool), D = head_dim
     PAGE_SIZE: tl.constexpr,
     BP: tl.constexpr,
     BD: tl.constexpr,

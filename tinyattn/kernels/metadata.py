@@ -24,11 +24,11 @@ TILE_ELEMS = 4096
 
 @triton.jit
 def _page_minmax_kernel(
-    k_cache,  # [P, S, HKV, D] any float dtype
+    k_cache,  # [num_pages, page_size, Hkv, D] any float dtype
     block_table,  # [B, MAXP] int32
     seq_lens,  # [B] int32
-    k_min,  # [P, HKV, D]
-    k_max,  # [P, HKV, D]
+    k_min,  # [num_pages, Hkv, D]
+    k_max,  # [num_pages, Hkv, D]
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_bt,
     stride_np, stride_nh, stride_nd,

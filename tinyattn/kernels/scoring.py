@@ -25,11 +25,11 @@ TILE_ELEMS = 8192
 @triton.jit
 def _page_scores_kernel(
     q,  # [B, TQ, HQ, D]
-    k_min,  # [P, HKV, D]
-    k_max,  # [P, HKV, D]
-    block_table,  # [B, MAXP] int32
+    k_min,  # [num_pages, Hkv, D]
+    k_max,  # [num_pages, Hkv, D]
+    block_table,  # [B, max_pages_per_seq] int32
     seq_lens,  # [B] int32
-    out,  # [B, HKV, MAXP] fp32
+    out,  # [B, Hkv, max_pages_per_seq] fp32
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_np, stride_nh, stride_nd,
     stride_xp, stride_xh, stride_xd,

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -155,6 +156,7 @@ class EvalResult:
     options: dict = field(default_factory=dict)
     page_sizes: list[int] = field(default_factory=list)
     policies: list[str] = field(default_factory=list)
+    max_sequence_tokens: int = 0     # the longest sequence evaluated (BOS included, repeat probes too)
 
     @property
     def dense(self) -> EvalRow:
@@ -277,6 +279,10 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
             if body:
                 seqs.append(e[:1] + body + body)
                 probe_masks.append(torch.arange(2 * len(body)) >= len(body))  # targets of the second copy
+    longest = max(len(s) for s in seqs)
+    if longest > model.config.max_seq_len:        # the same warning as LlamaRuntime.generate
+        warnings.warn(f"sequences reach {longest} tokens, past the model's training context "
+                      f"max_seq_len={model.config.max_seq_len}; quality will degrade", stacklevel=2)
 
     # dense reference: one dense prefill per sequence, log-probs of every target position
     dense_rt = LlamaRuntime(model, page_size=page_sizes[0], backend=backend)
@@ -328,6 +334,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     bar.close()
     return EvalResult(rows=rows, num_stories=n_main, num_tokens=num_targets, page_size=page_sizes[0],
                       max_context=max_context, page_sizes=page_sizes, policies=list(dict.fromkeys(policy_names)),
+                      max_sequence_tokens=longest,
                       options=dict(num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
                                    repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets))

@@ -32,7 +32,7 @@ from torch import nn
 
 from tinyattn import metrics, selection
 from tinyattn.ops.spans import layer as profile_layer
-from tinyattn.ops.validation import check_selection_options
+from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
 
 from .config import LlamaConfig
 
@@ -49,47 +49,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- configuration
-@dataclass(frozen=True)
-class SparsityConfig:
-    """How decode steps attend.
-
-    Args:
-        page_budget: pages kept per (sequence, KV head) at each decode step; ``None`` = dense.
-        num_sink_pages: leading pages always kept.
-        num_recent_pages: trailing pages always kept (the page being written is always kept).
-        dense_layers: number of leading layers that stay dense (Quest keeps 2).
-        policy: how pages are chosen: a name of :data:`tinyattn.selection.POLICIES` (``"quest"``, the
-            default, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a
-            :class:`tinyattn.selection.SelectionPolicy` instance; stored as an instance.
-    """
-
-    page_budget: int | None = None
-    num_sink_pages: int = 0
-    num_recent_pages: int = 1
-    dense_layers: int = 0
-    policy: object = "quest"
-
-    def __post_init__(self):
-        from tinyattn.selection import get_policy
-
-        object.__setattr__(self, "policy", get_policy(self.policy))
-        if self.page_budget is not None and (not isinstance(self.page_budget, int) or self.page_budget < 1):
-            raise ValueError(f"page_budget must be None or an int >= 1, got {self.page_budget!r}")
-        for name in ("num_sink_pages", "num_recent_pages", "dense_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.page_budget is not None:   # the ops' rule and message: sinks + max(recent, 1) <= budget
-            check_selection_options(self.page_budget, self.num_sink_pages, self.num_recent_pages)
-
-    @property
-    def is_dense(self) -> bool:
-        return self.page_budget is None
-
-    def layer_is_sparse(self, layer: int) -> bool:
-        return self.page_budget is not None and layer >= self.dense_layers
-
-
 # ---------------------------------------------------------------------------- building blocks
 def rope_tables(head_dim: int, num_positions: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[num_positions, head_dim // 2]`` fp32, exactly as llama2.c's ``model.py``
@@ -180,16 +139,6 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, T, D/2]`` at absolute ``positions`` ``[B, T]``."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if self._rope_cos.shape[0] < need or self._rope_cos.device != positions.device:
-            n = max(need, self.config.max_seq_len)
-            n = 1 << (n - 1).bit_length()
-            cos, sin = rope_tables(self.config.head_dim, n, self.config.rope_theta)
-            self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
-        return self._rope_cos[positions], self._rope_sin[positions]
-
     def new_cache(self, *, page_size: int, num_pages: int):
         """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model."""
         from tinyattn.cache import PagedKVCache
@@ -202,30 +151,29 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache, seq_ids: list[int], *, sparse: bool = False,
                 sparsity: SparsityConfig | None = None, backend: str | None = None,
-                last_only: bool = False, selection_metrics=None) -> torch.Tensor:
+                last_only: bool = False, selection_metrics=None, attention: PagedAttention | None = None
+                ) -> torch.Tensor:
         """Append ``tokens`` ``[B, T]`` to sequences ``seq_ids`` of ``cache``; return logits.
 
         Args:
             tokens: ``[B, T]`` token ids, the next ``T`` tokens of each row.
             cache: a :class:`PagedKVCache` made by :meth:`new_cache`.
             seq_ids: ``B`` sequence ids of ``cache``.
-            sparse: attend through ``sparse_paged_attention`` in the layers ``sparsity`` makes sparse;
-                ``False`` (prefill) is dense everywhere.
+            sparse: a decode step: the layers ``sparsity`` makes sparse select pages; ``False`` (prefill)
+                is dense everywhere.
             sparsity: page budget and friends; ``None`` or ``page_budget=None`` = dense.
             backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
             last_only: return only the last position's logits ``[B, V]`` instead of ``[B, T, V]``.
             selection_metrics: a :class:`tinyattn.selection.SelectionMetrics` that sparse layers add their
                 hit rate / captured mass against the oracle to (a dense pass per sparse layer); ``None`` = off.
+            attention: the :class:`tinyattn.layer.PagedAttention` to attend with (a runtime keeps one so that
+                its plan's buffers are reused across steps); default: one built from ``sparsity``/``backend``.
 
-        Sparse layers select pages with ``sparsity.policy`` (:mod:`tinyattn.selection`); Quest without
-        metrics takes the op's fused path (``k_min``/``k_max`` + ``page_budget``). A stateful policy (H2O)
-        also observes the dense attention of a prefill (``sparse=False``) in the layers it will select in.
-
-        Each new token is rotated at its absolute position (the sequence length before this call
-        plus its offset), and attends to every earlier token of its row and to itself.
+        Every layer attends through the one attention layer (:mod:`tinyattn.layer`), planned once for the
+        step: dense prefill, and at decode Quest's fused selection, another policy's selection, or dense
+        layers, as ``sparsity`` says. Each new token is rotated at its absolute position (the sequence
+        length before this call plus its offset), and attends to every earlier token of its row and to itself.
         """
-        import tinyattn
-
         cfg = self.config
         if tokens.dim() != 2 or tokens.shape[0] != len(seq_ids):
             raise ValueError(f"tokens must be [B, T] with B = len(seq_ids) = {len(seq_ids)}, "
@@ -233,62 +181,57 @@ class LlamaModel(nn.Module):
         B, T = tokens.shape
         if T == 0:
             raise ValueError("tokens must hold at least one token per row (T >= 1), got T = 0")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got min {int(tokens.min())} "
-                             f"max {int(tokens.max())}")
+        lo, hi = tokens.aminmax()
+        if int(lo) < 0 or int(hi) >= cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got min {int(lo)} max {int(hi)}")
         tokens = tokens.to(self.device)
-        sparsity = sparsity or SparsityConfig()
+        if attention is None:
+            attention = PagedAttention(sparsity, backend=backend)
+        attention.metrics = selection_metrics
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
 
-        start = cache.seq_lens(seq_ids).to(device=self.device, dtype=torch.long)  # [B], before extend
-        positions = start[:, None] + torch.arange(T, device=self.device)  # [B, T] absolute positions
+        start = [cache.length(s) for s in seq_ids]                                   # before extend
         slots = cache.extend(list(seq_ids), T)  # [B*T], row-major (row b's T tokens together)
-        block_table = cache.block_table(seq_ids)
-        seq_lens = cache.seq_lens(seq_ids)  # lengths including the new tokens
-        cos, sin = self._rope(positions)
+        positions = torch.tensor(start, dtype=torch.long, device=self.device)[:, None] + torch.arange(
+            T, device=self.device)                                                   # [B, T] absolute positions
+        attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
+                        head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=sparse,
+                        seq_ids=list(seq_ids))
+        cis = self._rope_cis(positions, max(start) + T)                              # [B, T, 1, D/2] complex
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         for li, layer in enumerate(self.layers):
             with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
                 h = layer.attention_norm(x)
-                q = layer.wq(h).view(B, T, Hq, hd)
-                k = layer.wk(h).view(B, T, Hkv, hd)
+                q = _rotate(layer.wq(h).view(B, T, Hq, hd), cis)
+                k = _rotate(layer.wk(h).view(B, T, Hkv, hd), cis)
                 v = layer.wv(h).view(B, T, Hkv, hd)
-                q = apply_rope(q, cos, sin)
-                k = apply_rope(k, cos, sin)
-                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
-                qa = q[:, 0] if T == 1 else q  # [B, Hq, D] decode, [B, T, Hq, D] otherwise
-                policy = sparsity.policy
-                if sparse and sparsity.layer_is_sparse(li) and policy.fused and selection_metrics is None:
-                    attn = tinyattn.sparse_paged_attention(
-                        qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
-                        k_min=cache.k_min[li], k_max=cache.k_max[li], page_budget=sparsity.page_budget,
-                        num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
-                        backend=backend,
-                    )
-                elif sparse and sparsity.layer_is_sparse(li):
-                    attn = selection.attend(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
-                                                                            seq_ids, sparsity, backend),
-                                            selection_metrics)
-                else:
-                    attn = tinyattn.paged_attention(qa, cache.k_cache[li], cache.v_cache[li], block_table, seq_lens,
-                                                    backend=backend)
-                    if policy.stateful and sparsity.layer_is_sparse(li):
-                        selection.observe_prefill(policy, self._selection_context(li, qa, cache, block_table, seq_lens,
-                                                                                  seq_ids, sparsity, backend))
+                cache.write(li, slots, k.view(B * T, Hkv, hd), v.view(B * T, Hkv, hd))
+                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li],
+                                 cache.k_min[li], cache.k_max[li])
                 x = x + layer.wo(attn.reshape(B, T, Hq * hd))
                 x = x + layer.ffn(layer.ffn_norm(x))
         if last_only:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
 
-    @staticmethod
-    def _selection_context(li, q, cache, block_table, seq_lens, seq_ids, sparsity, backend):
-        return selection.SelectionContext(
-            layer=li, q=q, k_cache=cache.k_cache[li], v_cache=cache.v_cache[li], k_min=cache.k_min[li],
-            k_max=cache.k_max[li], block_table=block_table, seq_lens=seq_lens, page_budget=sparsity.page_budget,
-            num_sink_pages=sparsity.num_sink_pages, num_recent_pages=sparsity.num_recent_pages,
-            seq_ids=list(seq_ids), backend=backend)
+    def _rope_cis(self, positions: torch.Tensor, need: int) -> torch.Tensor:
+        """``cos + i sin`` at absolute ``positions`` ``[B, T]``: complex ``[B, T, 1, D/2]`` (llama2.c's
+        ``freqs_cis``), from a table kept on the model and grown to a power of two when needed."""
+        if self._rope_cos.shape[0] < need or self._rope_cos.device != positions.device:
+            n = max(need, self.config.max_seq_len)
+            n = 1 << (n - 1).bit_length()
+            cos, sin = rope_tables(self.config.head_dim, n, self.config.rope_theta)
+            self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
+            self._rope_table = torch.complex(self._rope_cos, self._rope_sin)
+        return self._rope_table[positions][:, :, None, :]
+
+
+def _rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE as one complex product (llama2.c's ``apply_rotary_emb``): pairs ``(2i, 2i+1)`` of
+    ``x`` ``[B, T, H, D]`` rotated by ``cis`` ``[B, T, 1, D/2]``; same math as :func:`apply_rope`."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -423,6 +366,7 @@ class LlamaRuntime:
         if dense_layers > model.config.n_layers:
             raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
         self.backend = backend
+        self.attention = PagedAttention(self.sparsity, backend=backend)   # one plan, reused every step
 
     def __repr__(self) -> str:
         s = self.sparsity
@@ -439,7 +383,7 @@ class LlamaRuntime:
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(1, -1)
-        logits = self.model(t, cache, [seq_id], sparse=False, sparsity=self.sparsity, backend=self.backend,
+        logits = self.model(t, cache, [seq_id], sparse=False, attention=self.attention,
                             last_only=last_only)  # dense; a stateful policy (h2o) observes it
         return logits[0]
 
@@ -452,7 +396,7 @@ class LlamaRuntime:
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(-1, 1)
         if selection_metrics is None and stats is not None:
             selection_metrics = stats.selection
-        logits = self.model(t, cache, seq_ids, sparse=True, sparsity=self.sparsity, backend=self.backend,
+        logits = self.model(t, cache, seq_ids, sparse=True, attention=self.attention,
                             last_only=True, selection_metrics=selection_metrics)
         if stats is not None:
             self._count_reads(stats, cache.seq_lens(seq_ids))
@@ -490,6 +434,10 @@ class LlamaRuntime:
         (``None`` never stops early). ``temperature == 0`` is greedy; otherwise tokens are sampled
         from ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
         """
+        if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts: expected a list of token-id lists, got text; encode it first, e.g. "
+                            "tok = tinyattn.models.Tokenizer(tinyattn.assets.default_tokenizer_path()); "
+                            "prompts = [tok.encode('Once upon a time')]")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists (start with BOS)")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:

@@ -29,30 +29,44 @@ __all__ = ["read_llama2c_header", "load_llama2c"]
 _HEADER = struct.Struct("<7i")
 
 
+def _not_a_checkpoint(path: Path, reason: str) -> ValueError:
+    return ValueError(f"{str(path)!r} is not a llama2.c checkpoint (the legacy format of llama2.c export.py: "
+                      f"7 int32 header fields, then fp32 tensors): {reason}")
+
+
 def read_llama2c_header(path: str | os.PathLike) -> LlamaConfig:
-    """Read and check the 28-byte header; returns the :class:`LlamaConfig` it describes."""
+    """Read and check the 28-byte header against the file; returns the :class:`LlamaConfig` it describes.
+
+    A file that is not a llama2.c checkpoint (a tokenizer, text, random bytes) raises ``ValueError`` saying
+    so: its header fields must be positive (``vocab_size`` nonzero; negative = unshared classifier), ``dim``
+    a multiple of ``n_heads``, ``n_heads`` of ``n_kv_heads``, the head dimension even, and the file size
+    exactly 28 bytes plus 4 per float of the tensors the header describes.
+    """
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
     if len(head) < _HEADER.size:
-        raise ValueError(f"{str(path)!r} is not a llama2.c checkpoint: {len(head)} bytes, the header alone needs 28")
+        raise _not_a_checkpoint(path, f"{len(head)} bytes, the header alone needs 28")
     dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = _HEADER.unpack(head)
-    fields = dict(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                  seq_len=seq_len)
-    bad = {k: v for k, v in fields.items() if v <= 0}
-    if bad or vocab_size == 0:
-        raise ValueError(
-            f"{str(path)!r} is not a llama2.c legacy checkpoint: header fields must be positive "
-            f"(vocab_size nonzero), got dim={dim}, hidden_dim={hidden_dim}, n_layers={n_layers}, n_heads={n_heads}, "
-            f"n_kv_heads={n_kv_heads}, vocab_size={vocab_size}, seq_len={seq_len}"
-        )
+    fields = (f"dim={dim}, hidden_dim={hidden_dim}, n_layers={n_layers}, n_heads={n_heads}, n_kv_heads={n_kv_heads}, "
+              f"vocab_size={vocab_size}, seq_len={seq_len}")
+    if min(dim, hidden_dim, n_layers, n_heads, n_kv_heads, seq_len) <= 0 or vocab_size == 0:
+        raise _not_a_checkpoint(path, f"its header reads {fields}; every field must be positive (vocab_size "
+                                      f"nonzero)")
     if dim % n_heads or n_heads % n_kv_heads or (dim // n_heads) % 2:
+        raise _not_a_checkpoint(path, f"its header reads {fields}; dim must be a multiple of n_heads, n_heads of "
+                                      f"n_kv_heads, and dim / n_heads (the head dimension) even")
+    cfg = LlamaConfig(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      vocab_size=abs(vocab_size), max_seq_len=seq_len, shared_classifier=vocab_size > 0)
+    expected = _HEADER.size + 4 * sum(_prod(s) for _, s in _tensor_shapes(cfg))
+    actual = path.stat().st_size
+    if actual != expected:
         raise ValueError(
-            f"{str(path)!r}: inconsistent header: dim={dim} must be divisible by n_heads={n_heads}, n_heads by "
-            f"n_kv_heads={n_kv_heads}, and head_dim={dim / n_heads:g} must be even"
+            f"{str(path)!r} is not a llama2.c checkpoint, or a truncated one: file size {actual:,} bytes does not "
+            f"match its header ({fields}{'' if cfg.shared_classifier else ', unshared classifier'}), which needs "
+            f"{expected:,} bytes"
         )
-    return LlamaConfig(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                       vocab_size=abs(vocab_size), max_seq_len=seq_len, shared_classifier=vocab_size > 0)
+    return cfg
 
 
 def _tensor_shapes(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -84,19 +98,8 @@ def load_llama2c(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.
     parameter names (``layers.{i}.wq.weight`` ..., ``output.weight``), fp32 tensors.
     """
     path = Path(path)
-    cfg = read_llama2c_header(path)
+    cfg = read_llama2c_header(path)            # also checks the file size against the header
     shapes = _tensor_shapes(cfg)
-    numel = sum(_prod(s) for _, s in shapes)
-    expected = _HEADER.size + 4 * numel
-    actual = path.stat().st_size
-    if actual != expected:
-        raise ValueError(
-            f"{str(path)!r}: file size {actual:,} bytes does not match its header "
-            f"(dim={cfg.dim}, hidden_dim={cfg.hidden_dim}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads}, "
-            f"n_kv_heads={cfg.n_kv_heads}, vocab_size={cfg.vocab_size}"
-            f"{'' if cfg.shared_classifier else ' unshared'}, seq_len={cfg.max_seq_len}), which needs "
-            f"{expected:,} bytes; truncated file, or not the legacy llama2.c format"
-        )
     flat = torch.frombuffer(bytearray(path.read_bytes()[_HEADER.size:]), dtype=torch.float32)
     raw: dict[str, torch.Tensor] = {}
     off = 0

@@ -13,7 +13,7 @@ Two ops, one for each direction, both covering dense and sparse attention (``pag
 their fake kernels give it shapes) and under ``torch.library.opcheck``.
 
 Backends: ``"triton"`` runs ``tinyattn.kernels.attention`` forward and
-``tinyattn.kernels.attention_bwd`` backward (P recomputed from q, k and the saved lse; dK/dV
+``tinyattn.kernels.attention_bwd`` backward (probabilities P recomputed from q, k and the saved lse; dK/dV
 accumulated atomically in fp32 pool-shaped buffers, then cast). ``"torch"`` is the CPU fallback and the
 float64 path for ``torch.autograd.gradcheck``: gather the listed pages, one batched softmax, and in
 backward ``index_add_`` of the per-key gradients into the pool. Both save only their inputs, ``out`` and
@@ -54,14 +54,14 @@ def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
     index ``(page * page_size + slot) * Hkv + head`` of each key in the pool (0 where no key).
     """
     B, Tq, Hq, D = q4.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     dt = T._math_dtype(q4)
     sel = page_indices.to(torch.int64)  # [B, Hkv, K]
     phys = T._physical_pages(block_table, sel, sel >= 0)  # [B, Hkv, K]
     heads = torch.arange(Hkv, device=q4.device)[None, :, None]
-    pos = rearrange(sel[..., None] * S + torch.arange(S, device=q4.device), "b h k s -> b h (k s)")
+    pos = rearrange(sel[..., None] * page_size + torch.arange(page_size, device=q4.device), "b h k s -> b h (k s)")
     lens = seq_lens.to(torch.int64)[:, None, None]
-    key_ok = (sel[..., None] >= 0).expand(-1, -1, -1, S).reshape(pos.shape) & (pos < lens)  # [B, Hkv, N]
+    key_ok = (sel[..., None] >= 0).expand(-1, -1, -1, page_size).reshape(pos.shape) & (pos < lens)  # [B, Hkv, N]
     # zero the keys and values that do not exist: padding slots may hold NaN, and 0 * NaN is NaN
     k = rearrange(k_cache[phys, :, heads], "b h k s d -> b h (k s) d").to(dt)
     v = rearrange(v_cache[phys, :, heads], "b h k s d -> b h (k s) d").to(dt)
@@ -70,7 +70,8 @@ def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
     q_pos = lens[..., None] - Tq + torch.arange(Tq, device=q4.device)[None, None, :, None]  # [B, 1, Tq, 1]
     visible = (key_ok[:, :, None, :] & (pos[:, :, None, :] <= q_pos))[:, :, :, None, :]  # [B, Hkv, Tq, 1, N]
     qg = rearrange(q4.to(dt), "b t (h g) d -> b h t g d", h=Hkv)
-    slots = (phys[..., None] * S + torch.arange(S, device=q4.device)) * Hkv + heads[..., None]  # [B, Hkv, K, S]
+    # [B, Hkv, K, page_size]
+    slots = (phys[..., None] * page_size + torch.arange(page_size, device=q4.device)) * Hkv + heads[..., None]
     slot = torch.where(key_ok, rearrange(slots, "b h k s -> b h (k s)"), 0)
     return qg, k, v, visible, key_ok, slot
 

@@ -13,11 +13,12 @@ Evaluation runs held-out sequences (the last ``--eval-sequences`` of the data, n
 way, under the same policy and budget (the gradient policy back-propagates each chunk's loss to score the
 pages, without touching the weights), and also with full retention.
 
-Writes ``{retention, peak_kv_bytes, peak_memory_bytes, train_loss, eval_nll, ...}`` to ``--json``.
+Prints the figures and, with ``--json``, writes ``{retention, peak_kv_bytes, peak_memory_bytes, train_loss,
+eval_nll, ...}`` there. ``--model``, ``--tokenizer`` and ``--data`` default to the stories260K model and the
+TinyStories sample shipped with tinyattn (:mod:`tinyattn.assets`).
 
-    python -m tinyattn.training.finetune --model stories260K.bin --tokenizer tok512.bin \\
-        --data tinystories_sample.txt --chunk-size 64 --retention gradient --kv-budget-pages 16 --steps 100 \\
-        --json out.json
+    python -m tinyattn finetune --chunk-size 64 --retention gradient --kv-budget-pages 16 --steps 100 \\
+        --json out/finetune/gradient.json
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int
 
-__all__ = ["add_arguments", "run", "main", "load_sequences", "finetune"]
+__all__ = ["add_arguments", "run", "main", "load_sequences", "finetune", "EPILOG"]
+
+EPILOG = ("examples:\n"
+          "  python -m tinyattn finetune --chunk-size 64 --retention gradient --kv-budget-pages 16 --steps 20\n"
+          "  python -m tinyattn finetune --model stories15M.bin --tokenizer tokenizer.bin --data my_text.txt \\\n"
+          "      --chunk-size 64 --retention recency --kv-budget-pages 16 --steps 100 --json out/recency.json")
 
 
 def _decay(text: str) -> float:
@@ -49,10 +55,13 @@ def _decay(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``finetune`` options (used by ``python -m tinyattn finetune`` and by this module's ``main``)."""
     g = parser.add_argument_group("model and data")
-    g.add_argument("--model", type=Path, required=True, help="llama2.c checkpoint (legacy format), e.g. stories260K.bin")
-    g.add_argument("--tokenizer", type=Path, required=True, help="llama2.c tokenizer .bin, e.g. tok512.bin")
-    g.add_argument("--data", type=Path, required=True,
-                   help="UTF-8 text to fine-tune on; its last --eval-sequences sequences are held out for evaluation")
+    g.add_argument("--model", type=Path, default=None,
+                   help="llama2.c checkpoint (legacy format); default: the stories260K model shipped with tinyattn")
+    g.add_argument("--tokenizer", type=Path, default=None,
+                   help="llama2.c tokenizer .bin; default: the shipped stories260K's tok512.bin")
+    g.add_argument("--data", type=Path, default=None,
+                   help="UTF-8 text to fine-tune on; its last --eval-sequences sequences are held out for evaluation "
+                        "(default: about 254 TinyStories stories shipped with tinyattn, 195 sequences of 512 tokens)")
     g.add_argument("--seq-len", type=positive_int, default=512,
                    help="tokens per sequence (default: 512, stories260K's context)")
     g.add_argument("--eval-sequences", type=positive_int, default=16,
@@ -88,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the data order (default: 0)")
 
     g = parser.add_argument_group("run")
-    g.add_argument("--json", type=Path, required=True, help="where to write the results (JSON)")
+    g.add_argument("--json", type=Path, default=None, help="also write the results there (JSON)")
     g.add_argument("--save", type=Path, default=None, help="also save the fine-tuned weights (torch state dict)")
     g.add_argument("--eval-before", action="store_true",
                    help="also evaluate the model before fine-tuning (same policy and budget)")
@@ -234,6 +243,26 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     return result
 
 
+def check_budget(args) -> None:
+    """``--kv-budget-pages`` must hold the protected pages and the chunk being written (unless it covers the whole
+    sequence, which is full retention); the error names the flags (ChunkedKVMemory's own check names its
+    ``capacity`` argument)."""
+    if args.retention == "full" or args.kv_budget_pages is None:
+        return
+    full_pages = math.ceil(args.seq_len / args.page_size)
+    chunk_pages = args.chunk_size // args.page_size
+    recent = chunk_pages if args.recent_pages is None else args.recent_pages
+    floor = args.sink_pages + recent + chunk_pages
+    if args.kv_budget_pages < full_pages and args.kv_budget_pages < floor:
+        recent_text = (f"--recent-pages ({recent}, the default: one chunk)" if args.recent_pages is None
+                       else f"--recent-pages ({recent})")
+        raise ValueError(
+            f"--kv-budget-pages ({args.kv_budget_pages}) is too small: it must hold --sink-pages ({args.sink_pages}) "
+            f"+ {recent_text} + the chunk being written (--chunk-size {args.chunk_size} / --page-size "
+            f"{args.page_size} = {chunk_pages} pages) = {floor} pages; raise --kv-budget-pages to at least {floor} "
+            f"or lower --sink-pages / --recent-pages")
+
+
 def run(args) -> int:
     """Run the command from parsed ``args`` (see :func:`add_arguments`); returns the exit status."""
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -244,15 +273,17 @@ def run(args) -> int:
             print("note: no CUDA device; the Triton kernels run in the interpreter (slow)", file=sys.stderr)
     import torch
 
+    from .. import assets
     from ..models import LlamaModel, Tokenizer
 
-    for option, path in (("--model", args.model), ("--tokenizer", args.tokenizer), ("--data", args.data)):
-        if not Path(path).is_file():
-            raise ValueError(f"{option}: file not found: {path}")
+    args.model = assets.resolve_file(args.model, "--model", assets.default_model_path)
+    args.tokenizer = assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path)
+    args.data = assets.resolve_file(args.data, "--data", assets.default_finetune_text_path)
     if args.chunk_size % args.page_size:
         raise ValueError(f"--chunk-size ({args.chunk_size}) must be a multiple of --page-size ({args.page_size})")
     if args.retention != "full" and args.kv_budget_pages is None:
         raise ValueError(f"--kv-budget-pages is required with --retention {args.retention}")
+    check_budget(args)
     torch.set_num_threads(args.threads or 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaModel.from_llama2c(args.model, device=device)
@@ -278,13 +309,14 @@ def run(args) -> int:
                       progress=not args.no_progress)
     full_pages = math.ceil(args.seq_len / args.page_size)
     result["full_kv_pages"] = full_pages
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.save is not None:
         torch.save(model.state_dict(), args.save)
     print(f"{args.retention}: train_loss {result['train_loss']:.4f}  eval_nll {result['eval_nll']:.4f}  "
           f"(full-retention eval {result['eval_nll_full_retention']:.4f})  peak_kv_bytes {result['peak_kv_bytes']:,}  "
-          f"peak_memory_bytes {result['peak_memory_bytes']:,}  -> {args.json}")
+          f"peak_memory_bytes {result['peak_memory_bytes']:,}" + (f"  -> {args.json}" if args.json else ""))
     return 0
 
 
@@ -292,7 +324,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tinyattn.training.finetune",
         description="Chunked long-context fine-tuning with a paged KV memory and a retention policy "
-                    "(full / recency / gradient-aware, TinyServe §3.4). Writes a JSON of memory and loss figures.",
+                    "(full / recency / gradient-aware, TinyServe §3.4). Prints (and with --json writes) memory and "
+                    "loss figures.",
+        epilog=EPILOG.replace("python -m tinyattn finetune", "python -m tinyattn.training.finetune"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -21,12 +21,19 @@ one chunk long. :meth:`commit` then copies the chunk's K/V into the stored pool 
 
 Memory is honest: the stored pool is allocated at its capacity (``batch * capacity`` pages per layer), and
 the per-chunk pool tensors are the same size.
+
+Pages are owned by a :class:`tinyattn.cache.PagedKVCache` per layer (each layer evicts its own pages, so
+each has its own allocation; rows are the cache's sequences, no page boxes): :meth:`begin_chunk` extends
+the rows, eviction is :meth:`~tinyattn.cache.PagedKVCache.drop_pages` (a dropped page reads ``-1``, every
+other page keeps its logical position), :meth:`commit` writes the chunk with
+:meth:`~tinyattn.cache.PagedKVCache.write`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cache import PagedKVCache
 from ..ops.page_grad import page_grad_norms
 from .retention import RetentionPolicy, page_taylor_scores
 
@@ -73,14 +80,15 @@ class ChunkedKVMemory:
                              f"got {capacity}")
         self.policy = policy
         self.device = torch.device(device)
-        num_pages = batch * self.capacity
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        # logical page j of row b of layer l lives at phys[l][b, j]; -1 = not held (not yet written, or freed)
+        # one page pool per layer (layers evict different pages), one sequence per row
+        self.caches = [PagedKVCache(1, num_kv_heads, head_dim, page_size=page_size, num_pages=batch * self.capacity,
+                                    dtype=dtype, device=self.device, page_boxes=False) for _ in range(num_layers)]
+        self.rows = [[cache.add_sequence() for _ in range(batch)] for cache in self.caches]
+        # logical page j of row b of layer l lives at phys[l][b, j]; -1 = not held (not yet written, or freed);
+        # a copy of the caches' block tables, refreshed when they change (begin_chunk)
         self.phys = [torch.full((batch, self.max_pages), -1, dtype=torch.int64, device=self.device)
                      for _ in range(num_layers)]
-        self.free = [list(range(num_pages - 1, -1, -1)) for _ in range(num_layers)]
+        self._slots: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
         self.chunk_len = 0
         self.peak_pages = 0             # most pages held by one row of one layer at any time
@@ -90,6 +98,15 @@ class ChunkedKVMemory:
         policy.reset(num_layers, batch, self.max_pages, device=self.device)
 
     # ---- sizes -------------------------------------------------------------------------------------
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """The stored K pools, one ``[batch * capacity, page_size, Hkv, D]`` per layer (the caches' tensors)."""
+        return [cache.k_cache[0] for cache in self.caches]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [cache.v_cache[0] for cache in self.caches]
+
     @property
     def page_bytes(self) -> int:
         """Bytes of K + V of one page of one layer."""
@@ -114,16 +131,15 @@ class ChunkedKVMemory:
         if num_tokens < 1 or num_tokens > self.chunk_size or self.length + num_tokens > self.seq_len:
             raise ValueError(f"num_tokens: expected 1..{min(self.chunk_size, self.seq_len - self.length)}, "
                              f"got {num_tokens}")
-        S = self.page_size
-        first, last = _cdiv(self.length, S), _cdiv(self.length + num_tokens, S)   # new logical pages [first, last)
+        page_size = self.page_size
+        first, last = _cdiv(self.length, page_size), _cdiv(self.length + num_tokens, page_size)   # new pages
         for layer in range(self.num_layers):
             held = self.held(layer)
             over = int(held.sum(1).max()) + (last - first) - self.capacity
             if over > 0:
                 self._evict(layer, held, over, newest=first)
-            for j in range(first, last):
-                for b in range(self.batch):
-                    self.phys[layer][b, j] = self.free[layer].pop()
+            self._slots[layer] = self.caches[layer].extend(self.rows[layer], num_tokens)   # [B * n] row-major
+            self._refresh(layer)
             self.peak_pages = max(self.peak_pages, int(self.held(layer).sum(1).max()))
         self.chunk_len = num_tokens
 
@@ -137,11 +153,14 @@ class ChunkedKVMemory:
         score = self.policy.scores(layer, held).to(self.device).float()
         key = torch.where(candidate, score, float("inf"))
         order = torch.sort(key, dim=1, stable=True).indices[:, :count]                 # lowest first, older on ties
-        for b in range(self.batch):
-            for jj in order[b].tolist():
-                self.free[layer].append(int(self.phys[layer][b, jj]))
-                self.phys[layer][b, jj] = -1
+        for b, seq in enumerate(self.rows[layer]):
+            self.caches[layer].drop_pages(seq, order[b].tolist())
+        self._refresh(layer)
         self.evicted += self.batch * count
+
+    def _refresh(self, layer: int) -> None:
+        table = self.caches[layer].block_table(self.rows[layer], max_pages=self.max_pages)
+        self.phys[layer] = table.to(device=self.device, dtype=torch.int64)
 
     def block_table(self, layer: int) -> torch.Tensor:
         """int32 ``[B, max_pages]``; freed pages point at page 0 (never read: they are not in page_indices)."""
@@ -160,11 +179,6 @@ class ChunkedKVMemory:
         idx = torch.where(idx < self.max_pages, idx, -1).to(torch.int32)
         return idx[:, None, :].expand(-1, num_kv_heads, -1).contiguous()
 
-    def _chunk_slots(self, layer: int) -> torch.Tensor:
-        pos = torch.arange(self.length, self.length + self.chunk_len, device=self.device)
-        pages = self.phys[layer][:, pos // self.page_size]                              # [B, n]
-        return (pages * self.page_size + pos % self.page_size).reshape(-1)               # [B*n] row-major
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, track_gradients: bool = False):
         """The layer's pools with the chunk's ``k``, ``v`` ``[B, n, Hkv, D]`` written in, out of place.
 
@@ -172,10 +186,11 @@ class ChunkedKVMemory:
         With ``track_gradients`` their ``.grad`` is kept after backward for :meth:`observe_gradients`.
         """
         B, n, Hkv, D = k.shape
-        slots = self._chunk_slots(layer)
-        pool_shape = self.k[layer].shape
-        k_pool = self.k[layer].view(-1, Hkv, D).index_put((slots,), k.reshape(B * n, Hkv, D).to(self.k[layer].dtype))
-        v_pool = self.v[layer].view(-1, Hkv, D).index_put((slots,), v.reshape(B * n, Hkv, D).to(self.v[layer].dtype))
+        slots = self._slots[layer]                                                      # [B*n] row-major
+        k_stored, v_stored = self.caches[layer].k_cache[0], self.caches[layer].v_cache[0]
+        pool_shape = k_stored.shape
+        k_pool = k_stored.view(-1, Hkv, D).index_put((slots,), k.reshape(B * n, Hkv, D).to(k_stored.dtype))
+        v_pool = v_stored.view(-1, Hkv, D).index_put((slots,), v.reshape(B * n, Hkv, D).to(v_stored.dtype))
         k_pool, v_pool = k_pool.view(pool_shape), v_pool.view(pool_shape)
         if track_gradients:
             for t in (k_pool, v_pool):
@@ -207,9 +222,7 @@ class ChunkedKVMemory:
         """Store the chunk's K/V (detached) in the pools and advance the length; drop the chunk's pool tensors."""
         for layer in range(self.num_layers):
             slots, k, v = self._chunk[layer]
-            Hkv, D = k.shape[1], k.shape[2]
-            self.k[layer].view(-1, Hkv, D)[slots] = k.to(self.k[layer].dtype)
-            self.v[layer].view(-1, Hkv, D)[slots] = v.to(self.v[layer].dtype)
+            self.caches[layer].write(0, slots, k, v)
             self._chunk[layer] = self._pools[layer] = None
         self.length += self.chunk_len
         self.chunk_len = 0

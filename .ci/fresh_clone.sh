@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A fresh user's first two commands, proved: clone the repository into an empty temporary folder (no ../shared
+# beside it), make a new virtual environment, install with the README's quick-start install line, and run the
+# README's main job from a directory with no ../shared. The printed story must be exactly
+# tests/known_good_stories260K.txt. Also: the console script's name and output, and a built wheel holding the
+# shipped model and texts (tinyattn/data/). About a minute with torch's wheel on local disk.
+#   bash .ci/fresh_clone.sh            (run by .ci/run; clones the committed HEAD of this checkout)
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+unset PYTHONPATH TRITON_INTERPRET
+export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+git clone -q "$REPO" "$WORK/tinyattn"
+cd "$WORK/tinyattn"
+INSTALL="$(grep -m1 '^pip install torch==' README.md)"
+[ -n "$INSTALL" ] || { echo "fresh clone: no 'pip install torch==...' line in README.md" >&2; exit 1; }
+python3 -m venv "$WORK/venv"
+. "$WORK/venv/bin/activate"
+echo "fresh clone: $INSTALL"
+t0=$(date +%s)
+eval "$INSTALL"
+echo "fresh clone: installed in $(( $(date +%s) - t0 ))s"
+mkdir -p "$WORK/elsewhere/run"
+cd "$WORK/elsewhere/run"
+[ ! -e ../shared ] && [ ! -e ../../shared ] || { echo "fresh clone: a shared/ folder lies beside the run" >&2; exit 1; }
+python -m tinyattn generate --max-new-tokens 200 --temperature 0 > generate.txt
+tinyattn generate --max-new-tokens 200 --temperature 0 --no-stats > console.txt
+tinyattn --help > help.txt
+python - "$REPO/tests/known_good_stories260K.txt" <<'PY'
+import sys
+expected = open(sys.argv[1], encoding="utf-8").read()
+out = open("generate.txt", encoding="utf-8").read()
+text = out.split("\n---\n", 1)[0] + "\n"
+problems = []
+if text != expected:
+    problems.append(f"python -m tinyattn generate printed:\n{text}\nexpected:\n{expected}")
+if "tokens/s" not in out:
+    problems.append("no stats block after the text")
+if open("console.txt", encoding="utf-8").read() != expected:
+    problems.append("the tinyattn console script (--no-stats) did not print the known-good text")
+if not open("help.txt", encoding="utf-8").read().startswith("usage: tinyattn "):
+    problems.append("tinyattn --help does not say 'usage: tinyattn'")
+if problems:
+    sys.exit("fresh clone: FAILED\n" + "\n".join(problems))
+print("fresh clone: python -m tinyattn generate --max-new-tokens 200 --temperature 0 printed the known-good text")
+PY
+cd "$WORK/tinyattn"
+python -m pip wheel --no-deps -w "$WORK/wheel" . > /dev/null
+python - "$WORK"/wheel/tinyattn-*.whl <<'PY'
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+need = [f"tinyattn/data/{n}" for n in ("stories260K.bin", "tok512.bin", "tinystories_valid_excerpt.txt",
+                                       "tinystories_sample.txt", "README.md", "LICENSE-stories260K",
+                                       "LICENSE-TinyStories")]
+missing = [n for n in need if n not in names]
+if missing:
+    sys.exit(f"fresh clone: the wheel lacks {missing}")
+print(f"fresh clone: the wheel holds the shipped model and texts ({len(need)} files)")
+PY
