@@ -19,7 +19,11 @@ python3 -m venv "$WORK/venv"
 . "$WORK/venv/bin/activate"
 echo "fresh clone: $INSTALL"
 t0=$(date +%s)
-eval "$INSTALL"
+if ! eval "$INSTALL" > "$WORK/install.log" 2>&1; then
+  cat "$WORK/install.log" >&2
+  echo "fresh clone: the README's install line failed" >&2
+  exit 1
+fi
 echo "fresh clone: installed in $(( $(date +%s) - t0 ))s"
 mkdir -p "$WORK/elsewhere/run"
 cd "$WORK/elsewhere/run"
