@@ -76,9 +76,6 @@ def test_nothing_in_the_package_refers_to_shared():
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if re.search(r"\.\./shared|[\"']shared[\"']\s*\)?\s*/", line):
                 offenders.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
-    if offenders and all(o.startswith("tinyattn/__init__.py:") and "DESIGN.md" in o for o in offenders):
-        pytest.xfail("tinyattn/__init__.py's docstring still cites ../shared/spec/DESIGN.md (prose, not a path the "
-                     "code opens); its owner is to reword it to docs/api.md")
     assert not offenders, offenders
 
 
