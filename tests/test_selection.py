@@ -127,7 +127,9 @@ def test_quest_equals_select_pages_of_page_scores_and_the_fused_op():
         fused = tinyattn.sparse_paged_attention(ctx.q, pb.k_cache, pb.v_cache, pb.block_table, pb.seq_lens,
                                                 k_min=k_min, k_max=k_max, page_budget=budget, num_sink_pages=sinks,
                                                 backend=TORCH)
-        assert torch.equal(S.attend(S.QuestPolicy(), ctx), fused)
+        # same pages (checked above); the fused op gathers them in score order, the policy path in page order,
+        # so the sums may differ in the last bits
+        torch.testing.assert_close(S.attend(S.QuestPolicy(), ctx), fused, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("Tq", [1, 3])

@@ -20,9 +20,13 @@ only grows with ``amin``/``amax`` of the keys written into it, so padding slots 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 
 import torch
+
+# torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
+warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
 from .ops.spans import span
 
@@ -132,6 +136,12 @@ class PagedKVCache:
         counts = [operator.index(c) for c in counts]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("seq_ids: expected distinct sequence ids, got a repeated id")
+        for seq_id, count in zip(seq_ids, counts):
+            pages, length = self._pages[seq_id], self._lens[seq_id]
+            if count and length % self.page_size and pages[-1] < 0:
+                raise ValueError(f"seq_ids: sequence {seq_id} ends inside logical page {len(pages) - 1}, which was "
+                                 f"dropped (a fork or truncate of a sequence with dropped pages); it cannot receive "
+                                 f"tokens. No sequence was changed.")
         needed = [self._pages_needed(s, c) for s, c in zip(seq_ids, counts)]
         if sum(needed) > len(self._free):
             raise CacheFullError(f"PagedKVCache is out of pages: the request needs {sum(needed)} new pages, "
@@ -146,7 +156,8 @@ class PagedKVCache:
             slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
         out = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self._issued = (out, out // page_size)   # write() trusts exactly these slots (no range check, no host sync)
+        # write() trusts exactly these slots (no range check, no host sync) unless one lands in a dropped page
+        self._issued = (out, out // page_size) if min(slots, default=0) >= 0 else None
         return out
 
     def _pages_needed(self, seq_id: int, count: int) -> int:
@@ -371,10 +382,11 @@ class PagedKVCache:
         self.v_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, v)
         if not self.k_min:                                     # page_boxes=False
             return
-        index = pages[:, None, None].expand_as(k)
+        # index_reduce_ rather than scatter_reduce_: same boxes (repeated pages reduce together), and no
+        # OpenMP parallel region for a few elements (each one costs a time slice when a core is busy)
         with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
-            self.k_min[layer].scatter_reduce_(0, index, k, "amin")
-            self.k_max[layer].scatter_reduce_(0, index, k, "amax")
+            self.k_min[layer].index_reduce_(0, pages, k, "amin")
+            self.k_max[layer].index_reduce_(0, pages, k, "amax")
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

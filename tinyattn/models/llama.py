@@ -97,6 +97,20 @@ class LlamaBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_qkv, w_13)``: ``wq|wk|wv`` and ``w1|w3`` stacked, so inference runs one matmul for each.
+
+        Built on first use and rebuilt whenever a weight changes (its version counter or storage), so
+        training or loading new weights between calls never leaves a stale copy.
+        """
+        ws = (self.wq.weight, self.wk.weight, self.wv.weight, self.w1.weight, self.w3.weight)
+        key = tuple((w._version, w.data_ptr()) for w in ws)
+        if getattr(self, "_fused_key", None) != key:
+            with torch.no_grad():
+                self._fused = (torch.cat(ws[:3]), torch.cat(ws[3:]))
+            self._fused_key = key
+        return self._fused
+
 
 # ---------------------------------------------------------------------------- the model
 class LlamaModel(nn.Module):
@@ -200,17 +214,21 @@ class LlamaModel(nn.Module):
         cis = self._rope_cis(positions, max(start) + T)                              # [B, T, 1, D/2] complex
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
+        n_qk = (Hq + Hkv) * hd
         for li, layer in enumerate(self.layers):
             with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
-                h = layer.attention_norm(x)
-                q = _rotate(layer.wq(h).view(B, T, Hq, hd), cis)
-                k = _rotate(layer.wk(h).view(B, T, Hkv, hd), cis)
-                v = layer.wv(h).view(B, T, Hkv, hd)
-                cache.write(li, slots, k.view(B * T, Hkv, hd), v.view(B * T, Hkv, hd))
+                # the math of LlamaBlock, with wq|wk|wv and w1|w3 as one matmul each and q, k rotated together
+                w_qkv, w_13 = layer.fused_weights()
+                qkv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv)              # [B, T, (Hq+2Hkv)*hd]
+                qk = _rotate(qkv[..., :n_qk].view(B, T, Hq + Hkv, hd), cis)          # [B, T, Hq+Hkv, hd]
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+                v = qkv[..., n_qk:].view(B, T, Hkv, hd)
+                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
                 attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li],
                                  cache.k_min[li], cache.k_max[li])
-                x = x + layer.wo(attn.reshape(B, T, Hq * hd))
-                x = x + layer.ffn(layer.ffn_norm(x))
+                x = x + F.linear(attn.reshape(B, T, Hq * hd), layer.wo.weight)
+                a, b = F.linear(_rms_norm(x, layer.ffn_norm), w_13).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(a) * b, layer.w2.weight)
         if last_only:
             x = x[:, -1]
         return self.output(self.norm(x)).float()
@@ -225,6 +243,13 @@ class LlamaModel(nn.Module):
             self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
             self._rope_table = torch.complex(self._rope_cos, self._rope_sin)
         return self._rope_table[positions][:, :, None, :]
+
+
+def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """:class:`RMSNorm` as one fused call (fp32 math, as the module)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+    return norm(x)
 
 
 def _rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
@@ -407,20 +432,21 @@ class LlamaRuntime:
         (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget."""
         cfg = self.model.config
         page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
-        elem = torch.empty((), dtype=self.model.dtype).element_size()
-        lens = seq_lens.long()
+        elem = self.model.dtype.itemsize
+        lens = seq_lens.tolist()             # the per-row formulas on Python ints: no tensor op per step
         n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
         n_dense = cfg.n_layers - n_sparse
-        dense_pages = int(metrics.pages_read(lens, page_size).sum()) * Hkv
-        dense_bytes = int(metrics.dense_bytes(lens, D, elem).sum()) * Hkv
+        dense_pages = sum(metrics.pages_read(n, page_size) for n in lens) * Hkv
+        dense_bytes = sum(metrics.dense_bytes(n, D, elem) for n in lens) * Hkv
         stats.pages_dense += dense_pages * cfg.n_layers
         stats.kv_bytes_dense += dense_bytes * cfg.n_layers
         stats.pages_read += dense_pages * n_dense
         stats.kv_bytes_read += dense_bytes * n_dense
         if n_sparse:
             budget = self.sparsity.page_budget
-            stats.pages_read += int(metrics.pages_read(lens, page_size, budget).sum()) * Hkv * n_sparse
-            stats.kv_bytes_read += int(metrics.sparse_bytes(lens, D, page_size, budget, elem).sum()) * Hkv * n_sparse
+            stats.pages_read += sum(metrics.pages_read(n, page_size, budget) for n in lens) * Hkv * n_sparse
+            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem)
+                                       for n in lens) * Hkv * n_sparse
         stats.decode_steps += 1
 
     # -------------------------------------------------------------- generation

@@ -11,6 +11,7 @@ is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -19,21 +20,7 @@ from .spans import span
 from . import library as L
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
-
-BACKENDS = ("torch", "triton")
-
-
-def resolve_backend(backend, device: torch.device) -> str:
-    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
-    if backend is None:
-        return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
-                         f"imported, got tensors on {device}")
-    return backend
-
+from .plan import BACKENDS, PagedAttentionPlan, resolve_backend  # noqa: F401 (re-exported)
 
 def _kernels():
     from .. import kernels       # imported lazily: a CPU-only user never needs triton
@@ -96,6 +83,23 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
     return (out, lse) if return_lse else out
 
 
+_plans = threading.local()
+
+
+def _planned(backend: str, shapes, block_table, seq_lens, scale: float, *, page_budget=None, num_sink_pages=0,
+             num_recent_pages=1) -> PagedAttentionPlan:
+    """The calling thread's plan for ``backend`` (its workspaces are reused from call to call), planned for
+    this call's already validated tables."""
+    plan = getattr(_plans, backend, None)
+    if plan is None:
+        plan = PagedAttentionPlan(backend=backend)
+        setattr(_plans, backend, plan)
+    return plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
+                     head_dim=shapes.head_dim, page_size=shapes.page_size,
+                     num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
+                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, scale=scale, trusted=True)
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
     """Dense paged attention over every valid page of each row: the baseline of the sparse op.
 
@@ -130,6 +134,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
+    if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
+        return _planned(backend, shapes, block_table, seq_lens, scale).run(q, k_cache, v_cache,
+                                                                           return_lse=return_lse)
     page_indices = None                          # the Triton kernel walks every valid page itself
     if backend == "torch" or q.dtype == torch.float64:
         page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq,
@@ -251,6 +258,14 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         V.check_kernel_page_size(shapes.page_size)
     selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                          num_sink_pages, num_recent_pages)
+    if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
+        if page_indices is None:
+            return _planned(backend, shapes, block_table, seq_lens, scale, **selection).run(
+                q, k_cache, v_cache, k_min=k_min, k_max=k_max, return_lse=return_lse)
+        page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
+        return _planned(backend, shapes, block_table, seq_lens, scale, num_sink_pages=selection["num_sink_pages"],
+                        num_recent_pages=selection["num_recent_pages"]).run(
+            q, k_cache, v_cache, page_indices=page_indices, return_lse=return_lse)
     if page_indices is None:
         if _nothing_to_attend(q4, k_cache, block_table, None):
             return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)

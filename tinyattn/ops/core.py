@@ -90,7 +90,10 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     rows = (phys[..., None] * S + torch.arange(S, device=device)) * Hkv + heads         # [B, Hkv, K, S]
     first = ((table[:, :1].clamp(min=0) * S) * Hkv if table.numel() else torch.zeros(B, 1, dtype=torch.int64,
                                                                                           device=device))
-    filler = torch.where(lens[:, None] > 0, first, 0)[:, :, None, None] + heads         # [B, Hkv, 1, 1]
+    # an empty row borrows the first key of the first non-empty row: a valid key is finite, an unused slot
+    # may hold NaN (and a hidden key's weight 0 times NaN is still NaN)
+    donor = first[(lens > 0).to(torch.int8).argmax()] if B else first[:0]
+    filler = torch.where(lens[:, None] > 0, first, donor)[:, :, None, None] + heads    # [B, Hkv, 1, 1]
     rows = torch.where(key_ok, rows, filler)
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
     visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]
@@ -121,7 +124,11 @@ def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: 
     table = block_table[:, :P].to(torch.int64) * (S * Hkv)                              # [B, P]
     key_ok = pos[None] < lens[:, None, None]                                            # [B, P, S]
     rows = table[:, None, :, None] + slot_head[None, :, :, :]                           # [B, Hkv, P, S]
-    filler = torch.where(lens > 0, table[:, 0], 0)[:, None, None, None] + heads if P else heads
+    if P:
+        donor = table[(lens > 0).to(torch.int8).argmax(), 0] if B else 0    # see page_rows: never an unused slot
+        filler = torch.where(lens > 0, table[:, 0], donor)[:, None, None, None] + heads
+    else:
+        filler = heads
     rows = torch.where(key_ok[:, None], rows, filler)
     if Tq == 1:                             # the query is the last token: it sees every valid key
         visible = key_ok[:, None, None].expand(B, Hkv, 1, P, S)

@@ -43,7 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import core
+from . import core, tables
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
 from .spans import span
@@ -56,6 +56,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 _SINK_KEY = _FLT_MAX             # forced keys: recent pages (+inf) > sink pages (FLT_MAX) > every score
 _SCORE_CAP = 3.0e38              # real +inf bounds are capped below the sink key
 _WORKSPACE_MAX_BYTES = 512 * 2**20       # gathers above this size are not kept between calls
+_WORKSPACE_MIN_BYTES = 256 * 2**10       # ... nor those below (no page faults to save)
 _EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
 
 
@@ -157,10 +158,15 @@ class PagedAttentionPlan:
         self.page_budget, self.num_sink_pages, self.num_recent_pages = page_budget, num_sink_pages, num_recent_pages
         self.block_table, self.seq_lens = block_table, seq_lens
         self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
+        # the torch backend builds its index tables on the host (one device -> host copy off the CPU)
+        self._host = (tables.host_copy(block_table), tables.host_copy(seq_lens)) if self.backend == "torch" else None
+        if self._host is not None and self._lens is None:
+            self._lens = self._host[1].tolist()
         if not trusted:
             self._check_values(num_pages)
         self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
-        self._nothing = self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
+        self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
+                         or (self._lens is not None and not any(self._lens)))        # no key anywhere
         self._selects = self.selects
         self._fast_ok = not self._nothing and _sdpa_zeroes_empty_rows()
         if self.backend == "triton":
@@ -254,12 +260,17 @@ class PagedAttentionPlan:
         if k_cache.shape[0] == 0:
             return torch.zeros_like(q)
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
-        q4 = q.unsqueeze(1) if q.dim() == 3 else q
-        qg = core.group_queries(q4, Hkv, None if q.dtype in _EXACT else torch.float32)  # [B, Hkv, M, D]
+        decode = q.dim() == 3 and q.dtype in _EXACT
+        if decode:                                                     # [B, Hq, D] -> [B, Hkv, G, D], a view
+            qg = q.reshape(B, Hkv, -1, D)
+        else:
+            qg = core.group_queries(q.unsqueeze(1) if q.dim() == 3 else q, Hkv,
+                                    None if q.dtype in _EXACT else torch.float32)   # [B, Hkv, M, D]
         if k_min is not None and self._selects:
             t = self._sparse or self._sparse_tables()
-            rows = t["rows"].gather(2, self._select_torch(qg, k_min, k_max, t)[..., None].expand(t["shape"]))
-            rows, bias, n_keys = rows.view(-1), t["sel_bias"], t["K"] * self.page_size
+            self._last_selection = sel = self._top_pages(self._scores_torch(qg, k_min, k_max, t), t)
+            rows = t["rows"].gather(2, sel[..., None].expand(t["shape"])).view(-1)
+            bias, n_keys = t["sel_bias"], t["K"] * self.page_size
         else:
             t = self._dense or self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
@@ -268,7 +279,9 @@ class PagedAttentionPlan:
         if k.dtype != qg.dtype:
             k, v = k.to(qg.dtype), v.to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
-        o = core.ungroup(o, q4.shape[1]).to(q.dtype)
+        if decode:
+            return o.view(q.shape)
+        o = core.ungroup(o, 1 if q.dim() == 3 else q.shape[1]).to(q.dtype)
         return o.view(q.shape)
 
     @staticmethod
@@ -304,7 +317,7 @@ class PagedAttentionPlan:
     @staticmethod
     def _top_pages(scores, t) -> torch.Tensor:
         """Forced pages first (recent, then sinks), then the highest bounds; NaN counts as ``-inf``."""
-        key = torch.where(t["forced_or_invalid"], t["forced_key"],
+        key = torch.where(t["forced"], t["forced_key"],
                           scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP))
         # stable: equal keys keep page order, so ties go to the lower page index (and valid pages come
         # before the invalid ones), which also makes the position of every forced page fixed by the plan
@@ -318,56 +331,29 @@ class PagedAttentionPlan:
         """
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
         Pv = t["Pv"]
-        qf = qg.reshape(B * Hkv, -1, D)                                                  # [B*Hkv, M, D]
+        qt = qg.reshape(B * Hkv, -1, D).transpose(1, 2)                                  # [B*Hkv, D, M]
         hi = self._gather_rows("hi", k_max, t["box_rows"]).view(B * Hkv, Pv, D)
         lo = self._gather_rows("lo", k_min, t["box_rows"]).view(B * Hkv, Pv, D)
-        if hi.dtype != qf.dtype:
-            hi, lo = hi.to(qf.dtype), lo.to(qf.dtype)
-        ub = torch.baddbmm(torch.bmm(lo, qf.clamp(max=0).transpose(1, 2)), hi, qf.clamp(min=0).transpose(1, 2))
+        if hi.dtype != qt.dtype:
+            hi, lo = hi.to(qt.dtype), lo.to(qt.dtype)
+        ub = torch.baddbmm(torch.bmm(lo, qt.clamp(max=0)), hi, qt.clamp(min=0))        # [B*Hkv, Pv, M]
         return ub.amax(-1).view(B, Hkv, Pv).float()                                      # [B, Hkv, Pv]
 
     def _sparse_tables(self) -> dict:
-        """Torch-backend tables of a selecting step (built once per plan): pool rows of every slot of the
-        first ``Pv`` pages, their mask, the rows of the page boxes and the forced-page keys."""
-        if self._sparse is not None:
-            return self._sparse
-        B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
-        Pv = self._max_valid_pages()
-        K = min(self.page_budget, Pv)
-        rows, _, visible = core.token_rows(self.block_table, self.seq_lens, page_size=S, num_kv_heads=Hkv,
-                                           num_query_tokens=Tq, max_pages=Pv)          # [B, Hkv, Pv, S]
-        lens = self.seq_lens.to(torch.int64)
-        n = (lens + (S - 1)) // S                                                        # [B] valid pages
-        j = core._slot_head(S, Hkv, Pv, self.device)[1][:, 0] // S                      # arange(Pv), cached
-        recent = (n - (lens - Tq).clamp(min=0) // S).clamp(min=max(self.num_recent_pages, 1))
-        forced_key = torch.where(j >= (n - recent)[:, None], math.inf,                   # recent pages
-                                 _SINK_KEY if self.num_sink_pages else -math.inf)
-        if self.num_sink_pages:
-            forced_key = torch.where(j < self.num_sink_pages, forced_key, torch.where(
-                forced_key == math.inf, math.inf, -math.inf))
-        valid = j < n[:, None]                                                           # [B, Pv]
-        forced_key = torch.where(valid, forced_key, -math.inf)
-        t = dict(Pv=Pv, K=K, rows=rows, shape=(B, Hkv, K, S),
-                 box_rows=(torch.where(valid, self.block_table[:, :Pv].to(torch.int64), 0)[:, None, :] * Hkv
-                           + torch.arange(Hkv, device=self.device)[None, :, None]).reshape(-1),  # head-major
-                 forced_or_invalid=((forced_key != -math.inf) | ~valid)[:, None, :],     # [B, 1, Pv]
-                 forced_key=forced_key[:, None, :].float())
-        # Where each selected page lands is fixed by the plan except for the scored ones (see _top_pages):
-        # recent pages first, then sinks, then scored pages (full pages before every query: all visible),
-        # then invalid pages. So the mask of a selection is the mask of a template selection that scores
-        # every page 0, computed once here instead of gathered per layer.
-        template = self._top_pages(torch.zeros(B, 1, Pv, device=self.device), t)             # [B, 1, K]
-        idx = template[:, :, None, :, None].expand(B, 1, visible.shape[2], K, S)
-        bias = torch.where(visible[:, :1].gather(3, idx), 0.0, -math.inf).reshape(B, 1, -1, K * S)
-        if Tq > 1:
-            G = self.num_q_heads // Hkv
-            bias = bias[:, :, :, None].expand(B, 1, Tq, G, K * S).reshape(B, 1, Tq * G, K * S)
-            t["bias"] = torch.where(visible, 0.0, -math.inf)                             # [B, Hkv, Tq, Pv, S]
-        else:
-            t["bias"] = torch.where(visible, 0.0, -math.inf)
-        t["sel_bias"] = bias
-        self._sparse = t
-        return t
+        """Torch-backend tables of a selecting step (:func:`tinyattn.ops.tables.sparse_tables`), once per plan."""
+        if self._sparse is None:
+            table, lens = self._host_tables()
+            self._sparse = tables.sparse_tables(
+                table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
+                group=self.num_q_heads // self.num_kv_heads, num_query_tokens=self.num_query_tokens,
+                page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
+                num_recent_pages=self.num_recent_pages, device=self.device)
+        return self._sparse
+
+    def _host_tables(self):
+        if self._host is None:
+            self._host = (tables.host_copy(self.block_table), tables.host_copy(self.seq_lens))
+        return self._host
 
     def _max_valid_pages(self) -> int:
         if self._lens is None:
@@ -376,26 +362,12 @@ class PagedAttentionPlan:
 
     # ------------------------------------------------------------------------------- torch attention
     def _dense_tables(self) -> dict:
-        """Pool rows of every valid key of each row (``[B, Hkv, Lmax]``) and the additive mask, or no mask
-        when every query sees every key of the step (equal lengths, decode)."""
-        if self._dense is not None:
-            return self._dense
-        B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
-        lmax = self.max_pages * S if self._lens is None else min(max(self._lens, default=0), self.max_pages * S)
-        P = -(-lmax // S)
-        rows, _, visible = core.token_rows(self.block_table, self.seq_lens, page_size=S, num_kv_heads=Hkv,
-                                           num_query_tokens=Tq, max_pages=P)
-        rows = rows.reshape(B, Hkv, P * S)[..., :lmax]
-        vis = visible[:, :1].reshape(B, 1, Tq, P * S)[..., :lmax]                        # same for every head
-        # from the host copy of seq_lens: no device read here (run must not sync)
-        need_mask = self._lens is None or Tq > 1 or any(n != lmax for n in self._lens)
-        bias = None
-        if need_mask:
-            G = self.num_q_heads // Hkv
-            bias = torch.where(vis, 0.0, -math.inf)
-            if Tq > 1:                                                                    # query rows (t, g)
-                bias = bias[:, :, :, None].expand(B, 1, Tq, G, lmax).reshape(B, 1, Tq * G, lmax)
-        self._dense = dict(rows=rows.reshape(-1), L=lmax, bias=bias)
+        """Pool rows of every valid key of each row and the additive mask (:func:`tinyattn.ops.tables.dense_tables`)."""
+        if self._dense is None:
+            table, lens = self._host_tables()
+            self._dense = tables.dense_tables(table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
+                                              group=self.num_q_heads // self.num_kv_heads,
+                                              num_query_tokens=self.num_query_tokens, device=self.device)
         return self._dense
 
     def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse):
@@ -425,16 +397,13 @@ class PagedAttentionPlan:
         """Pool rows ``[B*Hkv*K*S]`` and additive mask ``[B, Hkv, M or 1, K*S]`` of the listed pages."""
         B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
         K = page_indices.shape[-1]
-        if page_indices is self._last_selection:
+        if page_indices is self._last_selection:          # the plan's own: mask fixed by the plan
             t = self._sparse
-            idx = page_indices[..., None].expand(B, Hkv, K, S)
-            rows = t["rows"].gather(2, idx)                                              # [B, Hkv, K, S]
-            bias = t["bias"].gather(3, idx[:, :, None].expand(B, Hkv, Tq, K, S))         # [B, Hkv, Tq, K, S]
-        else:
-            rows, _, visible = core.page_rows(self.block_table, self.seq_lens, page_indices, page_size=S,
-                                              num_kv_heads=Hkv, num_query_tokens=Tq)
-            bias = torch.where(visible, 0.0, -math.inf)
-        bias = bias.reshape(B, Hkv, Tq, K * S)
+            rows = t["rows"].gather(2, page_indices[..., None].expand(B, Hkv, K, S))     # [B, Hkv, K, S]
+            return rows.reshape(-1), t["sel_bias"], K * S
+        rows, _, visible = core.page_rows(self.block_table, self.seq_lens, page_indices, page_size=S,
+                                          num_kv_heads=Hkv, num_query_tokens=Tq)
+        bias = torch.where(visible, 0.0, -math.inf).reshape(B, Hkv, Tq, K * S)
         if Tq > 1:
             G = self.num_q_heads // Hkv
             bias = bias[:, :, :, None].expand(B, Hkv, Tq, G, K * S).reshape(B, Hkv, Tq * G, K * S)
@@ -472,9 +441,9 @@ class PagedAttentionPlan:
         gathered K/V only live until the attention of the same call returns.
         """
         flat = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0] * flat.shape[1]
-        if n * flat.element_size() > _WORKSPACE_MAX_BYTES:
-            return flat.index_select(0, rows)
+        nbytes = rows.shape[0] * flat.shape[1] * flat.element_size()
+        if nbytes < _WORKSPACE_MIN_BYTES or nbytes > _WORKSPACE_MAX_BYTES:
+            return flat.index_select(0, rows)    # small: the workspace lookup costs more than it saves
         return torch.index_select(flat, 0, rows, out=self._buffer(name, (rows.shape[0], flat.shape[1]), flat.dtype))
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

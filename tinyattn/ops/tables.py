@@ -1,0 +1,127 @@
+"""Per-step index tables of the torch backend's plan, built on the host with NumPy.
+
+A decode step's tables are small (``B x Hkv x pages x page_size`` integers) and are rebuilt every step, so
+their cost is per-call overhead, not bandwidth: a few dozen PyTorch calls on tiny tensors cost ~3 µs each,
+the same NumPy calls well under 1 µs. They are built here from the host copies of ``block_table`` and
+``seq_lens`` and handed to the device once (``torch.from_numpy`` shares the memory on the CPU).
+
+Layout (docs/layout.md): the pool ``[num_pages, page_size, Hkv, D]`` is read as flat rows
+``(page * page_size + slot) * Hkv + head``. A slot that must not count (past ``seq_lens``, an invalid page)
+points at the first key of its own (row, head) — a valid key, so NaN or garbage in unused slots is never
+read — and is hidden by the additive mask (``0`` visible, ``-inf`` hidden).
+
+Selection keys (see :func:`sparse_tables`): recent pages ``+inf``, sink pages ``FLT_MAX``, invalid pages
+``-inf`` (forced); every other page is keyed by its Quest bound, capped below ``FLT_MAX``. A stable descending
+sort then lists recent pages, sinks, scored pages, invalid pages, in that order, ties to the lower page: so
+where every forced page lands in a selection is known when planning, and the mask of any selection is the
+mask of a template selection computed here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+__all__ = ["dense_tables", "sparse_tables", "FLT_MAX"]
+
+
+def _rows(table: np.ndarray, lens: np.ndarray, P: int, S: int, Hkv: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat pool rows ``[B, Hkv, P, S]`` of the first ``P`` logical pages (fillers where past the row's end),
+    and ``key_ok`` ``[B, P * S]``."""
+    B = table.shape[0]
+    pos = np.arange(P * S)
+    key_ok = pos[None, :] < lens[:, None]                                              # [B, P*S]
+    heads = np.arange(Hkv)
+    base = table[:, :P].astype(np.int64) * (S * Hkv)                                   # [B, P]
+    rows = base[:, None, :, None] + (np.arange(S) * Hkv)[None, None, None, :] + heads[None, :, None, None]
+    # the filler of a row is its own first key; an empty row borrows another row's (a valid key is finite,
+    # an unused slot may hold NaN, and a hidden key's 0 weight times NaN would still be NaN)
+    first = table[:, 0].astype(np.int64) * (S * Hkv) if P else np.zeros(B, np.int64)
+    donor = np.flatnonzero(lens > 0)
+    first = np.where(lens > 0, first, first[donor[0]] if donor.size else 0)
+    filler = first[:, None, None, None] + heads[None, :, None, None]                   # [B, Hkv, 1, 1]
+    rows = np.where(key_ok.reshape(B, 1, P, S), rows, filler)
+    return rows, key_ok
+
+
+def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int) -> np.ndarray:
+    """``[B, Tq, N]``: query ``t`` (at ``len - Tq + t``) sees key ``i`` (bottom-right causal)."""
+    if Tq == 1:                     # the query is the last token: it sees every valid key
+        return key_ok[:, None, :]
+    q_pos = lens[:, None] - Tq + np.arange(Tq)                                         # [B, Tq]
+    return key_ok[:, None, :] & (np.arange(key_ok.shape[1])[None, None, :] <= q_pos[:, :, None])
+
+
+def _bias(visible: np.ndarray, group: int) -> np.ndarray:
+    """``[B, Tq, N]`` bool -> additive fp32 mask ``[B, 1, Tq * G, N]`` (query rows ordered ``(t, g)``)."""
+    B, Tq, N = visible.shape
+    bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    if Tq > 1:
+        bias = np.repeat(bias, group, axis=1)
+    return bias.reshape(B, 1, -1, N)
+
+
+def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
+                 num_query_tokens: int, device: torch.device) -> dict:
+    """Every valid key of each row: ``rows`` ``[B * Hkv * L]`` int64, ``L`` = longest row, and the additive
+    ``bias`` ``[B, 1, Tq * G, L]`` or ``None`` when every query sees every key (equal lengths, decode)."""
+    S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
+    B = table.shape[0]
+    L = int(min(lens.max(initial=0), table.shape[1] * S))
+    P = -(-L // S)
+    rows, key_ok = _rows(table, lens, P, S, Hkv)
+    rows = rows.reshape(B, Hkv, P * S)[:, :, :L]
+    bias = None
+    if Tq > 1 or bool((lens != L).any()):
+        bias = torch.from_numpy(_bias(_visible(key_ok[:, :L], lens, Tq), group)).to(device)
+    return dict(rows=torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(device), L=L, bias=bias)
+
+
+def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
+                  num_query_tokens: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
+                  device: torch.device) -> dict:
+    """What a selecting step reads, for the first ``Pv`` pages (the longest row's):
+
+    - ``rows`` ``[B, Hkv, Pv, S]`` pool rows of every slot; ``box_rows`` ``[B * Hkv * Pv]`` head-major rows of
+      the page boxes ``[num_pages * Hkv, D]``;
+    - ``forced`` ``[B, 1, Pv]`` bool and ``forced_key`` ``[B, 1, Pv]`` fp32 (recent ``+inf``, sink ``FLT_MAX``,
+      invalid ``-inf``): the keys that replace the Quest bound where ``forced``;
+    - ``sel_bias`` ``[B, 1, Tq * G, K * S]``: the mask of any selection made with these keys (module docstring);
+    - ``K = min(page_budget, Pv)`` pages selected, ``Pv``.
+    """
+    S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
+    B = table.shape[0]
+    n = (lens + S - 1) // S                                                            # [B] valid pages
+    Pv = int(min(table.shape[1], n.max(initial=0)))
+    K = min(page_budget, Pv)
+    rows, key_ok = _rows(table, lens, Pv, S, Hkv)
+    j = np.arange(Pv)
+    valid = j[None, :] < n[:, None]                                                    # [B, Pv]
+    recent = np.maximum(n - np.maximum(lens - Tq, 0) // S, max(num_recent_pages, 1))  # query pages, >= 1
+    is_recent = valid & (j[None, :] >= (n - recent)[:, None])
+    is_sink = valid & ~is_recent & (j[None, :] < num_sink_pages)
+    forced_key = np.where(is_recent, np.float32(np.inf),
+                          np.where(is_sink, np.float32(FLT_MAX), np.float32(-np.inf))).astype(np.float32)
+    forced = is_recent | is_sink | ~valid
+    phys = np.where(valid, table[:, :Pv], 0).astype(np.int64)
+    box_rows = (phys[:, None, :] * Hkv + np.arange(Hkv)[None, :, None]).reshape(-1)
+    # template selection: every scored page keyed 0 -> where each forced page lands (stable, descending)
+    template = np.argsort(-np.where(forced, forced_key, np.float32(0.0)), axis=1, kind="stable")[:, :K]
+    visible = _visible(key_ok, lens, Tq).reshape(B, Tq, Pv, S)                        # [B, Tq, Pv, S]
+    sel_visible = np.take_along_axis(visible, template[:, None, :, None], axis=2).reshape(B, Tq, K * S)
+    return dict(
+        Pv=Pv, K=K, shape=(B, Hkv, K, S),
+        rows=torch.from_numpy(rows).to(device),
+        box_rows=torch.from_numpy(box_rows).to(device),
+        forced=torch.from_numpy(forced[:, None, :]).to(device),
+        forced_key=torch.from_numpy(forced_key[:, None, :]).to(device),
+        sel_bias=torch.from_numpy(_bias(sel_visible, group)).to(device),
+    )
+
+
+def host_copy(x: torch.Tensor) -> np.ndarray:
+    """The tensor's values as an int64 NumPy array (a device -> host copy for tensors off the CPU)."""
+    return x.detach().to("cpu", torch.int64).numpy()
+
