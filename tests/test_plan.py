@@ -194,3 +194,26 @@ def test_plan_rejects_bad_tables():
                   page_size=8)
     with pytest.raises(TypeError, match="block_table"):
         plan.plan(table.float(), torch.tensor([1, 2]), num_q_heads=2, num_kv_heads=1, head_dim=4, page_size=8)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_repeated_calls_skip_checks_only_for_unchanged_tables(sparse):
+    """The public ops validate a (block_table, seq_lens) pair once per thread; an in-place change or a new
+    tensor is validated again, and a reused plan never serves stale tables."""
+    q, k, v, table, sl, k_min, k_max = _problem(5, 2, 4, 2, 8, 8, [40, 17])
+    kw = dict(k_min=k_min, k_max=k_max, page_budget=2) if sparse else {}
+    op = tinyattn.sparse_paged_attention if sparse else tinyattn.paged_attention
+    ref_op = R.sparse_paged_attention if sparse else R.paged_attention
+    for _ in range(2):
+        torch.testing.assert_close(op(q[:, 0], k, v, table, sl, **kw), ref_op(q[:, 0], k, v, table, sl, **kw),
+                                   atol=2e-5, rtol=1e-4)
+    sl[1] = 10_000                                          # in place: the version counter moves
+    with pytest.raises(ValueError, match="seq_lens"):
+        op(q[:, 0], k, v, table, sl, **kw)
+    sl[1] = 9                                               # a valid change: a new answer, not the cached one
+    torch.testing.assert_close(op(q[:, 0], k, v, table, sl, **kw), ref_op(q[:, 0], k, v, table, sl, **kw),
+                               atol=2e-5, rtol=1e-4)
+    bad = table.clone()
+    bad[0, 0] = 10_000                                      # a new tensor with a bad page id
+    with pytest.raises(ValueError, match="block_table"):
+        op(q[:, 0], k, v, bad, sl, **kw)

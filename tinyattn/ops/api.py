@@ -86,6 +86,12 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
 _plans = threading.local()
 
 
+def _geometry(q, k_cache) -> tuple:
+    """What the value checks depend on besides the tables: query tokens, pool pages, page size."""
+    return (q.shape[1] if q.dim() == 4 else 1, k_cache.shape[0] if k_cache.dim() == 4 else None,
+            k_cache.shape[1] if k_cache.dim() == 4 else None)
+
+
 def _planned(backend: str, shapes, block_table, seq_lens, scale: float, *, page_budget=None, num_sink_pages=0,
              num_recent_pages=1) -> PagedAttentionPlan:
     """The calling thread's plan for ``backend`` (its workspaces are reused from call to call), planned for
@@ -94,6 +100,10 @@ def _planned(backend: str, shapes, block_table, seq_lens, scale: float, *, page_
     if plan is None:
         plan = PagedAttentionPlan(backend=backend)
         setattr(_plans, backend, plan)
+    key = (shapes, scale, page_budget, num_sink_pages, num_recent_pages, block_table._version, seq_lens._version)
+    if getattr(plan, "_api_key", None) == key and plan.block_table is block_table and plan.seq_lens is seq_lens:
+        return plan               # the same step as the last call (same, unmodified tables): its tables stand
+    plan._api_key = key
     return plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
                      head_dim=shapes.head_dim, page_size=shapes.page_size,
                      num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
@@ -129,7 +139,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
         outside ``[0, num_pages)`` for valid pages.
     """
-    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    with V.already_checked(("dense", _geometry(q, k_cache)), block_table, seq_lens):
+        q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
@@ -251,13 +262,15 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
-    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
+    with V.already_checked(("sparse", _geometry(q, k_cache), page_budget, num_sink_pages, num_recent_pages), *tables):
+        q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+        selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                             num_sink_pages, num_recent_pages)
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
-    selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                                         num_sink_pages, num_recent_pages)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
         if page_indices is None:
             return _planned(backend, shapes, block_table, seq_lens, scale, **selection).run(

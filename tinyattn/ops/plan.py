@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +61,27 @@ _WORKSPACE_MIN_BYTES = 256 * 2**10       # ... nor those below (no page faults t
 _EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
 
 
+_INTERPRET: bool | None = None
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1? Read once triton is imported (the variable only counts before that import)."""
+    global _INTERPRET
+    if _INTERPRET is not None:
+        return _INTERPRET
+    value = os.environ.get("TRITON_INTERPRET") == "1"
+    if "triton" in sys.modules:
+        _INTERPRET = value
+    return value
+
+
 def resolve_backend(backend, device: torch.device) -> str:
     """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
     if backend is None:
-        return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+        return "triton" if device.type == "cuda" or _interpreting() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
         raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
                          f"imported, got tensors on {device}")
     return backend
@@ -274,8 +289,12 @@ class PagedAttentionPlan:
         else:
             t = self._dense or self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
-        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
-        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
+        if rows.shape[0] * D * k_cache.element_size() < _WORKSPACE_MIN_BYTES:       # small: no workspace
+            k = k_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
+            v = v_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
+        else:
+            k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
+            v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
         if k.dtype != qg.dtype:
             k, v = k.to(qg.dtype), v.to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]

@@ -9,6 +9,7 @@ cost one host sync; :func:`value_checks` turns them off for hot loops whose inpu
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,41 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = previous
 
 
+_checked = threading.local()   # per thread: the tables the last call validated (see already_checked)
+
+
 def value_checks_active() -> bool:
-    """Whether the data-dependent checks run now: on (see :func:`value_checks`) and not while ``torch.compile``
-    traces. They read tensor values on the host (``int(...)``, ``.tolist()``), which would break a
-    ``fullgraph=True`` trace; a compiled caller checks its inputs by running the op once eagerly."""
-    return _VALUE_CHECKS and not torch.compiler.is_compiling()
+    """Whether the data-dependent checks run now: on (see :func:`value_checks`), not while ``torch.compile``
+    traces, and not for tables this thread has just validated (:func:`already_checked`). They read tensor
+    values on the host (``int(...)``, ``.tolist()``), which would break a ``fullgraph=True`` trace; a
+    compiled caller checks its inputs by running the op once eagerly."""
+    if torch.compiler.is_compiling():
+        return False
+    return _VALUE_CHECKS and not getattr(_checked, "skip", False)
+
+
+@contextlib.contextmanager
+def already_checked(key: tuple, *tensors: torch.Tensor):
+    """Skip the value checks inside the block when ``tensors`` are the very objects this thread validated
+    last under the same ``key``, unmodified since (same version counters).
+
+    An op called again and again on the same tables (a microbenchmark, one layer after another with the same
+    ``block_table``) then pays the host sync of the checks once. In-place changes bump a tensor's version
+    counter and are seen; writes that bypass autograd's counter (through ``.numpy()`` or ``.data``) are not.
+    The tensors are held by reference, so their memory cannot be reused by a different tensor meanwhile.
+    """
+    if torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) for t in tensors):
+        yield                                  # tracing: no value checks anyway; not tensors: the checks raise
+        return
+    stamp = (key, tuple(id(t) for t in tensors), tuple(t._version for t in tensors))
+    same = getattr(_checked, "stamp", None) == stamp
+    _checked.skip = same
+    try:
+        yield
+    finally:
+        _checked.skip = False
+    if not same:                              # the block validated these tables (it raised otherwise)
+        _checked.stamp, _checked.refs = stamp, tensors
 
 
 def _dtype_name(dtype) -> str:
