@@ -42,6 +42,7 @@ import torch
 from . import metrics as _metrics
 from .metrics import selection_overlap
 from .ops import api as _api
+from .ops import core
 from .ops.torch_backend import num_valid_pages
 
 __all__ = [
@@ -101,31 +102,22 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     dt = _math_dtype(q4)
     device = q4.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
-    n = num_valid_pages(lens, page_size)
     if page_indices is None:
         max_pages = block_table.shape[1]
         sel = torch.arange(max_pages, device=device).expand(B, Hkv, max_pages)
     else:
         sel = page_indices.to(device=device, dtype=torch.int64)
     K = sel.shape[2]
-    ok = (sel >= 0) & (sel < n[:, None, None])                                        # [B, Hkv, K]
-    bt = block_table.to(device=device, dtype=torch.int64)
-    phys = torch.gather(bt, 1, sel.clamp(min=0, max=bt.shape[1] - 1).reshape(B, -1)).reshape(B, Hkv, K)
-    phys = torch.where(ok, phys, 0).clamp(min=0)
-    heads = torch.arange(Hkv, device=device)[None, :, None]
-    keys = k_cache.permute(0, 2, 1, 3)[phys, heads].to(dt)                            # [B, Hkv, K, page_size, D]
-    pos = sel[..., None] * page_size + torch.arange(page_size, device=device)        # [B, Hkv, K, page_size]
-    key_ok = ok[..., None] & (pos < lens[:, None, None, None])
-    q_pos = lens[:, None] - Tq + torch.arange(Tq, device=device)                      # [B, Tq]
-    # [B, Hkv, Tq, K, page_size]
-    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])
+    # the one torch core: pool rows (hidden slots hold a valid key of the row) and the causal mask
+    rows, _, visible = core.page_rows(block_table.to(device), lens, sel, page_size=page_size, num_kv_heads=Hkv,
+                                      num_query_tokens=Tq)                        # [B, Hkv, K, S], [.., Tq, K, S]
+    keys = k_cache.reshape(-1, D)[rows].to(dt)                                       # [B, Hkv, K, S, D]
     qg = q4.to(dt).view(B, Tq, Hkv, G, D).permute(0, 2, 1, 3, 4)                      # [B, Hkv, Tq, G, D]
     logits = torch.einsum("bhtgd,bhksd->bhtgks", qg, keys) * scale
     # [B, Hkv, Tq, G, K * page_size]
     logits = logits.masked_fill(~visible[:, :, :, None], NEG_INF).flatten(-2)
-    m = logits.amax(-1, keepdim=True)
-    p = torch.exp(logits - torch.where(torch.isfinite(m), m, 0.0))
-    p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(dt).tiny)
+    p, _, denom = core.softmax_parts(logits)
+    p = p / denom.clamp(min=torch.finfo(dt).tiny)
     return p.view(B, Hkv, Tq, G, K, page_size).sum((-1, 2, 3))                       # [B, Hkv, K]
 
 

@@ -10,7 +10,6 @@ is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -19,7 +18,7 @@ from . import torch_backend as T
 from .spans import span
 from . import library as L
 from . import validation as V
-from .autograd import attention as differentiable_attention, needs_grad
+from .autograd import attention as differentiable_attention
 from .plan import BACKENDS, PagedAttentionPlan, resolve_backend  # noqa: F401 (re-exported)
 
 def _kernels():
@@ -57,7 +56,8 @@ def _empty_attention(q4, k_cache, v_cache):
 
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
                selection=None):
-    """Shared tail of both attention ops: canonical inputs -> out (+ lse).
+    """The ops under ``torch.compile``: canonical inputs -> out (+ lse) through the custom op, which is opaque to
+    the compiler (eager calls go through :class:`PagedAttentionPlan` instead).
 
     ``selection``: the budget and forced-page rules the sparse ``page_indices`` were chosen under, for the
     profiler's oracle comparison (None for dense).
@@ -67,18 +67,7 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
               page_indices=page_indices, scale=scale, selection=selection):
-        if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
-            # training: the custom op with a backward (Triton kernels or the torch formula); selection is done.
-            # Under torch.compile always the custom op: opaque to the compiler, with or without grad
-            out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices,
-                                                scale, backend)
-        elif backend == "torch" or q.dtype == torch.float64:
-            out, lse = T.attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale=scale)
-        else:
-            out = torch.empty_like(q4)
-            lse = torch.empty(q4.shape[:3], dtype=torch.float32, device=q.device)
-            _kernels().paged_attention(q4, k_cache, v_cache, _int32(block_table), _int32(seq_lens),
-                                       page_indices=page_indices, scale=scale, out=out, lse=lse)
+        out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend)
     out, lse = _restore_q_shape(q, out, lse)
     return (out, lse) if return_lse else out
 

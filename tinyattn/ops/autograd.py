@@ -35,6 +35,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from . import core
 from . import torch_backend as T
 
 __all__ = ["attention", "paged_attention_fwd", "paged_attention_bwd", "needs_grad"]
@@ -47,43 +48,30 @@ def needs_grad(*tensors: Tensor) -> bool:
 
 # ---------------------------------------------------------------------------- torch backend
 def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
-    """Listed keys/values of each (row, KV head) with their masks, NaN-safe.
+    """Listed keys/values of each (row, KV head) and their mask, from the one torch core (:mod:`.core`).
 
-    Returns ``qg [B, Hkv, Tq, G, D]``, ``k, v [B, Hkv, N, D]`` (N = K * page_size, zero where no key),
-    ``visible [B, Hkv, Tq, 1, N]`` and ``key_ok [B, Hkv, N]`` masks, and ``slot [B, Hkv, N]``, the flat
-    index ``(page * page_size + slot) * Hkv + head`` of each key in the pool (0 where no key).
+    Returns ``qg [B, Hkv, Tq, G, D]``, ``k, v [B, Hkv, N, D]`` (N = K * page_size; a hidden slot holds a
+    valid key of its row, never an unused slot, so no NaN can enter), ``visible [B, Hkv, Tq, 1, N]``,
+    ``key_ok [B, Hkv, N]`` (some query sees the key) and ``slot [B, Hkv, N]``, the flat pool row
+    ``(page * page_size + slot) * Hkv + head`` of each key.
     """
     B, Tq, Hq, D = q4.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     dt = T._math_dtype(q4)
-    sel = page_indices.to(torch.int64)  # [B, Hkv, K]
-    phys = T._physical_pages(block_table, sel, sel >= 0)  # [B, Hkv, K]
-    heads = torch.arange(Hkv, device=q4.device)[None, :, None]
-    pos = rearrange(sel[..., None] * page_size + torch.arange(page_size, device=q4.device), "b h k s -> b h (k s)")
-    lens = seq_lens.to(torch.int64)[:, None, None]
-    key_ok = (sel[..., None] >= 0).expand(-1, -1, -1, page_size).reshape(pos.shape) & (pos < lens)  # [B, Hkv, N]
-    # zero the keys and values that do not exist: padding slots may hold NaN, and 0 * NaN is NaN
-    k = rearrange(k_cache[phys, :, heads], "b h k s d -> b h (k s) d").to(dt)
-    v = rearrange(v_cache[phys, :, heads], "b h k s d -> b h (k s) d").to(dt)
-    k = torch.where(key_ok[..., None], k, 0.0)
-    v = torch.where(key_ok[..., None], v, 0.0)
-    q_pos = lens[..., None] - Tq + torch.arange(Tq, device=q4.device)[None, None, :, None]  # [B, 1, Tq, 1]
-    visible = (key_ok[:, :, None, :] & (pos[:, :, None, :] <= q_pos))[:, :, :, None, :]  # [B, Hkv, Tq, 1, N]
+    rows, _, visible = core.page_rows(block_table, seq_lens, page_indices, page_size=page_size, num_kv_heads=Hkv,
+                                      num_query_tokens=Tq)                       # [B, Hkv, K, S], [.., Tq, K, S]
+    slot = rows.reshape(B, Hkv, -1)                                                     # [B, Hkv, N]
+    k = k_cache.reshape(-1, D)[slot].to(dt)
+    v = v_cache.reshape(-1, D)[slot].to(dt)
+    visible = visible.reshape(B, Hkv, Tq, 1, -1)
     qg = rearrange(q4.to(dt), "b t (h g) d -> b h t g d", h=Hkv)
-    # [B, Hkv, K, page_size]
-    slots = (phys[..., None] * page_size + torch.arange(page_size, device=q4.device)) * Hkv + heads[..., None]
-    slot = torch.where(key_ok, rearrange(slots, "b h k s -> b h (k s)"), 0)
-    return qg, k, v, visible, key_ok, slot
+    return qg, k, v, visible, visible.any(2)[:, :, 0], slot
 
 
 def _softmax_parts(qg, k, visible, scale):
     """Masked logits -> (p [B, Hkv, Tq, G, N] unnormalised by the max, m, denom), no NaN for empty rows."""
     logits = scale * torch.einsum("bhtgd,bhnd->bhtgn", qg, k)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    m = logits.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    p = torch.exp(logits - m)
-    return p, m, p.sum(-1, keepdim=True)
+    return core.softmax_parts(logits.masked_fill(~visible, float("-inf")))
 
 
 def _torch_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale):

@@ -1,7 +1,9 @@
-"""Vectorised PyTorch implementation of the ops: the CPU fallback (DESIGN.md §4).
+"""Vectorised PyTorch twins of the scoring, selection and metadata ops: the CPU path of the stand-alone
+``page_scores`` / ``select_pages`` / ``update_page_metadata`` (DESIGN.md §4).
 
 No Python loop over rows, heads or pages. Inputs are already validated and canonical (see
-``tinyattn.ops.api``). Speed notes (``bench/decode_attention.py`` measures them against SDPA):
+``tinyattn.ops.api``). Attention itself lives in the per-step plan (:mod:`tinyattn.ops.plan`, which also has
+its own fused scoring and selection for the decode path) and its one torch core (:mod:`tinyattn.ops.core`).
 
 - **Scoring** is two matmuls per KV head, ``q⁺·k_max + q⁻·k_min`` with ``q⁺ = max(q, 0)`` and
   ``q⁻ = min(q, 0)``, which equals ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` term by term. When the rows
@@ -10,62 +12,21 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
   boxes are read exactly once; otherwise the rows' boxes are gathered first.
 - **Selection** is one ``torch.topk`` over an int64 key that packs the forced pages (recent, sinks),
   an order-preserving integer image of the score and the page index (ties to the lower index).
-- **Attention** gathers only the selected ``(page, head)`` rows of K and V (``index_select`` on the
-  flattened pool, one 2-D copy) and runs one batched softmax. When every row reads most of the pool
-  (dense decode of one sequence) it instead multiplies over the pool in place and reads K and V once.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
+
+from .core import canonical_page_indices, dense_page_indices, num_valid_pages  # noqa: F401 (one definition)
 
 NEG_INF = float("-inf")
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
 
 
-_workspace = threading.local()
-_WORKSPACE_MAX_BYTES = 256 * 2**20
-
-
-def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """A per-thread scratch tensor reused across calls (``None`` when too large to keep).
-
-    Large temporaries freshly allocated at every decode step cost page faults (the allocator hands big
-    blocks back to the OS); the gathered K/V of the sparse path are reused from here instead. The buffer
-    only lives inside one call, so reuse is safe within a thread.
-    """
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel * torch.empty((), dtype=dtype).element_size() > _WORKSPACE_MAX_BYTES or device.type != "cpu":
-        return None
-    store = _workspace.__dict__.setdefault("buffers", {})
-    buf = store.get(name)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = store[name] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel].view(shape)
-
-
-def _index_rows(src: torch.Tensor, rows: torch.Tensor, name: str) -> torch.Tensor:
-    """``src[rows]`` for a 2-D ``src``, written into a reused buffer when possible."""
-    if src.requires_grad and torch.is_grad_enabled():
-        return src.index_select(0, rows)                                                # out= has no autograd
-    out = _buffer(name, (rows.numel(), src.shape[1]), src.dtype, src.device)
-    if out is None:
-        return src.index_select(0, rows)
-    return torch.index_select(src, 0, rows, out=out)
-
-
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def num_valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B] int64: pages that hold at least one valid token."""
-    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
 
 
 def _physical_pages(block_table: torch.Tensor, logical: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -152,111 +113,6 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=device)
     out[..., :k] = torch.where(chosen < P, chosen, -1).to(torch.int32)
     return out
-
-
-def canonical_page_indices(page_indices, seq_lens, page_size):
-    """Ascending, de-duplicated, -1 for padding and for pages past the row's end (so both paths ignore them)."""
-    n = num_valid_pages(seq_lens, page_size)[:, None, None]
-    idx = page_indices.to(torch.int64)
-    big = torch.iinfo(torch.int64).max
-    idx = torch.where((idx >= 0) & (idx < n), idx, big)
-    idx = torch.sort(idx, dim=-1).values
-    dup = torch.zeros_like(idx, dtype=torch.bool)
-    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
-    idx = torch.where(dup, big, idx)
-    idx = torch.sort(idx, dim=-1).values
-    return torch.where(idx == big, -1, idx).to(torch.int32)
-
-
-def dense_page_indices(seq_lens, num_kv_heads, max_pages, page_size):
-    """Every valid page of each row, as [B, Hkv, max_pages] with -1 past the end."""
-    j = torch.arange(max_pages, device=seq_lens.device)
-    idx = torch.where(j[None, :] < num_valid_pages(seq_lens, page_size)[:, None], j, -1)
-    return idx[:, None, :].expand(-1, num_kv_heads, -1).to(torch.int32)
-
-
-def _softmax_parts(logits: torch.Tensor):
-    """Masked logits (-inf = hidden) -> (unnormalised p, max m, denominator); empty rows give p = 0, no NaN."""
-    m = logits.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    p = torch.exp(logits - m)
-    return p, m, p.sum(-1, keepdim=True)
-
-
-def _finish(out, m, denom, q4, Hkv):
-    """[B, Hkv, Tq*G, D] unnormalised out -> (out [B, Tq, Hq, D] in q's dtype, lse [B, Tq, Hq] fp32)."""
-    Tq = q4.shape[1]
-    out = out / torch.where(denom > 0, denom, 1.0)
-    lse = (m + torch.log(denom)).squeeze(-1)                                            # log(0) = -inf
-    B, _, M, D = out.shape
-    G = M // Tq
-    out = out.reshape(B, Hkv, Tq, G, D).transpose(1, 2).reshape(B, Tq, Hkv * G, D)
-    lse = lse.reshape(B, Hkv, Tq, G).transpose(1, 2).reshape(B, Tq, Hkv * G)
-    return out.to(q4.dtype), lse.float()
-
-
-def attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, *, scale):
-    """Attention of q [B, Tq, Hq, D] over canonical ``page_indices`` [B, Hkv, K]; returns (out, lse)."""
-    B, Tq, Hq, D = q4.shape
-    N, S, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    K = page_indices.shape[2]
-    G = Hq // Hkv
-    dt = _math_dtype(q4)
-    device = q4.device
-    sel = page_indices.to(torch.int64)                                                  # [B, Hkv, K]
-    phys = _physical_pages(block_table, sel, sel >= 0)                                  # [B, Hkv, K]
-    offs = torch.arange(S, device=device)
-    pos = (sel[..., None] * S + offs).reshape(B, Hkv, K * S)                            # [B, Hkv, K*S] positions
-    lens = seq_lens.to(torch.int64)[:, None, None]
-    key_ok = (sel >= 0).repeat_interleave(S, dim=2) & (pos < lens)                      # [B, Hkv, K*S]
-    if Tq == 1:
-        visible = key_ok[:, :, None, None, :]                                           # the query is the last token
-    else:
-        q_pos = lens[..., None] - Tq + torch.arange(Tq, device=device)[:, None]         # [B, 1, Tq, 1]
-        visible = (key_ok[:, :, None, :] & (pos[:, :, None, :] <= q_pos))[:, :, :, None, :]
-    # visible: [B, Hkv, Tq or 1, 1, K*S], broadcast over the G query heads of each KV head
-    qg = _group_queries(q4, Hkv, dt)                                                    # [B, Hkv, Tq*G, D]
-    slot = (phys[..., None] * S + offs).reshape(B, Hkv, K * S)                          # token slot in the pool
-    pool_tokens = N * S
-    if (dt == k_cache.dtype and 2 * K * S >= pool_tokens and Hkv * B * Tq * G * pool_tokens * 4 <= _POOL_LOGITS_BYTES
-            and 2 * int(key_ok.sum()) >= B * Hkv * pool_tokens):
-        out = _attention_pool(qg, k_cache, v_cache, slot, visible, scale, Tq)
-        if out is not None:
-            return _finish(*out, q4, Hkv)
-    rows = (slot * Hkv + torch.arange(Hkv, device=device)[None, :, None]).reshape(-1)   # rows of [N*S*Hkv, D]
-    k = _index_rows(k_cache.reshape(-1, D), rows, "k").view(B, Hkv, K * S, D).to(dt)
-    v = _index_rows(v_cache.reshape(-1, D), rows, "v").view(B, Hkv, K * S, D).to(dt)
-    hidden = (~key_ok).reshape(-1).nonzero().squeeze(1)                                 # few: padding slots
-    if hidden.numel():
-        v.view(-1, D).index_fill_(0, hidden, 0.0)                                       # 0 * NaN padding = NaN
-    logits = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)                          # [B, Hkv, Tq*G, K*S]
-    logits.view(B, Hkv, Tq, G, K * S).masked_fill_(~visible, NEG_INF)
-    p, m, denom = _softmax_parts(logits)
-    return _finish(torch.matmul(p, v), m, denom, q4, Hkv)
-
-
-def _attention_pool(qg, k_cache, v_cache, slot, visible, scale, Tq):
-    """Logits and P·V as matmuls over the whole pool, reading K and V in place once (no gather).
-
-    Used when the rows read most of the pool. Returns ``None`` when the result is not finite (garbage in
-    unused pool slots, ``0 * NaN``), so that the caller's gather path decides.
-    """
-    B, Hkv, M, D = qg.shape
-    KS = slot.shape[-1]
-    NS = k_cache.shape[0] * k_cache.shape[1]
-    kp = k_cache.reshape(NS, Hkv, D).permute(1, 2, 0)                                   # [Hkv, D, NS] (view)
-    vp = v_cache.reshape(NS, Hkv, D).permute(1, 0, 2)                                   # [Hkv, NS, D] (view)
-    q = qg.transpose(0, 1).reshape(Hkv, B * M, D)                                       # [Hkv, B*M, D]
-    logits = torch.bmm(q, kp).view(Hkv, B, M, NS)                                       # [Hkv, B, M, NS]
-    idx = slot.permute(1, 0, 2)[:, :, None, :].expand(Hkv, B, M, KS)                    # [Hkv, B, M, KS]
-    sel_logits = torch.gather(logits, 3, idx).permute(1, 0, 2, 3).mul_(scale)           # [B, Hkv, M, KS]
-    sel_logits.view(B, Hkv, Tq, M // Tq, KS).masked_fill_(~visible, NEG_INF)
-    p, m, denom = _softmax_parts(sel_logits)
-    p_pool = torch.zeros_like(logits).scatter_add_(3, idx, p.permute(1, 0, 2, 3))       # hidden keys add p = 0
-    out = torch.bmm(p_pool.view(Hkv, B * M, NS), vp).view(Hkv, B, M, D).permute(1, 0, 2, 3)
-    if not bool(torch.isfinite(out).all()):
-        return None
-    return out, m, denom
 
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max):
