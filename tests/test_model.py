@@ -343,3 +343,37 @@ def test_load_stories(tmp_path):
     assert load_stories(f) == ["a b\nc", "d e", "f"]
     f.write_text("x\n\ny<|endoftext|>\nz\n<|endoftext|>\n")
     assert load_stories(f) == ["x\n\ny", "z"]
+
+
+def test_stats_rates_are_labelled_and_consistent(model, tok):
+    """Decode tokens/s counts generated tokens over decode time; end to end adds the prefill time to the same
+    numerator, so it can never exceed the decode rate (it used to count prompt tokens too)."""
+    rt = LlamaRuntime(model, page_size=8, page_budget=2)
+    out = rt.generate([tok.encode("Tom had a red ball"), tok.encode("Once upon a time")], max_new_tokens=12,
+                      eos_id=None)
+    s = out.stats
+    assert s.generated_tokens == 24
+    assert s.end_to_end_tokens_per_s <= s.tokens_per_s
+    assert s.tokens_per_s == pytest.approx(s.generated_tokens / s.decode_s)
+    assert s.prefill_tokens_per_s == pytest.approx(s.prompt_tokens / s.prefill_s)
+    text = s.format()
+    assert "generated tokens/s (all 2 rows together)" in text and "end to end:" in text
+    assert "incl. prefill" not in text
+
+
+def test_fused_weights_follow_weight_updates(model, tok):
+    """The runtime's stacked wq|wk|wv and w1|w3 are rebuilt when a weight changes in place."""
+    import copy
+    m = copy.deepcopy(model)
+    rt = LlamaRuntime(m, page_size=8)
+    prompt = [tok.encode("Once upon a time")]
+    rt.generate(prompt, max_new_tokens=5, eos_id=None)                   # builds the stacked weights
+    with torch.no_grad():
+        m.layers[0].wk.weight.mul_(-3.0)
+    after = rt.generate(prompt, max_new_tokens=5, eos_id=None).tokens
+    fresh = LlamaRuntime(copy.deepcopy(m), page_size=8).generate(prompt, max_new_tokens=5, eos_id=None).tokens
+    assert after == fresh
+    cfg = m.config
+    w_qkv, _ = m.layers[0].fused_weights()
+    wk_rows = slice(cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
+    assert torch.equal(w_qkv[wk_rows], m.layers[0].wk.weight)

@@ -286,13 +286,19 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated tokens per second of decode (excludes prefill)."""
+        """Generated tokens per second of decode time (all rows together; prefill excluded)."""
         return self.generated_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
     @property
-    def total_tokens_per_s(self) -> float:
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of prefill time."""
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        """Generated tokens per second of prefill + decode time: never above :attr:`tokens_per_s`."""
         t = self.prefill_s + self.decode_s
-        return (self.prompt_tokens + self.generated_tokens) / t if t > 0 else float("nan")
+        return self.generated_tokens / t if t > 0 else float("nan")
 
     def _per_step(self, v: float) -> float:
         return v / self.decode_steps if self.decode_steps else 0.0
@@ -320,9 +326,12 @@ class GenerationStats:
         return "\n".join([
             f"sequences:          {self.num_sequences} ({self.prompt_tokens} prompt tokens, "
             f"{self.generated_tokens} generated, {self.decode_steps} decode steps)",
-            f"prefill:            {self.prefill_s * 1e3:.1f} ms",
-            f"decode:             {self.decode_s * 1e3:.1f} ms, {self.tokens_per_s:.1f} tokens/s "
-            f"({self.total_tokens_per_s:.1f} tokens/s incl. prefill)",
+            f"prefill:            {self.prefill_s * 1e3:.1f} ms, {self.prompt_tokens} prompt tokens "
+            f"({self.prefill_tokens_per_s:.0f} tokens/s)",
+            f"decode:             {self.decode_s * 1e3:.1f} ms, {self.decode_steps} steps, {self.tokens_per_s:.1f} "
+            f"generated tokens/s (all {self.num_sequences} rows together)",
+            f"end to end:         {(self.prefill_s + self.decode_s) * 1e3:.1f} ms, "
+            f"{self.end_to_end_tokens_per_s:.1f} generated tokens/s (prefill + decode time)",
             f"pages read / step:  {self.pages_read_per_step:.1f} vs {self.pages_dense_per_step:.1f} dense "
             f"({ratio(self.pages_read, self.pages_dense)}; summed over rows, layers, KV heads)",
             f"KV bytes / step:    {_fmt_bytes(self.kv_bytes_read_per_step)} vs "

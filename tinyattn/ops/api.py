@@ -19,7 +19,7 @@ from .spans import span
 from . import library as L
 from . import validation as V
 from .autograd import attention as differentiable_attention
-from .plan import BACKENDS, PagedAttentionPlan, resolve_backend  # noqa: F401 (re-exported)
+from .plan import BACKENDS, PagedAttentionPlan, _empty_attention, resolve_backend  # noqa: F401 (re-exported)
 
 def _kernels():
     from .. import kernels       # imported lazily: a CPU-only user never needs triton
@@ -40,18 +40,6 @@ def _nothing_to_attend(q4, k_cache, block_table, page_indices) -> bool:
     """Empty batch, no query token, an empty pool or table, or an empty page list: no key is visible."""
     return (q4.numel() == 0 or k_cache.shape[0] == 0 or block_table.shape[1] == 0
             or (page_indices is not None and page_indices.shape[-1] == 0))
-
-
-def _empty_attention(q4, k_cache, v_cache):
-    """out = 0 and lse = -inf everywhere, still connected to q/k/v so that their gradients are zeros.
-
-    Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
-    turn NaN padding into NaN).
-    """
-    link = q4.flatten()[:0].sum() + k_cache.flatten()[:0].sum() + v_cache.flatten()[:0].sum()
-    out = torch.zeros_like(q4) + link.to(q4.dtype)
-    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
-    return out, lse
 
 
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
