@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         C.print_table(e2e, [("method", "decode path", ""), ("tokens_per_s", "tokens/s", ".0f"),
                             ("x_hf_stock", "x HF stock", ".2f"), ("same_tokens_as_runtime", "same tokens", "")])
     plot(call_rows, e2e, args.out / "overhead.png",
-         f"tinyattn per-call overhead - {C.machine_name('cpu')}, {args.threads} thread(s), fp32")
+         f"tinyattn per-call overhead - {C.machine_name('cpu')}, fp32")
     return 0
 
 

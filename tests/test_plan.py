@@ -217,3 +217,33 @@ def test_repeated_calls_skip_checks_only_for_unchanged_tables(sparse):
     bad[0, 0] = 10_000                                      # a new tensor with a bad page id
     with pytest.raises(ValueError, match="block_table"):
         op(q[:, 0], k, v, bad, sl, **kw)
+
+
+@settings(deadline=None, max_examples=10)
+@given(seed=st.integers(0, 2**16), budget=st.integers(2, 12), sinks=st.integers(0, 2), n_ties=st.integers(0, 20),
+       B=st.integers(1, 2))
+def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
+    """Rows of more than 64 pages take the packed-key top-k: the same pages as select_pages (ties to the lower
+    page, a NaN bound as -inf), and the same output as the reference, with a row shorter than the other."""
+    S, Hkv, D = 2, 2, 4
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(torch.randint(130, 180, (1,), generator=g)), 41][:B]
+    q, k, v, table, sl, k_min, k_max = _problem(seed, B, 4, Hkv, D, S, lens)
+    for _ in range(n_ties):                        # equal boxes -> equal bounds
+        a, b = torch.randint(0, 60, (2,), generator=g).tolist()
+        k_min[table[0, a]], k_max[table[0, a]] = k_min[table[0, b]], k_max[table[0, b]]
+    k_max[table[0, 3]] = float("nan")              # a NaN bound counts as -inf
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=Hkv, head_dim=D,
+                                                    page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
+    q0 = q[:, 0]
+    out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
+    assert plan._sparse["packed"] is not None
+    scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
+    want = R.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
+    got = torch.sort(plan._last_selection, dim=-1).values.to(torch.int32)
+    n = (sl.long() + S - 1) // S
+    got = torch.where(got < n[:, None, None], got, -1)                 # a short row pads with invalid pages
+    got = torch.sort(torch.where(got < 0, 10**6, got), dim=-1).values
+    assert torch.equal(torch.where(got == 10**6, -1, got), want)
+    ref = R.sparse_paged_attention(q0, k, v, table, sl, page_indices=want)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

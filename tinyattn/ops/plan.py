@@ -58,6 +58,7 @@ _SINK_KEY = _FLT_MAX             # forced keys: recent pages (+inf) > sink pages
 _SCORE_CAP = 3.0e38              # real +inf bounds are capped below the sink key
 _WORKSPACE_MAX_BYTES = 512 * 2**20       # gathers above this size are not kept between calls
 _WORKSPACE_MIN_BYTES = 256 * 2**10       # ... nor those below (no page faults to save)
+_POOL_SCORES_BYTES = 64 * 2**20          # pool-wide scoring while its [Hkv, B*M, num_pages] bounds fit this
 _EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
 
 
@@ -335,21 +336,40 @@ class PagedAttentionPlan:
 
     @staticmethod
     def _top_pages(scores, t) -> torch.Tensor:
-        """Forced pages first (recent, then sinks), then the highest bounds; NaN counts as ``-inf``."""
-        key = torch.where(t["forced"], t["forced_key"],
-                          scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP))
-        # stable: equal keys keep page order, so ties go to the lower page index (and valid pages come
-        # before the invalid ones), which also makes the position of every forced page fixed by the plan
-        return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : t["K"]]
+        """Forced pages first (recent, then sinks), then the highest bounds; NaN counts as ``-inf``.
+
+        Both forms order the pages the same way, ties to the lower page: a stable descending sort of float
+        keys for short rows (fewest calls), and for long rows a ``topk`` of unique int64 keys (an
+        order-preserving integer image of the bound, then ``Pv - 1 - j``), which is much cheaper than sorting
+        thousands of pages.
+        """
+        if t["packed"] is None:
+            key = torch.where(t["forced"], t["forced_key"], scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP))
+            # stable: equal keys keep page order, so ties go to the lower page index (and valid pages come
+            # before the invalid ones), which also makes the position of every forced page fixed by the plan
+            return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : t["K"]]
+        bits = (scores.nan_to_num(nan=core.NEG_INF) + 0.0).view(torch.int32)            # -0.0 == 0.0
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32                  # float order as int
+        key = torch.where(t["forced"], t["packed"], key + t["rank"])
+        return torch.topk(key, t["K"], dim=-1, largest=True, sorted=True).indices
 
     def _scores_torch(self, qg, k_min, k_max, t) -> torch.Tensor:
         """``ub = q⁺·k_max + q⁻·k_min`` (Quest eq.), max over the group and queries: ``[B, Hkv, Pv]`` fp32.
 
-        The boxes of the step's pages are gathered head-major (``[B * Hkv, Pv, D]``) so that both products
-        are batched matmuls over views.
+        When the step's pages are most of the pool (one long sequence, a full batch), both products run over
+        the pool's boxes in place (strided views: each box read once, no copy) and the step's columns are
+        picked afterwards; otherwise the step's boxes are gathered head-major (``[B * Hkv, Pv, D]``) first.
         """
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
-        Pv = t["Pv"]
+        Pv, N = t["Pv"], k_min.shape[0]
+        M = qg.shape[2]
+        dt = qg.dtype
+        if N <= 2 * B * Pv and Hkv * B * M * N * 4 <= _POOL_SCORES_BYTES and k_min.dtype == dt:
+            qp = qg.transpose(0, 1).reshape(Hkv, B * M, D)                               # [Hkv, B*M, D]
+            lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)                      # [Hkv, D, N] views
+            ub = torch.baddbmm(torch.bmm(qp.clamp(max=0), lo), qp.clamp(min=0), hi)     # [Hkv, B*M, N]
+            ub = ub.view(Hkv, B, M, N).amax(2)                                           # [Hkv, B, N]
+            return ub.gather(2, t["phys_hb"]).transpose(0, 1).float()                    # [B, Hkv, Pv]
         qt = qg.reshape(B * Hkv, -1, D).transpose(1, 2)                                  # [B*Hkv, D, M]
         hi = self._gather_rows("hi", k_max, t["box_rows"]).view(B * Hkv, Pv, D)
         lo = self._gather_rows("lo", k_min, t["box_rows"]).view(B * Hkv, Pv, D)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 FLT_MAX = float(np.finfo(np.float32).max)
+_SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed int64 keys (cheaper than a sort)
 
 __all__ = ["dense_tables", "sparse_tables", "FLT_MAX"]
 
@@ -111,8 +112,19 @@ def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv
     template = np.argsort(-np.where(forced, forced_key, np.float32(0.0)), axis=1, kind="stable")[:, :K]
     visible = _visible(key_ok, lens, Tq).reshape(B, Tq, Pv, S)                        # [B, Tq, Pv, S]
     sel_visible = np.take_along_axis(visible, template[:, None, :, None], axis=2).reshape(B, Tq, K * S)
+    # long rows select with topk over unique int64 keys (plan._top_pages): forced pages above every bound,
+    # recent above sinks, each group in page order; invalid pages below everything
+    packed = rank = None
+    if Pv > _SORT_MAX_PAGES:
+        rank = (Pv - 1 - j).astype(np.int64)                                            # ties: lower page first
+        forced_base = np.int64(0x7F800001) << np.int64(32)                             # above +inf's image
+        packed = np.where(is_recent, forced_base + Pv + rank,
+                          np.where(is_sink, forced_base + rank, np.iinfo(np.int64).min + rank))
+        packed = torch.from_numpy(packed[:, None, :]).to(device)
+        rank = torch.from_numpy(rank).to(device)
     return dict(
-        Pv=Pv, K=K, shape=(B, Hkv, K, S),
+        Pv=Pv, K=K, shape=(B, Hkv, K, S), packed=packed, rank=rank,
+        phys_hb=torch.from_numpy(np.ascontiguousarray(np.broadcast_to(phys[None], (Hkv, B, Pv)))).to(device),
         rows=torch.from_numpy(rows).to(device),
         box_rows=torch.from_numpy(box_rows).to(device),
         forced=torch.from_numpy(forced[:, None, :]).to(device),
