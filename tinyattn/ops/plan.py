@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,14 +65,12 @@ _INTERPRET: bool | None = None
 
 
 def _interpreting() -> bool:
-    """TRITON_INTERPRET=1? Read once triton is imported (the variable only counts before that import)."""
+    """TRITON_INTERPRET=1? Read once (the variable only counts when set before triton is imported); code that
+    sets it later, as the CLI does for ``--backend triton`` on a CPU, resets ``_INTERPRET`` to ``None``."""
     global _INTERPRET
-    if _INTERPRET is not None:
-        return _INTERPRET
-    value = os.environ.get("TRITON_INTERPRET") == "1"
-    if "triton" in sys.modules:
-        _INTERPRET = value
-    return value
+    if _INTERPRET is None:
+        _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 def resolve_backend(backend, device: torch.device) -> str:
