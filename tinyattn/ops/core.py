@@ -1,8 +1,9 @@
 """The one PyTorch core of paged attention: which pool rows a row's keys live in, and a NaN-safe softmax.
 
 Every torch-side attention of the package is built from these few functions: the per-step plan
-(:mod:`tinyattn.ops.plan`), the vectorised backend (:mod:`tinyattn.ops.torch_backend`), the autograd
-formula (:mod:`tinyattn.ops.autograd`) and the selection metrics (:func:`tinyattn.selection.page_attention_mass`).
+(:mod:`tinyattn.ops.plan`; its per-step tables follow the same layout, built on the host by
+:mod:`tinyattn.ops.tables`), the autograd formula (:mod:`tinyattn.ops.autograd`) and the selection metrics
+(:func:`tinyattn.selection.page_attention_mass`).
 ``tinyattn.reference`` stays an independent loop twin that the tests compare them against.
 
 Layout (docs/layout.md): the pool ``k_cache`` ``[num_pages, page_size, Hkv, D]`` is read as a flat
@@ -12,19 +13,17 @@ key. A gather of such rows is one ``index_select``.
 **Filler rows.** A slot that must not count (past ``seq_lens``, a ``-1`` page, padding of a batch) is
 pointed at a *valid* key of the same (row, KV head) - its first token - and hidden by the mask. The
 unused slots of the pool may hold anything (NaN, inf, garbage): they are never read, so no zeroing pass is
-needed and a ``0 * NaN`` can never reach the output. A row with no valid token points at row 0 of the pool
-and is fully masked (its output is 0 and its lse ``-inf``, see :func:`softmax_parts`).
+needed and a ``0 * NaN`` can never reach the output. A row with no valid token borrows the first key of the
+first non-empty row and is fully masked (its output is 0 and its lse ``-inf``, see :func:`softmax_parts`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 NEG_INF = float("-inf")
 
-__all__ = ["num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "token_rows", "page_rows", "group_queries", "ungroup", "softmax_parts",
+__all__ = ["num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "group_queries", "ungroup", "softmax_parts",
            "attend_rows", "NEG_INF"]
 
 
@@ -98,44 +97,6 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
     visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]
     return rows, pos, visible
-
-
-@functools.lru_cache(maxsize=64)
-def _slot_head(page_size: int, num_kv_heads: int, num_pages: int, device: torch.device):
-    """Constant tables of a geometry: ``s * Hkv + h`` ``[Hkv, 1, S]``, positions ``j * S + s`` ``[P, S]``, heads."""
-    heads = torch.arange(num_kv_heads, device=device)
-    slot_head = torch.arange(page_size, device=device)[None, None, :] * num_kv_heads + heads[:, None, None]
-    pos = torch.arange(num_pages * page_size, device=device).view(num_pages, page_size)
-    return slot_head, pos, heads[None, :, None, None]
-
-
-def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, num_kv_heads: int,
-               num_query_tokens: int = 1, max_pages: int | None = None):
-    """:func:`page_rows` of every logical page ``0 .. max_pages - 1`` (default: the table width).
-
-    The same result as ``page_rows`` with ``pages = arange(max_pages)``, in a handful of tensor ops (no
-    gather): a plan builds it once per step.
-    """
-    B = block_table.shape[0]
-    P = block_table.shape[1] if max_pages is None else max_pages
-    S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
-    slot_head, pos, heads = _slot_head(S, Hkv, P, block_table.device)
-    lens = seq_lens.to(torch.int64)
-    table = block_table[:, :P].to(torch.int64) * (S * Hkv)                              # [B, P]
-    key_ok = pos[None] < lens[:, None, None]                                            # [B, P, S]
-    rows = table[:, None, :, None] + slot_head[None, :, :, :]                           # [B, Hkv, P, S]
-    if P:
-        donor = table[(lens > 0).to(torch.int8).argmax(), 0] if B else 0    # see page_rows: never an unused slot
-        filler = torch.where(lens > 0, table[:, 0], donor)[:, None, None, None] + heads
-    else:
-        filler = heads
-    rows = torch.where(key_ok[:, None], rows, filler)
-    if Tq == 1:                             # the query is the last token: it sees every valid key
-        visible = key_ok[:, None, None].expand(B, Hkv, 1, P, S)
-    else:
-        q_pos = lens[:, None] - Tq + torch.arange(Tq, device=lens.device)               # [B, Tq]
-        visible = (key_ok[:, None] & (pos[None, None] <= q_pos[:, :, None, None]))[:, None].expand(B, Hkv, Tq, P, S)
-    return rows, pos.expand(B, Hkv, P, S), visible
 
 
 def group_queries(q4: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:

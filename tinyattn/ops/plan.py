@@ -196,11 +196,6 @@ class PagedAttentionPlan:
             if self.page_budget is not None:
                 V.check_query_pages_fit(self.seq_lens, self.num_query_tokens, self.page_size, self.page_budget)
 
-    def check_pool(self, k_cache: torch.Tensor) -> None:
-        """Block-table ids of valid pages inside ``k_cache``'s pool (one host sync; :meth:`run` never checks)."""
-        with V.value_checks(True):
-            V.check_table_values(self.block_table, self.seq_lens, self.page_size, k_cache.shape[0])
-
     @property
     def selects(self) -> bool:
         """True when :meth:`run` with boxes really selects: some row holds more pages than ``page_budget``.
@@ -327,10 +322,6 @@ class PagedAttentionPlan:
             self._last_selection = self._top_pages(scores, t)
         return self._last_selection
 
-    def _select_torch(self, qg, k_min, k_max, t) -> torch.Tensor:
-        self._last_selection = self._top_pages(self._scores_torch(qg, k_min, k_max, t), t)
-        return self._last_selection
-
     @staticmethod
     def _top_pages(scores, t) -> torch.Tensor:
         """Forced pages first (recent, then sinks), then the highest bounds; NaN counts as ``-inf``.
@@ -391,12 +382,6 @@ class PagedAttentionPlan:
             self._host = (tables.host_copy(self.block_table), tables.host_copy(self.seq_lens))
         return self._host
 
-    def _max_valid_pages(self) -> int:
-        if self._lens is None:
-            return self.max_pages
-        return min(self.max_pages, max((core.cdiv_pages(n, self.page_size) for n in self._lens), default=0))
-
-    # ------------------------------------------------------------------------------- torch attention
     def _dense_tables(self) -> dict:
         """Pool rows of every valid key of each row and the additive mask (:func:`tinyattn.ops.tables.dense_tables`)."""
         if self._dense is None:
