@@ -198,8 +198,8 @@ def test_plan_rejects_bad_tables():
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_repeated_calls_skip_checks_only_for_unchanged_tables(sparse):
-    """The public ops validate a (block_table, seq_lens) pair once per thread; an in-place change or a new
-    tensor is validated again, and a reused plan never serves stale tables."""
+    """The public ops validate a (block_table, seq_lens) pair once per thread; changed values (in place, or a
+    new tensor) are validated again, and a reused plan never serves stale tables."""
     q, k, v, table, sl, k_min, k_max = _problem(5, 2, 4, 2, 8, 8, [40, 17])
     kw = dict(k_min=k_min, k_max=k_max, page_budget=2) if sparse else {}
     op = tinyattn.sparse_paged_attention if sparse else tinyattn.paged_attention
@@ -247,3 +247,46 @@ def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
     assert torch.equal(torch.where(got == 10**6, -1, got), want)
     ref = R.sparse_paged_attention(q0, k, v, table, sl, page_indices=want)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_tables_written_behind_autograds_back_are_seen():
+    """A host buffer shared with seq_lens (torch.from_numpy, as serving loops reuse one) changes without a
+    version bump: the op still answers for the new values and still rejects bad ones."""
+    import numpy as np
+    q, k, v, table, _, _, _ = _problem(6, 2, 2, 1, 8, 4, [5, 11])
+    host = np.array([5, 11], dtype=np.int32)
+    sl = torch.from_numpy(host)
+    tinyattn.paged_attention(q[:, 0], k, v, table, sl)
+    host[1] = 6
+    torch.testing.assert_close(tinyattn.paged_attention(q[:, 0], k, v, table, sl),
+                               R.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
+    host[1] = 1000
+    with pytest.raises(ValueError, match="seq_lens"):
+        tinyattn.paged_attention(q[:, 0], k, v, table, sl)
+
+
+def test_inference_mode_tables_and_fp64_masks():
+    """Tables made under torch.inference_mode work; fp64 with a mask (unequal lengths) matches the reference
+    (SDPA needs the mask in the query's dtype)."""
+    q, k, v, table, sl, k_min, k_max = _problem(7, 2, 4, 2, 8, 4, [10, 23], dtype=torch.float64)
+    with torch.inference_mode():
+        table_i, sl_i = table.clone(), sl.clone()
+    for op, kw, ref in ((tinyattn.paged_attention, {}, R.paged_attention(q[:, 0], k, v, table, sl)),
+                        (tinyattn.sparse_paged_attention, dict(k_min=k_min, k_max=k_max, page_budget=2),
+                         R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max,
+                                                  page_budget=2))):
+        torch.testing.assert_close(op(q[:, 0], k, v, table_i, sl_i, backend="torch", **kw), ref,
+                                   atol=1e-10, rtol=1e-10)
+
+
+def test_run_ignores_duplicate_pages_and_checks_q():
+    q, k, v, table, sl, _, _ = _problem(8, 1, 2, 1, 8, 4, [10])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                                    page_size=4)
+    dup = torch.tensor([[[0, 0, 2]]], dtype=torch.int32)
+    want = R.sparse_paged_attention(q[:, 0], k, v, table, sl, page_indices=torch.tensor([[[0, 2]]]))
+    torch.testing.assert_close(plan.run(q[:, 0], k, v, page_indices=dup), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(plan.run(q[:, 0].clone().requires_grad_(), k, v, page_indices=dup), want,
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"q: expected shape \[B=1, Hq=2, D=8\]"):
+        plan.run(torch.randn(2, 2, 8), k, v)

@@ -115,15 +115,15 @@ class PagedAttention:
 
     def begin(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
               head_dim: int, page_size: int, num_query_tokens: int = 1, decode: bool | None = None,
-              scale: float | None = None, seq_ids=None, trusted: bool = True) -> "PagedAttention":
+              scale: float | None = None, seq_ids=None, trusted: bool = False) -> "PagedAttention":
         """Plan one forward step (all layers share its tables); returns ``self``.
 
         Args:
             block_table, seq_lens: the step's tables, lengths including the ``num_query_tokens`` new tokens.
             decode: whether sparse layers select (default: ``num_query_tokens == 1``); a prefill is dense.
             scale: softmax scale (default ``head_dim ** -0.5``). seq_ids: the rows' ids in the cache
-                (state key of stateful policies). trusted: tables made by :class:`tinyattn.PagedKVCache`
-                (default): no value checks, no host sync.
+                (state key of stateful policies). trusted: the tables come from :class:`tinyattn.PagedKVCache` (or
+                were checked once): skip the value checks and their host sync (default: check).
         """
         s = self.sparsity
         self.decode = num_query_tokens == 1 if decode is None else bool(decode)

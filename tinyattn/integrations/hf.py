@@ -565,7 +565,7 @@ class TinyAttnCache(Cache):
         if not self._planned:       # first layer of this forward: one plan for every layer
             self._attention.begin(self._block_table, self._seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                   page_size=self.page_size, num_query_tokens=T, decode=T == 1, scale=scaling,
-                                  seq_ids=list(self._seq_ids))
+                                  seq_ids=list(self._seq_ids), trusted=True)   # the pool's own tables
             self._planned = True
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
                               pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling)

@@ -104,8 +104,9 @@ class LlamaBlock(nn.Module):
         training or loading new weights between calls never leaves a stale copy.
         """
         ws = (self.wq.weight, self.wk.weight, self.wv.weight, self.w1.weight, self.w3.weight)
-        key = tuple((w._version, w.data_ptr()) for w in ws)
-        if getattr(self, "_fused_key", None) != key:
+        # inference tensors keep no version counter: then the stack is rebuilt at every call (never stale)
+        key = None if any(w.is_inference() for w in ws) else tuple((w._version, w.data_ptr()) for w in ws)
+        if key is None or getattr(self, "_fused_key", None) != key:
             with torch.no_grad():
                 self._fused = (torch.cat(ws[:3]), torch.cat(ws[3:]))
             self._fused_key = key
@@ -210,7 +211,7 @@ class LlamaModel(nn.Module):
             T, device=self.device)                                                   # [B, T] absolute positions
         attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
                         head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=sparse,
-                        seq_ids=list(seq_ids))
+                        seq_ids=list(seq_ids), trusted=True)                # tables made by the cache
         cis = self._rope_cis(positions, max(start) + T)                              # [B, T, 1, D/2] complex
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]

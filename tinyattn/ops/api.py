@@ -77,10 +77,10 @@ def _planned(backend: str, shapes, block_table, seq_lens, scale: float, *, page_
     if plan is None:
         plan = PagedAttentionPlan(backend=backend)
         setattr(_plans, backend, plan)
-    key = (shapes, scale, page_budget, num_sink_pages, num_recent_pages, block_table._version, seq_lens._version)
-    if getattr(plan, "_api_key", None) == key and plan.block_table is block_table and plan.seq_lens is seq_lens:
-        return plan               # the same step as the last call (same, unmodified tables): its tables stand
-    plan._api_key = key
+    key = (shapes, scale, page_budget, num_sink_pages, num_recent_pages)
+    if getattr(plan, "_api_key", None) == key and V.same_tables(plan._api_tables, (block_table, seq_lens)):
+        return plan.rebind(block_table, seq_lens)   # the same step as the last call (same values): tables stand
+    plan._api_key, plan._api_tables = key, V.keep_tables((block_table, seq_lens))
     return plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
                      head_dim=shapes.head_dim, page_size=shapes.page_size,
                      num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
@@ -252,7 +252,6 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         if page_indices is None:
             return _planned(backend, shapes, block_table, seq_lens, scale, **selection).run(
                 q, k_cache, v_cache, k_min=k_min, k_max=k_max, return_lse=return_lse)
-        page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
         return _planned(backend, shapes, block_table, seq_lens, scale, num_sink_pages=selection["num_sink_pages"],
                         num_recent_pages=selection["num_recent_pages"]).run(
             q, k_cache, v_cache, page_indices=page_indices, return_lse=return_lse)

@@ -153,6 +153,8 @@ class PagedAttentionPlan:
                                  ("head_dim", head_dim, 1), ("page_size", page_size, 1),
                                  ("num_query_tokens", num_query_tokens, 0)):
             V.expect_int(name, value, low)
+        if num_pages is not None:
+            V.expect_int("num_pages", num_pages, 0)
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
         V.check_tables(block_table, seq_lens, None, block_table.device if isinstance(block_table, torch.Tensor)
@@ -185,6 +187,14 @@ class PagedAttentionPlan:
         if self.backend == "triton":
             self._plan_triton()
         self._planned = True
+        return self
+
+    def rebind(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> "PagedAttentionPlan":
+        """Point the plan at new tensors holding the same values as the planned ones (their tables stand)."""
+        self.block_table, self.seq_lens = block_table, seq_lens
+        if self.backend == "triton":
+            self._bt32 = block_table.to(torch.int32).contiguous()
+            self._sl32 = seq_lens.to(torch.int32).contiguous()
         return self
 
     def _check_values(self, num_pages: int | None) -> None:
@@ -230,6 +240,10 @@ class PagedAttentionPlan:
 
         Nothing is validated here (see :meth:`plan`); differentiable in ``q``, ``k_cache``, ``v_cache``.
         """
+        if q.shape[0] != self.batch or q.shape[-2] != self.num_q_heads or q.shape[-1] != self.head_dim or (
+                q.dim() == 4 and q.shape[1] != self.num_query_tokens) or (q.dim() == 3 and self.num_query_tokens != 1):
+            raise ValueError(f"q: expected shape [B={self.batch}, Hq={self.num_q_heads}, D={self.head_dim}] or "
+                             f"[B, Tq={self.num_query_tokens}, Hq, D] (the plan's), got {tuple(q.shape)}")
         if scale is not None and scale != self.scale:
             saved, self.scale = self.scale, float(scale)
             try:
@@ -243,6 +257,9 @@ class PagedAttentionPlan:
                 and page_indices is None and self._fast_ok and not torch.compiler.is_compiling()):
             return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max)     # the decode hot path
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
+        if page_indices is not None and page_indices.shape[-1]:
+            # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
+            page_indices = core.canonical_page_indices(page_indices, self.seq_lens, self.page_size)
         if self._nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
             return self._finish(q, *_empty_attention(q4, k_cache, v_cache), return_lse, out)
         selection = None
@@ -290,6 +307,8 @@ class PagedAttentionPlan:
             v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
         if k.dtype != qg.dtype:
             k, v = k.to(qg.dtype), v.to(qg.dtype)
+        if bias is not None and bias.dtype != qg.dtype:                  # fp64: SDPA needs the mask in its dtype
+            bias = bias.to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
         if decode:
             return o.view(q.shape)
@@ -411,6 +430,8 @@ class PagedAttentionPlan:
             # with no visible key
             o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
+        if bias is not None and bias.dtype != qg.dtype:                  # fp64: SDPA needs the mask in its dtype
+            bias = bias.to(qg.dtype)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
         return core.ungroup(o, Tq).to(q4.dtype), None
 
@@ -506,7 +527,7 @@ class PagedAttentionPlan:
         backend = self.backend
         if page_indices is None and (backend == "torch" or q4.dtype == torch.float64):
             page_indices = core.dense_page_indices(self.seq_lens, self.num_kv_heads, self.max_pages, self.page_size)
-        elif page_indices is not None:
+        elif page_indices is not None and page_indices is self._last_selection:    # score order -> canonical
             page_indices = core.canonical_page_indices(page_indices, self.seq_lens, self.page_size)
         return differentiable_attention(q4, k_cache, v_cache, self.block_table, self.seq_lens, page_indices,
                                         self.scale, backend)

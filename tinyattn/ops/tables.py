@@ -124,7 +124,7 @@ def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv
         rank = torch.from_numpy(rank).to(device)
     return dict(
         Pv=Pv, K=K, shape=(B, Hkv, K, S), packed=packed, rank=rank,
-        phys_hb=torch.from_numpy(np.ascontiguousarray(np.broadcast_to(phys[None], (Hkv, B, Pv)))).to(device),
+        phys_hb=torch.from_numpy(np.broadcast_to(phys[None], (Hkv, B, Pv)).copy()).to(device),
         rows=torch.from_numpy(rows).to(device),
         box_rows=torch.from_numpy(box_rows).to(device),
         forced=torch.from_numpy(forced[:, None, :]).to(device),

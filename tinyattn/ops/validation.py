@@ -48,28 +48,42 @@ def value_checks_active() -> bool:
     return _VALUE_CHECKS and not getattr(_checked, "skip", False)
 
 
+def same_tables(saved, tensors) -> bool:
+    """Whether ``tensors`` hold the same values as ``saved`` (copies kept by :func:`keep_tables`): CPU tables only
+    (comparing is a few µs there; on a GPU it would be a host sync, so GPU tables never match)."""
+    return (saved is not None and len(saved) == len(tensors) and all(
+        t.device.type == "cpu" and c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t)
+        for c, t in zip(saved, tensors)))
+
+
+def keep_tables(tensors) -> tuple | None:
+    """Copies of CPU tables to compare later calls with (:func:`same_tables`), or None for other devices."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tuple(t.clone() for t in tensors)
+    return None
+
+
 @contextlib.contextmanager
 def already_checked(key: tuple, *tensors: torch.Tensor):
-    """Skip the value checks inside the block when ``tensors`` are the very objects this thread validated
-    last under the same ``key``, unmodified since (same version counters).
+    """Skip the value checks inside the block when ``tensors`` hold the same values this thread validated last
+    under the same ``key``.
 
     An op called again and again on the same tables (a microbenchmark, one layer after another with the same
-    ``block_table``) then pays the host sync of the checks once. In-place changes bump a tensor's version
-    counter and are seen; writes that bypass autograd's counter (through ``.numpy()`` or ``.data``) are not.
-    The tensors are held by reference, so their memory cannot be reused by a different tensor meanwhile.
+    ``block_table``) then pays the checks once. The values are compared, not the tensors' identity or version
+    counters, so writes through ``.numpy()`` / ``torch.from_numpy`` buffers or ``.data`` are seen too. CPU tables
+    only: on a GPU a comparison would be a host sync, as the checks are, so they just run.
     """
     if torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) for t in tensors):
         yield                                  # tracing: no value checks anyway; not tensors: the checks raise
         return
-    stamp = (key, tuple(id(t) for t in tensors), tuple(t._version for t in tensors))
-    same = getattr(_checked, "stamp", None) == stamp
+    same = getattr(_checked, "key", None) == key and same_tables(getattr(_checked, "tables", None), tensors)
     _checked.skip = same
     try:
         yield
     finally:
         _checked.skip = False
     if not same:                              # the block validated these tables (it raised otherwise)
-        _checked.stamp, _checked.refs = stamp, tensors
+        _checked.key, _checked.tables = key, keep_tables(tensors)
 
 
 def _dtype_name(dtype) -> str:

@@ -73,7 +73,7 @@ def chunk_forward(model, tokens: torch.Tensor, memory: ChunkedKVMemory, *, backe
         k_pool, v_pool = memory.write(li, k, v, track_gradients=track_gradients)
         # each layer retains its own pages, so each has its own block table: one plan per layer
         attention.begin(memory.block_table(li), seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=hd,
-                        page_size=memory.page_size, num_query_tokens=n, decode=False)   # tables trusted
+                        page_size=memory.page_size, num_query_tokens=n, decode=False, trusted=True)
         attn = attention(li, q, k_pool, v_pool, page_indices=memory.page_indices(li, Hkv))
         x = x + layer.wo(attn.reshape(B, n, Hq * hd))
         x = x + layer.ffn(layer.ffn_norm(x))
