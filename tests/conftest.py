@@ -16,7 +16,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MODEL_DIR = SHARED / "models" / "stories260K"
+MODEL_DIR = SHARED / "models" / "stories260K"     # its README (the known-good text's source) only
+
+# the model, tokenizer and texts the package ships: every test runs in a clone with nothing beside it
+from tinyattn import assets as _assets  # noqa: E402
+
+CKPT = _assets.default_model_path()
+TOKENIZER = _assets.default_tokenizer_path()
+VALID = _assets.default_text_path()
+SAMPLE = _assets.default_finetune_text_path()
+KNOWN_GOOD = Path(__file__).resolve().parent / "known_good_stories260K.txt"
 DATA_DIR = SHARED / "data"
 
 

@@ -5,11 +5,8 @@ Import them into a test module, ``from model_fixtures import model, tok``: each 
 
 import pytest
 
-from conftest import MODEL_DIR
+from conftest import CKPT, TOKENIZER
 from tinyattn.models import LlamaModel, Tokenizer
-
-CKPT = MODEL_DIR / "stories260K.bin"
-TOKENIZER = MODEL_DIR / "tok512.bin"
 
 
 @pytest.fixture(scope="module")

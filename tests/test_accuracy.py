@@ -18,13 +18,10 @@ from tinyattn.selection import H2OPolicy, SelectionMetrics
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / ".." / "shared" / "models" / "stories260K"
-CKPT = MODEL_DIR / "stories260K.bin"
-TOKENIZER = MODEL_DIR / "tok512.bin"
-VALID = REPO / ".." / "shared" / "data" / "tinystories_valid_excerpt.txt"
+from conftest import CKPT, TOKENIZER, VALID  # noqa: E402  (shipped with the package)
 TORCH = "torch"
 
-needs_model = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{MODEL_DIR} is missing")
+needs_model = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{CKPT} is missing")
 
 
 # ------------------------------------------------------------------------------------ long-range tokens

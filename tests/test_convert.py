@@ -1,4 +1,4 @@
-"""llama2.c -> Hugging Face converter, on the real stories260K checkpoint (../shared/models/stories260K)."""
+"""llama2.c -> Hugging Face converter, on the real stories260K checkpoint (the copy shipped in tinyattn/data)."""
 
 import json
 
@@ -13,18 +13,17 @@ from tinyattn.integrations import convert as C  # noqa: E402
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from conftest import MODEL_DIR
+    from conftest import CKPT
 
-    if not (MODEL_DIR / "stories260K.bin").exists():
-        pytest.skip(f"{MODEL_DIR} is missing")
     out = tmp_path_factory.mktemp("stories260K-hf")
-    assert C.main(["--model", str(MODEL_DIR / "stories260K.bin"), "--tokenizer", str(MODEL_DIR / "tok512.bin"),
-                   "--out", str(out)]) == 0
-    return MODEL_DIR, out
+    assert C.main(["--model", str(CKPT), "--tokenizer", str(CKPT.parent / "tok512.bin"), "--out", str(out)]) == 0
+    return CKPT.parent, out
 
 
 def known_good(model_dir) -> str:
-    return (model_dir / "README.md").read_text().split("```")[1].strip("\n")
+    from conftest import KNOWN_GOOD
+
+    return KNOWN_GOOD.read_text(encoding="utf-8").strip("\n")
 
 
 def test_permute_rope_turns_interleaved_into_rotate_half():
@@ -63,11 +62,11 @@ def test_tokenizer_matches_llama2c(converted):
     model_dir, out = converted
     from tinyattn.models import Tokenizer, load_stories
 
-    from conftest import DATA_DIR
+    from conftest import VALID
 
     ref = Tokenizer(model_dir / "tok512.bin")
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    texts = load_stories(DATA_DIR / "tinystories_valid_excerpt.txt")[:3] + ["Hello  wörld! 💥\n x"]
+    texts = load_stories(VALID)[:3] + ["Hello  wörld! 💥\n x"]
     for text in texts:
         ids = tok(text)["input_ids"]
         assert ids == ref.encode(text)

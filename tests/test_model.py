@@ -21,13 +21,8 @@ from tinyattn.models.llama import apply_rope
 
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
-MODEL_DIR = SHARED / "models" / "stories260K"
-CKPT = MODEL_DIR / "stories260K.bin"
-TOKENIZER = MODEL_DIR / "tok512.bin"
-VALID = SHARED / "data" / "tinystories_valid_excerpt.txt"
+from conftest import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
 
-pytestmark = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{MODEL_DIR} is missing")
 
 TORCH = "torch"  # conftest sets TRITON_INTERPRET=1, which would make backend=None pick the slow interpreter
 
@@ -38,10 +33,7 @@ def weights():
 
 
 def known_good_text() -> str:
-    readme = (MODEL_DIR / "README.md").read_text(encoding="utf-8")
-    m = re.search(r"## Known-good output.*?```\n(.*?)```", readme, re.S)
-    assert m, "README.md has no known-good block"
-    return m.group(1)[:-1]  # drop the newline before the closing fence
+    return KNOWN_GOOD.read_text(encoding="utf-8")[:-1]   # the model README's block (test_cli checks the copy)
 
 
 # ------------------------------------------------------------------------------------ plain dense reference

@@ -11,11 +11,7 @@ from hypothesis import strategies as st
 
 from tinyattn.models.tokenizer import Tokenizer
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
-TOKENIZER = SHARED / "models" / "stories260K" / "tok512.bin"
-SAMPLE = SHARED / "data" / "tinystories_sample.txt"
-
-pytestmark = pytest.mark.skipif(not TOKENIZER.exists(), reason=f"{TOKENIZER} is missing")
+from conftest import SAMPLE, TOKENIZER  # noqa: E402  (shipped with the package)
 
 
 @pytest.fixture(scope="module")
