@@ -26,15 +26,6 @@ TOKENIZER = _assets.default_tokenizer_path()
 VALID = _assets.default_text_path()
 SAMPLE = _assets.default_finetune_text_path()
 KNOWN_GOOD = Path(__file__).resolve().parent / "known_good_stories260K.txt"
-DATA_DIR = SHARED / "data"
-
-
-@pytest.fixture
-def shared_dir() -> Path:
-    if not SHARED.exists():
-        pytest.skip(f"{SHARED} is missing")
-    return SHARED
-
 
 @pytest.fixture(autouse=True)
 def nan_poisoned_allocations(monkeypatch):

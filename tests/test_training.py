@@ -54,8 +54,10 @@ def reference_forward(model, tokens, memory_kv=None):
 
 
 # ---- the chunked forward is the model ------------------------------------------------------------------
-def test_full_retention_chunks_equal_one_dense_pass_of_the_real_model(shared_dir):
-    model = LlamaModel.from_llama2c(shared_dir / "models" / "stories260K" / "stories260K.bin")
+def test_full_retention_chunks_equal_one_dense_pass_of_the_real_model():
+    from conftest import CKPT
+
+    model = LlamaModel.from_llama2c(CKPT)
     tokens = torch.randint(3, 512, (2, 97), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(page_size=16, num_pages=16)
     want = model(tokens[:, :-1], cache, [cache.add_sequence(), cache.add_sequence()], backend="torch")
@@ -299,9 +301,10 @@ def test_run_sequences_trains_and_holds_the_budget(name):
 
 
 # ---- the command -----------------------------------------------------------------------------------------
-def test_finetune_command_writes_the_json(shared_dir, tmp_path):
-    model_dir = shared_dir / "models" / "stories260K"
-    data = shared_dir / "data" / "tinystories_valid_excerpt.txt"
+def test_finetune_command_writes_the_json(tmp_path):
+    from conftest import CKPT, VALID as data
+
+    model_dir = CKPT.parent
     results = {}
     for retention in ("full", "recency", "gradient"):
         out = tmp_path / f"{retention}.json"
@@ -319,10 +322,12 @@ def test_finetune_command_writes_the_json(shared_dir, tmp_path):
     assert results["gradient"]["peak_kv_bytes"] * 8 == results["full"]["peak_kv_bytes"] * 5
 
 
-def test_finetune_command_errors(shared_dir, tmp_path, capsys):
-    model_dir = shared_dir / "models" / "stories260K"
+def test_finetune_command_errors(tmp_path, capsys):
+    from conftest import CKPT, VALID
+
+    model_dir = CKPT.parent
     args = ["--model", str(model_dir / "stories260K.bin"), "--tokenizer", str(model_dir / "tok512.bin"),
-            "--data", str(shared_dir / "data" / "tinystories_valid_excerpt.txt"), "--steps", "1",
+            "--data", str(VALID), "--steps", "1",
             "--json", str(tmp_path / "x.json"), "--retention", "gradient"]
     assert ft.main(args + ["--chunk-size", "12", "--kv-budget-pages", "8"]) == 2
     assert "--chunk-size (12) must be a multiple of --page-size (16)" in capsys.readouterr().err
