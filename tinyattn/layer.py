@@ -145,6 +145,8 @@ class PagedAttention:
         ``page_indices``: attend to these logical pages (``[B, Hkv, K]``, -1 padded) instead of deciding.
         ``scale``: this layer's softmax scale if it differs from the step's (GPT-2 scales per layer).
         """
+        if not self.plan._planned:
+            raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
         if scale is not None and scale != self.plan.scale:
             saved, self.plan.scale = self.plan.scale, float(scale)
             try:

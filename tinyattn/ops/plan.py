@@ -199,8 +199,6 @@ class PagedAttentionPlan:
 
     def _check_values(self, num_pages: int | None) -> None:
         """Data-dependent checks (one host sync): the ops' own, so that the errors read the same."""
-        if num_pages is None:
-            num_pages = torch.iinfo(self.block_table.dtype).max
         with V.value_checks(True):
             V.check_table_values(self.block_table, self.seq_lens, self.page_size, num_pages)
             if self.page_budget is not None:
@@ -240,6 +238,11 @@ class PagedAttentionPlan:
 
         Nothing is validated here (see :meth:`plan`); differentiable in ``q``, ``k_cache``, ``v_cache``.
         """
+        if not self._planned:
+            raise RuntimeError("PagedAttentionPlan.run: call plan(block_table, seq_lens, ...) first (once per step)")
+        if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (self.page_size, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"k_cache: expected [num_pages, page_size={self.page_size}, Hkv={self.num_kv_heads}, "
+                             f"D={self.head_dim}] (the plan's), got {tuple(k_cache.shape)}")
         if q.shape[0] != self.batch or q.shape[-2] != self.num_q_heads or q.shape[-1] != self.head_dim or (
                 q.dim() == 4 and q.shape[1] != self.num_query_tokens) or (q.dim() == 3 and self.num_query_tokens != 1):
             raise ValueError(f"q: expected shape [B={self.batch}, Hq={self.num_q_heads}, D={self.head_dim}] or "

@@ -167,8 +167,9 @@ def check_tables(block_table, seq_lens, batch: int | None, device: torch.device)
     expect_device("seq_lens", seq_lens, device, "q")
 
 
-def check_table_values(block_table, seq_lens, page_size: int, num_pages: int) -> None:
-    """seq_lens in [0, capacity] and every block-table entry of a valid page in [0, num_pages)."""
+def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | None) -> None:
+    """seq_lens in [0, capacity] and every block-table entry of a valid page in [0, num_pages) (``>= 0`` when
+    the pool size is not known yet, ``num_pages=None``)."""
     if not value_checks_active() or seq_lens.numel() == 0:
         return
     capacity = block_table.shape[1] * page_size
@@ -176,7 +177,7 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int) ->
     n_valid = (lens + page_size - 1) // page_size                              # [B]
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     used = cols[None, :] < n_valid[:, None]                                    # [B, P]
-    bad_ids = used & ((block_table < 0) | (block_table >= num_pages))
+    bad_ids = used & (block_table < 0) if num_pages is None else used & ((block_table < 0) | (block_table >= num_pages))
     stats = torch.stack([lens.min(), lens.max(), bad_ids.sum()]).tolist()      # one host sync
     if stats[0] < 0:
         raise ValueError(f"seq_lens: expected values >= 0, got a minimum of {stats[0]}")
@@ -185,7 +186,8 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int) ->
                          f"x page_size {page_size}), got a maximum of {stats[1]}")
     if stats[2] > 0:
         row, col = bad_ids.nonzero()[0].tolist()
-        raise ValueError(f"block_table: expected physical page ids in [0, {num_pages}) for the valid pages of each "
+        want = "ids >= 0" if num_pages is None else f"ids in [0, {num_pages})"
+        raise ValueError(f"block_table: expected physical page {want} for the valid pages of each "
                          f"row, got {int(block_table[row, col])} at [{row}, {col}]")
 
 

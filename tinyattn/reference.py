@@ -1,0 +1,8 @@
+"""``tinyattn.reference``: the pure-PyTorch loop twins of the public ops (DESIGN.md §3), fp32 math.
+
+The same functions as :mod:`tinyattn.ops.reference` (where they live, beside the ops they mirror), importable
+under the name the docs use: ``import tinyattn.reference`` or ``from tinyattn.reference import paged_attention``.
+"""
+
+from .ops.reference import (__all__, page_scores, paged_attention, select_pages,  # noqa: F401
+                            sparse_paged_attention, update_page_metadata)
