@@ -369,3 +369,15 @@ def test_fused_weights_follow_weight_updates(model, tok):
     w_qkv, _ = m.layers[0].fused_weights()
     wk_rows = slice(cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
     assert torch.equal(w_qkv[wk_rows], m.layers[0].wk.weight)
+
+
+def test_generation_can_stop_at_bos(model, tok):
+    """llama2.c models end a story where the next one's BOS would come: stop_token_ids=(BOS,) stops there (the
+    CLI's default, like run.c), the same tokens as an unstopped run up to and including that BOS."""
+    rt = LlamaRuntime(model, page_size=16, page_budget=4)
+    prompt = [tok.encode("Tom had a red ball")]
+    free = rt.generate(prompt, max_new_tokens=300, eos_id=None).tokens[0]
+    assert tok.bos_id in free                                     # this story ends within 300 tokens
+    stopped = rt.generate(prompt, max_new_tokens=300, eos_id=None, stop_token_ids=(tok.bos_id,)).tokens[0]
+    cut = free.index(tok.bos_id) + 1
+    assert stopped == free[:cut]

@@ -126,7 +126,10 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="prompt text; repeat for a batch (default: one empty prompt, i.e. BOS only)")
     g.add_argument("--max-new-tokens", type=non_negative_int, default=200,
-                   help="tokens to generate per prompt; a row also stops at EOS (default: 200)")
+                   help="tokens to generate per prompt; a row also stops at EOS, and at BOS (the start of a next "
+                        "story, as llama2.c's run.c stops) unless --no-stop-at-bos (default: 200)")
+    g.add_argument("--no-stop-at-bos", action="store_true",
+                   help="keep generating past a BOS token (the model then starts a new story)")
     g.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="sampling temperature; 0 = greedy (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling torch.Generator (default: 0)")
@@ -261,7 +264,8 @@ def _cmd_generate(args) -> int:
     with warnings.catch_warnings(), cli_profile(args.profile) as prof:
         warnings.simplefilter("ignore")  # past-context warning: reported below instead
         out = runtime.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               seed=args.seed, eos_id=tokenizer.eos_id)
+                               seed=args.seed, eos_id=tokenizer.eos_id,
+                               stop_token_ids=() if args.no_stop_at_bos else (tokenizer.bos_id,))
     for i, (p, new) in enumerate(zip(prompts, out.tokens)):
         if len(prompts) > 1:
             print(f"=== [{i}] ===")

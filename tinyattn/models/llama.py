@@ -462,12 +462,13 @@ class LlamaRuntime:
     # -------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int | None = None, eos_id: int | None = 2) -> GenerationOutput:
+                 seed: int | None = None, eos_id: int | None = 2, stop_token_ids=()) -> GenerationOutput:
         """Generate continuations of a batch of prompts.
 
         Each prompt is prefilled alone (dense); then all rows decode together, one token per step,
-        through the sparse path. A row stops after ``max_new_tokens`` tokens or on ``eos_id``
-        (``None`` never stops early). ``temperature == 0`` is greedy; otherwise tokens are sampled
+        through the sparse path. A row stops after ``max_new_tokens`` tokens, on ``eos_id`` (``None``: never
+        on EOS), or on any of ``stop_token_ids`` (e.g. BOS for llama2.c models, whose stories end where
+        the next one's BOS would be, as ``run.c`` stops); the stopping token is kept in ``tokens``. ``temperature == 0`` is greedy; otherwise tokens are sampled
         from ``softmax(logits / temperature)`` with a ``torch.Generator`` seeded by ``seed``.
         """
         if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
@@ -512,7 +513,7 @@ class LlamaRuntime:
             still = []
             for row, tok in zip(active, next_tokens):
                 out[row].append(tok)
-                if eos_id is not None and tok == eos_id:
+                if (eos_id is not None and tok == eos_id) or tok in stop_token_ids:
                     stopped[row] = True
                 elif len(out[row]) < max_new_tokens:
                     still.append(row)
