@@ -340,7 +340,7 @@ def test_load_stories(tmp_path):
 def test_stats_rates_are_labelled_and_consistent(model, tok):
     """Decode tokens/s counts generated tokens over decode time; end to end adds the prefill time to the same
     numerator, so it can never exceed the decode rate (it used to count prompt tokens too)."""
-    rt = LlamaRuntime(model, page_size=8, page_budget=2)
+    rt = LlamaRuntime(model, page_size=8, page_budget=2, backend=TORCH)
     out = rt.generate([tok.encode("Tom had a red ball"), tok.encode("Once upon a time")], max_new_tokens=12,
                       eos_id=None)
     s = out.stats
@@ -357,13 +357,13 @@ def test_fused_weights_follow_weight_updates(model, tok):
     """The runtime's stacked wq|wk|wv and w1|w3 are rebuilt when a weight changes in place."""
     import copy
     m = copy.deepcopy(model)
-    rt = LlamaRuntime(m, page_size=8)
+    rt = LlamaRuntime(m, page_size=8, backend=TORCH)
     prompt = [tok.encode("Once upon a time")]
     rt.generate(prompt, max_new_tokens=5, eos_id=None)                   # builds the stacked weights
     with torch.no_grad():
         m.layers[0].wk.weight.mul_(-3.0)
     after = rt.generate(prompt, max_new_tokens=5, eos_id=None).tokens
-    fresh = LlamaRuntime(copy.deepcopy(m), page_size=8).generate(prompt, max_new_tokens=5, eos_id=None).tokens
+    fresh = LlamaRuntime(copy.deepcopy(m), page_size=8, backend=TORCH).generate(prompt, max_new_tokens=5, eos_id=None).tokens
     assert after == fresh
     cfg = m.config
     w_qkv, _ = m.layers[0].fused_weights()
@@ -374,7 +374,7 @@ def test_fused_weights_follow_weight_updates(model, tok):
 def test_generation_can_stop_at_bos(model, tok):
     """llama2.c models end a story where the next one's BOS would come: stop_token_ids=(BOS,) stops there (the
     CLI's default, like run.c), the same tokens as an unstopped run up to and including that BOS."""
-    rt = LlamaRuntime(model, page_size=16, page_budget=4)
+    rt = LlamaRuntime(model, page_size=16, page_budget=4, backend=TORCH)
     prompt = [tok.encode("Tom had a red ball")]
     free = rt.generate(prompt, max_new_tokens=300, eos_id=None).tokens[0]
     assert tok.bos_id in free                                     # this story ends within 300 tokens
