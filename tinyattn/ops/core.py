@@ -135,12 +135,12 @@ def softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def attend_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float):
-    """NaN-safe masked attention with its lse: ``qg [B, Hkv, M, D]``, ``k, v [B, Hkv, N, D]``.
+    """NaN-safe masked attention with its lse: ``qg [B, Hkv, M, D]`` (``M = Tq * G``), ``k, v [B, Hkv, keys, D]``.
 
-    ``visible`` broadcasts to ``[B, Hkv, M, N]`` (``None`` = all visible). Returns ``out [B, Hkv, M, D]``
+    ``visible`` broadcasts to ``[B, Hkv, M, keys]`` (``None`` = all visible). Returns ``out [B, Hkv, M, D]``
     (zeros for a row that sees nothing) and ``lse [B, Hkv, M]`` (natural log, ``-inf`` there).
     """
-    logits = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)                           # [B, Hkv, M, N]
+    logits = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)                           # [B, Hkv, M, keys]
     if visible is not None:
         logits = logits.masked_fill_(~visible, NEG_INF)
     p, m, denom = softmax_parts(logits)

@@ -371,14 +371,14 @@ class PagedAttentionPlan:
         picked afterwards; otherwise the step's boxes are gathered head-major (``[B * Hkv, Pv, D]``) first.
         """
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
-        Pv, N = t["Pv"], k_min.shape[0]
+        Pv, num_pages = t["Pv"], k_min.shape[0]
         M = qg.shape[2]
         dt = qg.dtype
-        if N <= 2 * B * Pv and Hkv * B * M * N * 4 <= _POOL_SCORES_BYTES and k_min.dtype == dt:
+        if num_pages <= 2 * B * Pv and Hkv * B * M * num_pages * 4 <= _POOL_SCORES_BYTES and k_min.dtype == dt:
             qp = qg.transpose(0, 1).reshape(Hkv, B * M, D)                               # [Hkv, B*M, D]
-            lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)                      # [Hkv, D, N] views
-            ub = torch.baddbmm(torch.bmm(qp.clamp(max=0), lo), qp.clamp(min=0), hi)     # [Hkv, B*M, N]
-            ub = ub.view(Hkv, B, M, N).amax(2)                                           # [Hkv, B, N]
+            lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)          # [Hkv, D, num_pages] views
+            ub = torch.baddbmm(torch.bmm(qp.clamp(max=0), lo), qp.clamp(min=0), hi)     # [Hkv, B*M, num_pages]
+            ub = ub.view(Hkv, B, M, num_pages).amax(2)                                   # [Hkv, B, num_pages]
             return ub.gather(2, t["phys_hb"]).transpose(0, 1).float()                    # [B, Hkv, Pv]
         qt = qg.reshape(B * Hkv, -1, D).transpose(1, 2)                                  # [B*Hkv, D, M]
         hi = self._gather_rows("hi", k_max, t["box_rows"]).view(B * Hkv, Pv, D)

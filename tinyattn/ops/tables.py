@@ -48,7 +48,7 @@ def _rows(table: np.ndarray, lens: np.ndarray, P: int, S: int, Hkv: int) -> tupl
 
 
 def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int) -> np.ndarray:
-    """``[B, Tq, N]``: query ``t`` (at ``len - Tq + t``) sees key ``i`` (bottom-right causal)."""
+    """``[B, Tq, keys]``: query ``t`` (at ``len - Tq + t``) sees key ``i`` (bottom-right causal)."""
     if Tq == 1:                     # the query is the last token: it sees every valid key
         return key_ok[:, None, :]
     q_pos = lens[:, None] - Tq + np.arange(Tq)                                         # [B, Tq]
@@ -56,12 +56,12 @@ def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int) -> np.ndarray:
 
 
 def _bias(visible: np.ndarray, group: int) -> np.ndarray:
-    """``[B, Tq, N]`` bool -> additive fp32 mask ``[B, 1, Tq * G, N]`` (query rows ordered ``(t, g)``)."""
-    B, Tq, N = visible.shape
+    """``[B, Tq, keys]`` bool -> additive fp32 mask ``[B, 1, Tq * G, keys]`` (query rows ordered ``(t, g)``)."""
+    B, Tq, n_keys = visible.shape
     bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))
     if Tq > 1:
         bias = np.repeat(bias, group, axis=1)
-    return bias.reshape(B, 1, -1, N)
+    return bias.reshape(B, 1, -1, n_keys)
 
 
 def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
