@@ -71,10 +71,6 @@ def _as_q4(q: torch.Tensor) -> torch.Tensor:
     return q.unsqueeze(1) if q.dim() == 3 else q
 
 
-def _math_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         *, page_indices: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention probability mass each page receives, summed over the GQA group and the ``Tq`` queries.
@@ -99,7 +95,7 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    dt = _math_dtype(q4)
+    dt = core.math_dtype(q4)
     device = q4.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     if page_indices is None:
@@ -131,7 +127,7 @@ def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     """
     B, max_pages = block_table.shape
     page_size = k_cache.shape[1]
-    dt = _math_dtype(k_cache)
+    dt = core.math_dtype(k_cache)
     device = k_cache.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     j = torch.arange(max_pages, device=device)

@@ -34,13 +34,19 @@ def _problem(B=2, L=(3000, 1777), S=16, hkv=8, group=4, D=128, dtype=torch.bfloa
     return q, k, v, table, sl, k_min, k_max
 
 
+def _plan(q, k, table, sl):
+    import tinyattn
+
+    return tinyattn.PagedAttentionPlan(backend="triton").plan(
+        table, sl, num_q_heads=q.shape[1], num_kv_heads=k.shape[2], head_dim=q.shape[2], page_size=k.shape[1],
+        page_budget=64, trusted=True)
+
+
 def test_run_makes_no_sync_and_matches_the_torch_backend():
     import tinyattn
 
     q, k, v, table, sl, k_min, k_max = _problem()
-    plan = tinyattn.PagedAttentionPlan(backend="triton").plan(
-        table, sl, num_q_heads=q.shape[1], num_kv_heads=k.shape[2], head_dim=q.shape[2], page_size=k.shape[1],
-        page_budget=64, trusted=True)
+    plan = _plan(q, k, table, sl)
     out = torch.empty_like(q)
     plan.run(q, k, v, k_min=k_min, k_max=k_max, out=out)            # compile outside the sync check
     torch.cuda.synchronize()
@@ -60,9 +66,7 @@ def test_run_replays_in_a_cuda_graph():
     import tinyattn
 
     q, k, v, table, sl, k_min, k_max = _problem()
-    plan = tinyattn.PagedAttentionPlan(backend="triton").plan(
-        table, sl, num_q_heads=q.shape[1], num_kv_heads=k.shape[2], head_dim=q.shape[2], page_size=k.shape[1],
-        page_budget=64, trusted=True)
+    plan = _plan(q, k, table, sl)
     out = torch.empty_like(q)
     plan.run(q, k, v, k_min=k_min, k_max=k_max, out=out)            # compile first
     graph = torch.cuda.CUDAGraph()

@@ -57,7 +57,7 @@ def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
     """
     B, Tq, Hq, D = q4.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    dt = T._math_dtype(q4)
+    dt = core.math_dtype(q4)
     rows, _, visible = core.page_rows(block_table, seq_lens, page_indices, page_size=page_size, num_kv_heads=Hkv,
                                       num_query_tokens=Tq)                       # [B, Hkv, K, S], [.., Tq, K, S]
     slot = rows.reshape(B, Hkv, -1)                                                     # [B, Hkv, N]

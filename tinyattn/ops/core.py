@@ -23,8 +23,23 @@ import torch
 
 NEG_INF = float("-inf")
 
-__all__ = ["num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "group_queries", "ungroup", "softmax_parts",
+__all__ = ["math_dtype", "float_order_key", "num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "group_queries", "ungroup", "softmax_parts",
            "attend_rows", "NEG_INF"]
+
+
+def math_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention math runs in for inputs like ``x``: fp64 for fp64, fp32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def float_order_key(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like the fp32 ``scores``, in the high 32 bits (the low ones are free for a tie-break).
+
+    NaN counts as ``-inf`` and ``-0.0`` as ``0.0``: the one ordering rule of every selection (DESIGN.md §3).
+    """
+    s = torch.where(torch.isnan(scores), NEG_INF, scores.float()) + 0.0
+    bits = s.view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
 
 
 def num_valid_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:

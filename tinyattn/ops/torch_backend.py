@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from .core import canonical_page_indices, dense_page_indices, num_valid_pages  # noqa: F401 (one definition)
+from .core import (canonical_page_indices, dense_page_indices, float_order_key, group_queries,  # noqa: F401
+                   math_dtype, num_valid_pages)
 
 NEG_INF = float("-inf")
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
-
-
-def _math_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _physical_pages(block_table: torch.Tensor, logical: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -37,25 +34,19 @@ def _physical_pages(block_table: torch.Tensor, logical: torch.Tensor, valid: tor
     return torch.where(valid, phys.reshape(logical.shape), 0)
 
 
-def _group_queries(q4: torch.Tensor, Hkv: int, dt: torch.dtype) -> torch.Tensor:
-    """[B, Tq, Hq, D] -> [B, Hkv, Tq*G, D] in the math dtype (the queries that share one KV head)."""
-    B, Tq, Hq, D = q4.shape
-    return q4.to(dt).view(B, Tq, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(B, Hkv, Tq * (Hq // Hkv), D)
-
-
 def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
     """ub = q⁺·k_max + q⁻·k_min, max over the group and the queries of each row. [B, Hkv, P] fp32."""
     B, Tq, Hq, D = q4.shape
     N, Hkv = k_min.shape[0], k_min.shape[1]
     P = block_table.shape[1]
-    dt = _math_dtype(q4)
+    dt = math_dtype(q4)
     if B * Tq * P * N == 0:                                                             # nothing to score
         return torch.full((B, Hkv, P), NEG_INF, dtype=torch.float32, device=q4.device)
     cols = torch.arange(P, device=q4.device)
     n_valid = num_valid_pages(seq_lens, page_size)
     valid = cols[None, :] < n_valid[:, None]                                            # [B, P]
     phys = _physical_pages(block_table, cols.expand(B, P), valid)                       # [B, P]
-    qg = _group_queries(q4, Hkv, dt)                                                    # [B, Hkv, M, D]
+    qg = group_queries(q4, Hkv, dt)                                                     # [B, Hkv, M, D]
     q_pos, q_neg = qg.clamp(min=0), qg.clamp(max=0)
     M = qg.shape[2]
     total_valid = int(n_valid.sum()) if B > 1 else P
@@ -101,10 +92,7 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     is_sink = is_valid & ~is_recent & (j < num_sink_pages)
     forced = torch.where(is_recent, _FORCED_KEY + 2 * P + j, _FORCED_KEY + P - j)      # newest, then first pages
     fallback = torch.where(is_recent | is_sink, forced, _INVALID_KEY)                   # [B, 1, P]
-    # NaN counts as -inf (nan_to_num would also turn -inf into -finfo.max, ranking NaN below it); -0.0 == 0.0
-    s = torch.where(torch.isnan(scores), NEG_INF, scores.float()) + 0.0
-    bits = s.view(torch.int32)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32                    # float order as int
+    key = float_order_key(scores)                                       # NaN as -inf, -0.0 as 0.0
     key = torch.where(is_valid & ~(is_recent | is_sink), key + (P - 1 - j), fallback)
     k = min(page_budget, P)
     top = torch.topk(key, k, dim=-1, largest=True, sorted=False)                       # [B, Hkv, k]

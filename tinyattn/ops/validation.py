@@ -84,6 +84,13 @@ def already_checked(key: tuple, *tensors: torch.Tensor):
         _checked.skip = False
     if not same:                              # the block validated these tables (it raised otherwise)
         _checked.key, _checked.tables = key, keep_tables(tensors)
+        _checked.generation = getattr(_checked, "generation", 0) + 1
+
+
+def checked_generation() -> int:
+    """A number that changes whenever :func:`already_checked` validates new tables on this thread: a plan built
+    under generation ``g`` still fits the tables while the generation is ``g`` (no second comparison)."""
+    return getattr(_checked, "generation", 0)
 
 
 def _dtype_name(dtype) -> str:
