@@ -290,3 +290,20 @@ def test_run_ignores_duplicate_pages_and_checks_q():
                                atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match=r"q: expected shape \[B=1, Hq=2, D=8\]"):
         plan.run(torch.randn(2, 2, 8), k, v)
+
+
+@pytest.mark.parametrize("pages", [20, 90])          # the sort path and the packed-key top-k
+def test_nan_bound_ties_with_a_real_minus_inf(pages):
+    """NaN counts as -inf, ties to the lower page: a NaN page before a -inf page is kept first, on both selection
+    forms, exactly as select_pages (a real -inf once became -FLT_MAX through nan_to_num and outranked NaN)."""
+    S = 2
+    q, k, v, table, sl, _, _ = _problem(9, 1, 2, 1, 4, S, [pages * S])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=1, head_dim=4,
+                                                    page_size=S, page_budget=3)
+    t = plan._sparse_tables()
+    scores = torch.full((1, 1, pages), float("-inf"))           # every bound -inf ...
+    scores[0, 0, 0] = float("nan")                               # ... but page 0's, NaN: ties with -inf, kept first
+    scores[0, 0, 7] = float("inf")
+    got = torch.sort(plan._top_pages(scores, t), dim=-1).values.to(torch.int32)
+    want = R.select_pages(scores, sl, page_size=S, page_budget=3)
+    assert torch.equal(got, want)

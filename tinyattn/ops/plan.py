@@ -172,11 +172,12 @@ class PagedAttentionPlan:
         self.page_size, self.num_query_tokens = page_size, num_query_tokens
         self.page_budget, self.num_sink_pages, self.num_recent_pages = page_budget, num_sink_pages, num_recent_pages
         self.block_table, self.seq_lens = block_table, seq_lens
-        self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
         # the torch backend builds its index tables on the host (one device -> host copy off the CPU)
         self._host = (tables.host_copy(block_table), tables.host_copy(seq_lens)) if self.backend == "torch" else None
-        if self._host is not None and self._lens is None:
+        if self._host is not None:
             self._lens = self._host[1].tolist()
+        else:
+            self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
         if not trusted:
             self._check_values(num_pages)
         self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
@@ -302,17 +303,7 @@ class PagedAttentionPlan:
         else:
             t = self._dense or self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
-        if rows.shape[0] * D * k_cache.element_size() < _WORKSPACE_MIN_BYTES:       # small: no workspace
-            k = k_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
-            v = v_cache.reshape(-1, D).index_select(0, rows).view(B, Hkv, n_keys, D)
-        else:
-            k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
-            v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
-        if k.dtype != qg.dtype:
-            k, v = k.to(qg.dtype), v.to(qg.dtype)
-        if bias is not None and bias.dtype != qg.dtype:                  # fp64: SDPA needs the mask in its dtype
-            bias = bias.to(qg.dtype)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
+        o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype), bias)  # [B, Hkv, M, D]
         if decode:
             return o.view(q.shape)
         o = core.ungroup(o, 1 if q.dim() == 3 else q.shape[1]).to(q.dtype)
@@ -354,13 +345,13 @@ class PagedAttentionPlan:
         thousands of pages.
         """
         if t["packed"] is None:
-            key = torch.where(t["forced"], t["forced_key"], scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP))
+            # NaN counts as -inf (neginf= keeps a real -inf as -inf: it ties with NaN, lower page first)
+            key = torch.where(t["forced"], t["forced_key"],
+                              scores.nan_to_num(nan=core.NEG_INF, posinf=_SCORE_CAP, neginf=core.NEG_INF))
             # stable: equal keys keep page order, so ties go to the lower page index (and valid pages come
             # before the invalid ones), which also makes the position of every forced page fixed by the plan
             return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : t["K"]]
-        bits = (scores.nan_to_num(nan=core.NEG_INF) + 0.0).view(torch.int32)            # -0.0 == 0.0
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32                  # float order as int
-        key = torch.where(t["forced"], t["packed"], key + t["rank"])
+        key = torch.where(t["forced"], t["packed"], core.float_order_key(scores) + t["rank"])
         return torch.topk(key, t["K"], dim=-1, largest=True, sorted=True).indices
 
     def _scores_torch(self, qg, k_min, k_max, t) -> torch.Tensor:
@@ -423,20 +414,28 @@ class PagedAttentionPlan:
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         else:
             rows, bias, n_keys = self._selected_rows(page_indices)
-        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
-        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
-        if k.dtype != dt:
-            k, v = k.to(dt), v.to(dt)
+        k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt)
         if return_lse or not _sdpa_zeroes_empty_rows() or (
                 page_indices is not None and page_indices is not self._last_selection):
             # the NaN-safe core with its lse; also for pages listed by a caller, which may leave a query
             # with no visible key
             o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
-        if bias is not None and bias.dtype != qg.dtype:                  # fp64: SDPA needs the mask in its dtype
+        return core.ungroup(self._sdpa(qg, k, v, bias), Tq).to(q4.dtype), None
+
+    def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype):
+        """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``."""
+        B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
+        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
+        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
+
+    def _sdpa(self, qg, k, v, bias):
+        """SDPA over the gathered keys; the additive mask in the query's dtype (fp64 SDPA with an fp32 mask is
+        wrong on torch 2.13's CPU)."""
+        if bias is not None and bias.dtype != qg.dtype:
             bias = bias.to(qg.dtype)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [B, Hkv, M, D]
-        return core.ungroup(o, Tq).to(q4.dtype), None
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)
 
     def _selected_rows(self, page_indices):
         """Pool rows ``[B*Hkv*K*S]`` and additive mask ``[B, Hkv, M or 1, K*S]`` of the listed pages."""
