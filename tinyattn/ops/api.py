@@ -11,6 +11,7 @@ is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -63,30 +64,48 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
 _plans = threading.local()
 
 
-def _geometry(q, k_cache) -> tuple:
-    """What the value checks depend on besides the tables: query tokens, pool pages, page size."""
-    return (q.shape[1] if q.dim() == 4 else 1, k_cache.shape[0] if k_cache.dim() == 4 else None,
-            k_cache.shape[1] if k_cache.dim() == 4 else None)
+def _planned(backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan:
+    """The calling thread's plan for ``backend`` (its workspaces are reused from call to call), planned for this
+    call's validated tables.
 
-
-def _planned(backend: str, shapes, block_table, seq_lens, scale: float, *, page_budget=None, num_sink_pages=0,
-             num_recent_pages=1) -> PagedAttentionPlan:
-    """The calling thread's plan for ``backend`` (its workspaces are reused from call to call), planned for
-    this call's already validated tables."""
+    ``checked``: what validation returned (:func:`_checked_dense` / :func:`_checked_sparse`); the same object as
+    at the last call means :func:`V.recall` found the same signature and table values, so the plan stands.
+    """
     plan = getattr(_plans, backend, None)
     if plan is None:
         plan = PagedAttentionPlan(backend=backend)
         setattr(_plans, backend, plan)
-    # the tables were just compared with the last validated ones (V.already_checked): an unchanged generation
-    # means the same values as when this plan was built, so its tables stand
-    key = (shapes, scale, page_budget, num_sink_pages, num_recent_pages, V.checked_generation())
-    if getattr(plan, "_api_key", None) == key:
+    if plan._api_key is checked:
         return plan.rebind(block_table, seq_lens)
-    plan._api_key = key
+    plan._api_key = checked
+    shapes, scale, selection = checked.shapes, checked.scale, checked.selection
     return plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
                      head_dim=shapes.head_dim, page_size=shapes.page_size,
-                     num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
-                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, scale=scale, trusted=True)
+                     num_query_tokens=shapes.num_query_tokens, scale=scale, trusted=True, **selection)
+
+
+class _Checked(NamedTuple):
+    """A validated call: sizes, softmax scale, backend, and the selection rules of the plan."""
+    shapes: V.PagedShapes
+    scale: float
+    backend: str
+    selection: dict
+
+
+def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend) -> _Checked:
+    """Validate ``paged_attention``'s arguments, or recall the last identical call's result."""
+    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, scale, backend)
+    tables = (block_table, seq_lens)
+    hit = V.recall("dense", sig, tables) if isinstance(block_table, torch.Tensor) and isinstance(
+        seq_lens, torch.Tensor) else None
+    if hit is not None:
+        return hit
+    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    scale = V.check_scale(scale, shapes.head_dim)
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        V.check_kernel_page_size(shapes.page_size)
+    return V.remember("dense", sig, tables, _Checked(shapes, scale, backend, {}))
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
@@ -118,15 +137,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
         outside ``[0, num_pages)`` for valid pages.
     """
-    with V.already_checked(("dense", _geometry(q, k_cache)), block_table, seq_lens):
-        q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
-    scale = V.check_scale(scale, shapes.head_dim)
-    backend = resolve_backend(backend, q.device)
-    if backend == "triton":
-        V.check_kernel_page_size(shapes.page_size)
+    checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned(backend, shapes, block_table, seq_lens, scale).run(q, k_cache, v_cache,
-                                                                           return_lse=return_lse)
+        return _planned(checked.backend, checked, block_table, seq_lens).run(q, k_cache, v_cache,
+                                                                               return_lse=return_lse)
+    shapes, scale, backend = checked.shapes, checked.scale, checked.backend
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
     page_indices = None                          # the Triton kernel walks every valid page itself
     if backend == "torch" or q.dtype == torch.float64:
         page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq,
@@ -241,22 +257,15 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
-    tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
-    with V.already_checked(("sparse", _geometry(q, k_cache), page_budget, num_sink_pages, num_recent_pages), *tables):
-        q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
-        selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                                             num_sink_pages, num_recent_pages)
-    scale = V.check_scale(scale, shapes.head_dim)
-    backend = resolve_backend(backend, q.device)
-    if backend == "triton":
-        V.check_kernel_page_size(shapes.page_size)
+    checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
+                              num_sink_pages, num_recent_pages, scale, backend)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        if page_indices is None:
-            return _planned(backend, shapes, block_table, seq_lens, scale, **selection).run(
-                q, k_cache, v_cache, k_min=k_min, k_max=k_max, return_lse=return_lse)
-        return _planned(backend, shapes, block_table, seq_lens, scale, num_sink_pages=selection["num_sink_pages"],
-                        num_recent_pages=selection["num_recent_pages"]).run(
-            q, k_cache, v_cache, page_indices=page_indices, return_lse=return_lse)
+        return _planned(checked.backend, checked, block_table, seq_lens).run(
+            q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse)
+    shapes, scale, backend = checked.shapes, checked.scale, checked.backend
+    selection = checked.selection if page_indices is None else dict(checked.selection,
+                                                                      page_budget=page_indices.shape[-1])
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
     if page_indices is None:
         if _nothing_to_attend(q4, k_cache, block_table, None):
             return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)
@@ -268,3 +277,28 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
                       return_lse, backend, selection)
+
+
+def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
+                    num_sink_pages, num_recent_pages, scale, backend) -> _Checked:
+    """Validate ``sparse_paged_attention``'s arguments, or recall the last identical call's result.
+
+    The plan's selection rules: with boxes, the budget and forced pages; with ``page_indices``, only the forced
+    pages (the profiler reads them; the list's width is its budget).
+    """
+    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
+                      num_sink_pages, num_recent_pages, scale, backend)
+    tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
+    hit = V.recall("sparse", sig, tables) if all(isinstance(t, torch.Tensor) for t in tables) else None
+    if hit is not None:
+        return hit
+    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                         num_sink_pages, num_recent_pages)
+    if page_indices is not None:
+        selection = dict(num_sink_pages=selection["num_sink_pages"], num_recent_pages=selection["num_recent_pages"])
+    scale = V.check_scale(scale, shapes.head_dim)
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        V.check_kernel_page_size(shapes.page_size)
+    return V.remember("sparse", sig, tables, _Checked(shapes, scale, backend, selection))

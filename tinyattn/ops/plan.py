@@ -115,6 +115,9 @@ class PagedAttentionPlan:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         self._backend_arg = backend
         self._buffers: dict[str, torch.Tensor] = {}
+        # the page-level tables of the last step (tables.sparse_tables / dense_tables): reused while pages stand
+        self._page_memo: dict = {}
+        self._dense_memo: dict = {}
         self._planned = False
 
     def __repr__(self) -> str:
@@ -387,7 +390,7 @@ class PagedAttentionPlan:
                 table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
                 group=self.num_q_heads // self.num_kv_heads, num_query_tokens=self.num_query_tokens,
                 page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
-                num_recent_pages=self.num_recent_pages, device=self.device)
+                num_recent_pages=self.num_recent_pages, device=self.device, memo=self._page_memo)
         return self._sparse
 
     def _host_tables(self):
@@ -401,7 +404,8 @@ class PagedAttentionPlan:
             table, lens = self._host_tables()
             self._dense = tables.dense_tables(table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
                                               group=self.num_q_heads // self.num_kv_heads,
-                                              num_query_tokens=self.num_query_tokens, device=self.device)
+                                              num_query_tokens=self.num_query_tokens, device=self.device,
+                                              memo=self._dense_memo)
         return self._dense
 
     def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse):
@@ -453,6 +457,7 @@ class PagedAttentionPlan:
             bias = bias[:, :, :, None].expand(B, Hkv, Tq, G, K * S).reshape(B, Hkv, Tq * G, K * S)
         return rows.reshape(-1), bias, K * S
 
+    _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
     _last_selection = None     # the pages the torch path selected last (their rows come from the tables)
 
     # ------------------------------------------------------------------------------------ triton path

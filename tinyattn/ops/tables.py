@@ -28,23 +28,25 @@ _SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed in
 __all__ = ["dense_tables", "sparse_tables", "FLT_MAX"]
 
 
-def _rows(table: np.ndarray, lens: np.ndarray, P: int, S: int, Hkv: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat pool rows ``[B, Hkv, P, S]`` of the first ``P`` logical pages (fillers where past the row's end),
-    and ``key_ok`` ``[B, P * S]``."""
+def _page_rows(table: np.ndarray, nonempty: np.ndarray, P: int, S: int, Hkv: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat pool rows ``[B, Hkv, P, S]`` of every slot of the first ``P`` logical pages, and each row's filler
+    ``[B, Hkv, 1, 1]``: its own first key; an empty row borrows another row's (a valid key is finite, an unused
+    slot may hold NaN, and a hidden key's 0 weight times NaN would still be NaN). Depend on the pages only."""
     B = table.shape[0]
-    pos = np.arange(P * S)
-    key_ok = pos[None, :] < lens[:, None]                                              # [B, P*S]
     heads = np.arange(Hkv)
     base = table[:, :P].astype(np.int64) * (S * Hkv)                                   # [B, P]
     rows = base[:, None, :, None] + (np.arange(S) * Hkv)[None, None, None, :] + heads[None, :, None, None]
-    # the filler of a row is its own first key; an empty row borrows another row's (a valid key is finite,
-    # an unused slot may hold NaN, and a hidden key's 0 weight times NaN would still be NaN)
     first = table[:, 0].astype(np.int64) * (S * Hkv) if P else np.zeros(B, np.int64)
-    donor = np.flatnonzero(lens > 0)
-    first = np.where(lens > 0, first, first[donor[0]] if donor.size else 0)
-    filler = first[:, None, None, None] + heads[None, :, None, None]                   # [B, Hkv, 1, 1]
-    rows = np.where(key_ok.reshape(B, 1, P, S), rows, filler)
-    return rows, key_ok
+    donor = np.flatnonzero(nonempty)
+    first = np.where(nonempty, first, first[donor[0]] if donor.size else 0)
+    return rows, first[:, None, None, None] + heads[None, :, None, None]
+
+
+def _with_fillers(rows: np.ndarray, filler: np.ndarray, lens: np.ndarray, P: int, S: int):
+    """``rows`` with every slot past its row's length replaced by the filler; and ``key_ok`` ``[B, P * S]``."""
+    B = rows.shape[0]
+    key_ok = np.arange(P * S)[None, :] < lens[:, None]                                 # [B, P*S]
+    return np.where(key_ok.reshape(B, 1, P, S), rows, filler), key_ok
 
 
 def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int) -> np.ndarray:
@@ -65,14 +67,23 @@ def _bias(visible: np.ndarray, group: int) -> np.ndarray:
 
 
 def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
-                 num_query_tokens: int, device: torch.device) -> dict:
+                 num_query_tokens: int, device: torch.device, memo: dict | None = None) -> dict:
     """Every valid key of each row: ``rows`` ``[B * Hkv * L]`` int64, ``L`` = longest row, and the additive
-    ``bias`` ``[B, 1, Tq * G, L]`` or ``None`` when every query sees every key (equal lengths, decode)."""
+    ``bias`` ``[B, 1, Tq * G, L]`` or ``None`` when every query sees every key (equal lengths, decode).
+    ``memo``: as in :func:`sparse_tables` (the rows of whole pages are reused while the pages stand)."""
     S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
     B = table.shape[0]
     L = int(min(lens.max(initial=0), table.shape[1] * S))
     P = -(-L // S)
-    rows, key_ok = _rows(table, lens, P, S, Hkv)
+    nonempty = lens > 0
+    key = (table[:, :P].tobytes(), B, nonempty.tobytes(), S, Hkv)
+    pages = None if memo is None else memo.get(key)
+    if pages is None:
+        pages = _page_rows(table, nonempty, P, S, Hkv)
+        if memo is not None:
+            memo.clear()
+            memo[key] = pages
+    rows, key_ok = _with_fillers(*pages, lens, P, S)
     rows = rows.reshape(B, Hkv, P * S)[:, :, :L]
     bias = None
     if Tq > 1 or bool((lens != L).any()):
@@ -82,7 +93,7 @@ def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_
 
 def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
                   num_query_tokens: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
-                  device: torch.device) -> dict:
+                  device: torch.device, memo: dict | None = None) -> dict:
     """What a selecting step reads, for the first ``Pv`` pages (the longest row's):
 
     - ``rows`` ``[B, Hkv, Pv, S]`` pool rows of every slot; ``box_rows`` ``[B * Hkv * Pv]`` head-major rows of
@@ -91,27 +102,49 @@ def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv
       invalid ``-inf``): the keys that replace the Quest bound where ``forced``;
     - ``sel_bias`` ``[B, 1, Tq * G, K * S]``: the mask of any selection made with these keys (module docstring);
     - ``K = min(page_budget, Pv)`` pages selected, ``Pv``.
+
+    ``memo``: a dict the caller keeps across steps. What depends on the pages alone (everything but the
+    fillers of partial pages and the mask) is reused from it while the rows' pages and their number stand: a
+    decode step then rebuilds only the per-token part (one page in ``page_size`` steps rebuilds it all).
     """
-    S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
-    B = table.shape[0]
+    S, Tq = page_size, num_query_tokens
     n = (lens + S - 1) // S                                                            # [B] valid pages
     Pv = int(min(table.shape[1], n.max(initial=0)))
+    recent = np.maximum(n - np.maximum(lens - Tq, 0) // S, max(num_recent_pages, 1))  # query pages, >= 1
+    settings = (num_kv_heads, group, Tq, page_budget, num_sink_pages, S, device)
+    key = (table[:, :Pv].tobytes(), table.shape[0], n.tobytes(), recent.tobytes(), settings)
+    pages = None if memo is None else memo.get(key)
+    if pages is None:
+        pages = _sparse_page_tables(table[:, :Pv], n, recent, Pv, *settings)
+        if memo is not None:
+            memo.clear()
+            memo[key] = pages
+    B, K = table.shape[0], pages["K"]
+    rows, key_ok = _with_fillers(pages["base_rows"], pages["filler"], lens, Pv, S)
+    visible = _visible(key_ok, lens, Tq).reshape(B, Tq, Pv, S)                        # [B, Tq, Pv, S]
+    sel_visible = np.take_along_axis(visible, pages["template"][:, None, :, None], axis=2).reshape(B, Tq, K * S)
+    return dict(pages["tensors"], rows=torch.from_numpy(rows).to(device),
+                sel_bias=torch.from_numpy(_bias(sel_visible, group)).to(device))
+
+
+def _sparse_page_tables(table: np.ndarray, n: np.ndarray, recent: np.ndarray, Pv: int, num_kv_heads: int,
+                        group: int, num_query_tokens: int, page_budget: int, num_sink_pages: int, page_size: int,
+                        device: torch.device) -> dict:
+    """The part of :func:`sparse_tables` that depends on the pages alone (``table`` ``[B, Pv]``, ``n`` valid and
+    ``recent`` forced trailing pages per row)."""
+    Hkv = num_kv_heads
     K = min(page_budget, Pv)
-    rows, key_ok = _rows(table, lens, Pv, S, Hkv)
     j = np.arange(Pv)
     valid = j[None, :] < n[:, None]                                                    # [B, Pv]
-    recent = np.maximum(n - np.maximum(lens - Tq, 0) // S, max(num_recent_pages, 1))  # query pages, >= 1
     is_recent = valid & (j[None, :] >= (n - recent)[:, None])
     is_sink = valid & ~is_recent & (j[None, :] < num_sink_pages)
     forced_key = np.where(is_recent, np.float32(np.inf),
                           np.where(is_sink, np.float32(FLT_MAX), np.float32(-np.inf))).astype(np.float32)
     forced = is_recent | is_sink | ~valid
-    phys = np.where(valid, table[:, :Pv], 0).astype(np.int64)
+    phys = np.where(valid, table, 0).astype(np.int64)
     box_rows = (phys[:, None, :] * Hkv + np.arange(Hkv)[None, :, None]).reshape(-1)
     # template selection: every scored page keyed 0 -> where each forced page lands (stable, descending)
     template = np.argsort(-np.where(forced, forced_key, np.float32(0.0)), axis=1, kind="stable")[:, :K]
-    visible = _visible(key_ok, lens, Tq).reshape(B, Tq, Pv, S)                        # [B, Tq, Pv, S]
-    sel_visible = np.take_along_axis(visible, template[:, None, :, None], axis=2).reshape(B, Tq, K * S)
     # long rows select with topk over unique int64 keys (plan._top_pages): forced pages above every bound,
     # recent above sinks, each group in page order; invalid pages below everything
     packed = rank = None
@@ -122,15 +155,14 @@ def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv
                           np.where(is_sink, forced_base + rank, np.iinfo(np.int64).min + rank))
         packed = torch.from_numpy(packed[:, None, :]).to(device)
         rank = torch.from_numpy(rank).to(device)
-    return dict(
-        Pv=Pv, K=K, shape=(B, Hkv, K, S), packed=packed, rank=rank,
-        phys_hb=torch.from_numpy(np.broadcast_to(phys[None], (Hkv, B, Pv)).copy()).to(device),
-        rows=torch.from_numpy(rows).to(device),
+    base_rows, filler = _page_rows(table, n > 0, Pv, page_size, Hkv)
+    tensors = dict(
+        Pv=Pv, K=K, shape=(table.shape[0], Hkv, K, page_size), packed=packed, rank=rank,
+        phys_hb=torch.from_numpy(np.broadcast_to(phys[None], (Hkv,) + phys.shape).copy()).to(device),
         box_rows=torch.from_numpy(box_rows).to(device),
         forced=torch.from_numpy(forced[:, None, :]).to(device),
-        forced_key=torch.from_numpy(forced_key[:, None, :]).to(device),
-        sel_bias=torch.from_numpy(_bias(sel_visible, group)).to(device),
-    )
+        forced_key=torch.from_numpy(forced_key[:, None, :]).to(device))
+    return dict(K=K, base_rows=base_rows, filler=filler, template=template, tensors=tensors)
 
 
 def host_copy(x: torch.Tensor) -> np.ndarray:

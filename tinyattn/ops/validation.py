@@ -35,17 +35,16 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = previous
 
 
-_checked = threading.local()   # per thread: the tables the last call validated (see already_checked)
+_memo = threading.local()     # per thread and op: the last validated call (see recall / remember)
 
 
 def value_checks_active() -> bool:
-    """Whether the data-dependent checks run now: on (see :func:`value_checks`), not while ``torch.compile``
-    traces, and not for tables this thread has just validated (:func:`already_checked`). They read tensor
-    values on the host (``int(...)``, ``.tolist()``), which would break a ``fullgraph=True`` trace; a
-    compiled caller checks its inputs by running the op once eagerly."""
+    """Whether the data-dependent checks run now: on (see :func:`value_checks`) and not while ``torch.compile``
+    traces. They read tensor values on the host (``int(...)``, ``.tolist()``), which would break a
+    ``fullgraph=True`` trace; a compiled caller checks its inputs by running the op once eagerly."""
     if torch.compiler.is_compiling():
         return False
-    return _VALUE_CHECKS and not getattr(_checked, "skip", False)
+    return _VALUE_CHECKS
 
 
 def same_tables(saved, tensors) -> bool:
@@ -63,34 +62,36 @@ def keep_tables(tensors) -> tuple | None:
     return None
 
 
-@contextlib.contextmanager
-def already_checked(key: tuple, *tensors: torch.Tensor):
-    """Skip the value checks inside the block when ``tensors`` hold the same values this thread validated last
-    under the same ``key``.
+def signature(*args) -> tuple:
+    """What an op's shape, dtype, device and option checks depend on: each tensor's shape, dtype and device, and
+    every other argument with its type (so ``True`` never stands for ``1``; a NaN never equals itself, so a
+    call with one is always checked)."""
+    return tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+
+
+def recall(op: str, sig: tuple, tables: tuple):
+    """What the last validated call of ``op`` on this thread returned, if it had this :func:`signature` and its
+    tables held these values; else ``None``.
 
     An op called again and again on the same tables (a microbenchmark, one layer after another with the same
-    ``block_table``) then pays the checks once. The values are compared, not the tensors' identity or version
+    ``block_table``) is then checked once. The values are compared, not the tensors' identity or version
     counters, so writes through ``.numpy()`` / ``torch.from_numpy`` buffers or ``.data`` are seen too. CPU tables
     only: on a GPU a comparison would be a host sync, as the checks are, so they just run.
     """
-    if torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) for t in tensors):
-        yield                                  # tracing: no value checks anyway; not tensors: the checks raise
-        return
-    same = getattr(_checked, "key", None) == key and same_tables(getattr(_checked, "tables", None), tensors)
-    _checked.skip = same
-    try:
-        yield
-    finally:
-        _checked.skip = False
-    if not same:                              # the block validated these tables (it raised otherwise)
-        _checked.key, _checked.tables = key, keep_tables(tensors)
-        _checked.generation = getattr(_checked, "generation", 0) + 1
+    if torch.compiler.is_compiling():
+        return None
+    hit = getattr(_memo, op, None)
+    if hit is not None and hit[0] == sig and same_tables(hit[1], tables):
+        return hit[2]
+    return None
 
 
-def checked_generation() -> int:
-    """A number that changes whenever :func:`already_checked` validates new tables on this thread: a plan built
-    under generation ``g`` still fits the tables while the generation is ``g`` (no second comparison)."""
-    return getattr(_checked, "generation", 0)
+def remember(op: str, sig: tuple, tables: tuple, result):
+    """Keep ``result`` of a call that passed every check (see :func:`recall`); returns ``result``."""
+    saved = None if torch.compiler.is_compiling() else keep_tables(tables)
+    if saved is not None:
+        setattr(_memo, op, (sig, saved, result))
+    return result
 
 
 def _dtype_name(dtype) -> str:
