@@ -354,7 +354,8 @@ def test_stats_rates_are_labelled_and_consistent(model, tok):
 
 
 def test_fused_weights_follow_weight_updates(model, tok):
-    """The runtime's stacked wq|wk|wv and w1|w3 are rebuilt when a weight changes in place."""
+    """The runtime's stacked wq|wk|wv and w1|w3 (RMSNorm weights folded in) are rebuilt when a weight changes in
+    place."""
     import copy
     m = copy.deepcopy(model)
     rt = LlamaRuntime(m, page_size=8, backend=TORCH)
@@ -366,9 +367,10 @@ def test_fused_weights_follow_weight_updates(model, tok):
     fresh = LlamaRuntime(copy.deepcopy(m), page_size=8, backend=TORCH).generate(prompt, max_new_tokens=5, eos_id=None).tokens
     assert after == fresh
     cfg = m.config
-    w_qkv, _ = m.layers[0].fused_weights()
-    wk_rows = slice(cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
-    assert torch.equal(w_qkv[wk_rows], m.layers[0].wk.weight)
+    w_qkv = m.layers[0].fused_weights().qkv                               # [dim, out] for x @ W
+    wk_cols = slice(cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
+    want = (m.layers[0].wk.weight * m.layers[0].attention_norm.weight).t()   # diag(g) Wk^T
+    torch.testing.assert_close(w_qkv[:, wk_cols], want, rtol=1e-6, atol=0)
 
 
 def test_generation_can_stop_at_bos(model, tok):

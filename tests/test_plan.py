@@ -219,6 +219,27 @@ def test_repeated_calls_skip_checks_only_for_unchanged_tables(sparse):
         op(q[:, 0], k, v, bad, sl, **kw)
 
 
+def test_remembered_call_still_checks_every_other_argument():
+    """After a validated call is remembered (same tables), a call that differs in any other argument - a
+    ``True`` budget for ``1``, a NaN scale, a q of another dtype, boxes of another shape - is checked afresh."""
+    q, k, v, table, sl, k_min, k_max = _problem(8, 2, 4, 2, 8, 8, [40, 17])
+    q0 = q[:, 0]
+    kw = dict(k_min=k_min, k_max=k_max, page_budget=1, num_recent_pages=1)
+    for _ in range(2):
+        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **kw)
+    with pytest.raises(TypeError, match="page_budget"):
+        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **dict(kw, page_budget=True))
+    with pytest.raises(ValueError, match="scale"):
+        tinyattn.sparse_paged_attention(q0, k, v, table, sl, scale=float("nan"), **kw)
+    with pytest.raises(TypeError, match="k_cache"):
+        tinyattn.sparse_paged_attention(q0.double(), k, v, table, sl, **kw)
+    with pytest.raises(ValueError, match="k_min"):
+        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **dict(kw, k_min=k_min[:-1]))
+    tinyattn.paged_attention(q0, k, v, table, sl)
+    with pytest.raises(TypeError, match="scale"):
+        tinyattn.paged_attention(q0, k, v, table, sl, scale="0.5")
+
+
 @settings(deadline=None, max_examples=10)
 @given(seed=st.integers(0, 2**16), budget=st.integers(2, 12), sinks=st.integers(0, 2), n_ties=st.integers(0, 20),
        B=st.integers(1, 2))

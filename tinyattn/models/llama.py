@@ -97,20 +97,47 @@ class LlamaBlock(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w_qkv, w_13)``: ``wq|wk|wv`` and ``w1|w3`` stacked, so inference runs one matmul for each.
+    def fused_weights(self) -> "FusedWeights":
+        """The block's weights laid out for inference (:class:`FusedWeights`): ``wq|wk|wv`` and ``w1|w3`` stacked
+        so each runs as one matmul, every matrix transposed for ``x @ W``, each RMSNorm weight folded into the
+        matmul after it (``rms_norm(x) @ W.T = (x @ (diag(g) W.T)) * rsqrt(mean(x²) + eps)``).
 
         Built on first use and rebuilt whenever a weight changes (its version counter or storage), so
         training or loading new weights between calls never leaves a stale copy.
         """
-        ws = (self.wq.weight, self.wk.weight, self.wv.weight, self.w1.weight, self.w3.weight)
+        ws = (self.wq.weight, self.wk.weight, self.wv.weight, self.w1.weight, self.w3.weight, self.wo.weight,
+              self.w2.weight, self.attention_norm.weight, self.ffn_norm.weight)
         # inference tensors keep no version counter: then the stack is rebuilt at every call (never stale)
         key = None if any(w.is_inference() for w in ws) else tuple((w._version, w.data_ptr()) for w in ws)
         if key is None or getattr(self, "_fused_key", None) != key:
             with torch.no_grad():
-                self._fused = (torch.cat(ws[:3]), torch.cat(ws[3:]))
+                self._fused = FusedWeights(
+                    qkv=_folded(torch.cat(ws[:3]), self.attention_norm.weight),
+                    w13=_folded(torch.cat(ws[3:5]), self.ffn_norm.weight),
+                    wo=self.wo.weight.t().contiguous(), w2=self.w2.weight.t().contiguous())
             self._fused_key = key
         return self._fused
+
+
+@dataclass(frozen=True)
+class FusedWeights:
+    """One block's inference weights, each ``[in, out]`` for ``x @ W``: ``qkv`` and ``w13`` with the preceding
+    RMSNorm's weight folded in (see :meth:`LlamaBlock.fused_weights`)."""
+    qkv: torch.Tensor
+    w13: torch.Tensor
+    wo: torch.Tensor
+    w2: torch.Tensor
+
+
+def _folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``diag(norm_weight) @ weight.T`` ``[in, out]``, computed in fp32 and stored in the weight's dtype."""
+    return (weight.float() * norm_weight.float()).t().contiguous().to(weight.dtype)
+
+
+def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(x²) + eps)`` over the last dim, keepdim, in fp32: RMSNorm's scale (its weight is folded into
+    the next matmul)."""
+    return x.float().square().mean(-1, keepdim=True).add_(eps).rsqrt_()
 
 
 # ---------------------------------------------------------------------------- the model
@@ -212,27 +239,41 @@ class LlamaModel(nn.Module):
         attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
                         head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=sparse,
                         seq_ids=list(seq_ids), trusted=True)                # tables made by the cache
-        cis = self._rope_cis(positions, max(start) + T)                              # [B, T, 1, D/2] complex
+        cis = self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2)     # [N, 1, D/2] complex
 
-        x = self.tok_embeddings(tokens)  # [B, T, dim]
+        x = self.tok_embeddings(tokens).view(B * T, cfg.dim)  # [N, dim], N = B*T rows, row-major
         n_qk = (Hq + Hkv) * hd
+        no_boxes = [None] * cfg.n_layers                    # a cache made with page_boxes=False
+        pools = list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes))
         for li, layer in enumerate(self.layers):
             with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
-                # the math of LlamaBlock, with wq|wk|wv and w1|w3 as one matmul each and q, k rotated together
-                w_qkv, w_13 = layer.fused_weights()
-                qkv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv)              # [B, T, (Hq+2Hkv)*hd]
-                qk = _rotate(qkv[..., :n_qk].view(B, T, Hq + Hkv, hd), cis)          # [B, T, Hq+Hkv, hd]
-                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-                v = qkv[..., n_qk:].view(B, T, Hkv, hd)
-                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
-                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li],
-                                 cache.k_min[li], cache.k_max[li])
-                x = x + F.linear(attn.reshape(B, T, Hq * hd), layer.wo.weight)
-                a, b = F.linear(_rms_norm(x, layer.ffn_norm), w_13).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(a) * b, layer.w2.weight)
+                # the math of LlamaBlock: wq|wk|wv and w1|w3 as one matmul each with the RMSNorm weights folded
+                # in, q and k rotated together, the residual adds fused into the output matmuls (addmm)
+                w = layer.fused_weights()
+                qkv = torch.mm(x, w.qkv).mul_(_inv_rms(x, layer.attention_norm.eps).to(x.dtype))  # [N, (Hq+2Hkv)hd]
+                qk = _rotate(qkv[:, :n_qk].view(B * T, Hq + Hkv, hd), cis)                     # [N, Hq+Hkv, hd]
+                k, v = qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd)
+                cache.write(li, slots, k, v)
+                q = qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
+                attn = attention(li, q, *pools[li])
+                x = torch.addmm(x, attn.reshape(B * T, Hq * hd), w.wo)                         # x + attn @ wo
+                h = torch.mm(x, w.w13).mul_(_inv_rms(x, layer.ffn_norm.eps).to(x.dtype))
+                a, b = h.chunk(2, dim=-1)
+                x = torch.addmm(x, F.silu(a).mul_(b), w.w2)                                    # x + ffn
         if last_only:
-            x = x[:, -1]
-        return self.output(self.norm(x)).float()
+            x = x.view(B, T, cfg.dim)[:, -1]
+        logits = torch.mm(x, self._folded_output()).mul_(_inv_rms(x, self.norm.eps).to(x.dtype))
+        return (logits if last_only else logits.view(B, T, -1)).float()
+
+    def _folded_output(self) -> torch.Tensor:
+        """The classifier ``[dim, V]`` with the final RMSNorm weight folded in (as :meth:`LlamaBlock.fused_weights`)."""
+        ws = (self.output.weight, self.norm.weight)
+        key = None if any(w.is_inference() for w in ws) else tuple((w._version, w.data_ptr()) for w in ws)
+        if key is None or getattr(self, "_output_key", None) != key:
+            with torch.no_grad():
+                self._output_folded = _folded(self.output.weight, self.norm.weight)
+            self._output_key = key
+        return self._output_folded
 
     def _rope_cis(self, positions: torch.Tensor, need: int) -> torch.Tensor:
         """``cos + i sin`` at absolute ``positions`` ``[B, T]``: complex ``[B, T, 1, D/2]`` (llama2.c's
@@ -246,16 +287,9 @@ class LlamaModel(nn.Module):
         return self._rope_table[positions][:, :, None, :]
 
 
-def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """:class:`RMSNorm` as one fused call (fp32 math, as the module)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
-    return norm(x)
-
-
 def _rotate(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     """Interleaved RoPE as one complex product (llama2.c's ``apply_rotary_emb``): pairs ``(2i, 2i+1)`` of
-    ``x`` ``[B, T, H, D]`` rotated by ``cis`` ``[B, T, 1, D/2]``; same math as :func:`apply_rope`."""
+    ``x`` ``[..., H, D]`` rotated by ``cis`` ``[..., 1, D/2]``; same math as :func:`apply_rope`."""
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
 

@@ -50,9 +50,12 @@ def value_checks_active() -> bool:
 def same_tables(saved, tensors) -> bool:
     """Whether ``tensors`` hold the same values as ``saved`` (copies kept by :func:`keep_tables`): CPU tables only
     (comparing is a few µs there; on a GPU it would be a host sync, so GPU tables never match)."""
-    return (saved is not None and len(saved) == len(tensors) and all(
-        t.device.type == "cpu" and c.shape == t.shape and c.dtype == t.dtype and torch.equal(c, t)
-        for c, t in zip(saved, tensors)))
+    if saved is None or len(saved) != len(tensors):
+        return False
+    for c, t in zip(saved, tensors):       # a loop, not all(genexpr): this runs on every call of the ops
+        if t.device.type != "cpu" or c.shape != t.shape or c.dtype != t.dtype or not torch.equal(c, t):
+            return False
+    return True
 
 
 def keep_tables(tensors) -> tuple | None:
@@ -66,7 +69,7 @@ def signature(*args) -> tuple:
     """What an op's shape, dtype, device and option checks depend on: each tensor's shape, dtype and device, and
     every other argument with its type (so ``True`` never stands for ``1``; a NaN never equals itself, so a
     call with one is always checked)."""
-    return tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+    return tuple([(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
 
 
 def recall(op: str, sig: tuple, tables: tuple):
