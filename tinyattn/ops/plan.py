@@ -43,7 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import core, tables
+from . import chunked, core, tables
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
 from .spans import span
@@ -306,7 +306,11 @@ class PagedAttentionPlan:
         else:
             t = self._dense or self._dense_tables()
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
-        o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype), bias)  # [B, Hkv, M, D]
+        chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
+        if chunk is not None:                                          # a large step: in cache-sized chunks
+            o = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk)[0]
+        else:
+            o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype), bias)  # [B, Hkv, M, D]
         if decode:
             return o.view(q.shape)
         o = core.ungroup(o, 1 if q.dim() == 3 else q.shape[1]).to(q.dtype)
@@ -418,6 +422,10 @@ class PagedAttentionPlan:
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         else:
             rows, bias, n_keys = self._selected_rows(page_indices)
+        chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
+        if chunk is not None:                                          # a large step: in cache-sized chunks
+            o, lse = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk)
+            return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt)
         if return_lse or not _sdpa_zeroes_empty_rows() or (
                 page_indices is not None and page_indices is not self._last_selection):
@@ -426,6 +434,14 @@ class PagedAttentionPlan:
             o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         return core.ungroup(self._sdpa(qg, k, v, bias), Tq).to(q4.dtype), None
+
+    def _attend_in_chunks(self, qg, k_cache, v_cache, rows, n_keys: int, bias, chunk: int):
+        """:func:`tinyattn.ops.chunked.attend_chunked` over this step's ``rows`` (``[B * Hkv * n_keys]``)."""
+        def gather(flat_rows, n):
+            return self._gather_kv(k_cache, v_cache, flat_rows, n, qg.dtype)
+
+        rows = rows.view(self.batch, self.num_kv_heads, n_keys)
+        return chunked.attend_chunked(qg, gather, rows, bias, self.scale, chunk)
 
     def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype):
         """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``."""
