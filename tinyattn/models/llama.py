@@ -129,6 +129,21 @@ class FusedWeights:
     w2: torch.Tensor
 
 
+@dataclass
+class ForwardStep:
+    """One forward step of :class:`LlamaModel` (from :meth:`LlamaModel.start_step`): ``B`` rows of ``T`` new
+    tokens, their cache slots, the planned attention layer, RoPE factors ``cis`` ``[B*T, 1, D/2]`` and each
+    layer's ``(k_cache, v_cache, k_min, k_max)``."""
+    tokens: torch.Tensor
+    batch: int
+    num_tokens: int
+    cache: object
+    slots: torch.Tensor
+    attention: object
+    cis: torch.Tensor
+    pools: list
+
+
 def _folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     """``diag(norm_weight) @ weight.T`` ``[in, out]``, computed in fp32 and stored in the weight's dtype."""
     return (weight.float() * norm_weight.float()).t().contiguous().to(weight.dtype)
@@ -226,42 +241,71 @@ class LlamaModel(nn.Module):
         lo, hi = tokens.aminmax()
         if int(lo) < 0 or int(hi) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got min {int(lo)} max {int(hi)}")
-        tokens = tokens.to(self.device)
         if attention is None:
             attention = PagedAttention(sparsity, backend=backend)
         attention.metrics = selection_metrics
-        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        step = self.start_step(tokens, cache, seq_ids, attention=attention, decode=sparse)
+        x = self.embed(step)
+        for li in range(cfg.n_layers):
+            with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
+                x = self.layer_forward(li, x, step)
+        return self.head(x, step, last_only=last_only)
 
+    # -------------------------------------------------------------- the step's building blocks
+    # forward() is start_step -> embed -> layer_forward per layer -> head; a pipeline that needs a hook between
+    # layers (the engine's early exit) calls the same blocks, so the math lives here once.
+    def start_step(self, tokens: torch.Tensor, cache, seq_ids, *, attention, decode: bool) -> "ForwardStep":
+        """Extend the rows by ``tokens`` ``[B, T]`` (validated ids), plan ``attention`` for the step, and take
+        the RoPE factors of the new positions. ``decode``: sparse layers select (else dense, a prefill)."""
+        cfg = self.config
+        B, T = tokens.shape
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         start = [cache.length(s) for s in seq_ids]                                   # before extend
         slots = cache.extend(list(seq_ids), T)  # [B*T], row-major (row b's T tokens together)
         positions = torch.tensor(start, dtype=torch.long, device=self.device)[:, None] + torch.arange(
             T, device=self.device)                                                   # [B, T] absolute positions
         attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
-                        head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=sparse,
+                        head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=decode,
                         seq_ids=list(seq_ids), trusted=True)                # tables made by the cache
-        cis = self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2)     # [N, 1, D/2] complex
-
-        x = self.tok_embeddings(tokens).view(B * T, cfg.dim)  # [N, dim], N = B*T rows, row-major
-        n_qk = (Hq + Hkv) * hd
         no_boxes = [None] * cfg.n_layers                    # a cache made with page_boxes=False
-        pools = list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes))
-        for li, layer in enumerate(self.layers):
-            with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
-                # the math of LlamaBlock: wq|wk|wv and w1|w3 as one matmul each with the RMSNorm weights folded
-                # in, q and k rotated together, the residual adds fused into the output matmuls (addmm)
-                w = layer.fused_weights()
-                qkv = torch.mm(x, w.qkv).mul_(_inv_rms(x, layer.attention_norm.eps).to(x.dtype))  # [N, (Hq+2Hkv)hd]
-                qk = _rotate(qkv[:, :n_qk].view(B * T, Hq + Hkv, hd), cis)                     # [N, Hq+Hkv, hd]
-                k, v = qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd)
-                cache.write(li, slots, k, v)
-                q = qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
-                attn = attention(li, q, *pools[li])
-                x = torch.addmm(x, attn.reshape(B * T, Hq * hd), w.wo)                         # x + attn @ wo
-                h = torch.mm(x, w.w13).mul_(_inv_rms(x, layer.ffn_norm.eps).to(x.dtype))
-                a, b = h.chunk(2, dim=-1)
-                x = torch.addmm(x, F.silu(a).mul_(b), w.w2)                                    # x + ffn
+        return ForwardStep(
+            tokens=tokens.to(self.device), batch=B, num_tokens=T, cache=cache, slots=slots, attention=attention,
+            cis=self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2),  # [N, 1, D/2] complex
+            pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)))
+
+    def embed(self, step: "ForwardStep") -> torch.Tensor:
+        """The step's token embeddings as rows ``[N, dim]``, ``N = B * T`` (row-major)."""
+        return self.tok_embeddings(step.tokens).view(step.batch * step.num_tokens, self.config.dim)
+
+    def write_kv(self, li: int, x: torch.Tensor, step: "ForwardStep") -> torch.Tensor:
+        """Layer ``li``'s q, k, v of the rows ``x`` ``[N, dim]``: k and v (rotated k) written into the cache;
+        returns q, rotated, ``[B, Hq, D]`` (decode) or ``[B, T, Hq, D]``."""
+        cfg, B, T = self.config, step.batch, step.num_tokens
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        layer, n_qk = self.layers[li], (Hq + Hkv) * hd
+        # wq|wk|wv as one matmul with the RMSNorm weight folded in; q and k rotated together
+        qkv = torch.mm(x, layer.fused_weights().qkv).mul_(_inv_rms(x, layer.attention_norm.eps).to(x.dtype))
+        qk = _rotate(qkv[:, :n_qk].view(B * T, Hq + Hkv, hd), step.cis)                     # [N, Hq+Hkv, hd]
+        step.cache.write(li, step.slots, qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd))
+        return qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
+
+    def layer_forward(self, li: int, x: torch.Tensor, step: "ForwardStep") -> torch.Tensor:
+        """One block, the math of :class:`LlamaBlock` (``x`` ``[N, dim]`` -> the next rows): K/V written,
+        attention through the step's attention layer, FFN; residual adds fused into the output matmuls."""
+        B, T = step.batch, step.num_tokens
+        w, norm_eps = self.layers[li].fused_weights(), self.layers[li].ffn_norm.eps
+        q = self.write_kv(li, x, step)
+        attn = step.attention(li, q, *step.pools[li])
+        x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
+        h = torch.mm(x, w.w13).mul_(_inv_rms(x, norm_eps).to(x.dtype))
+        a, b = h.chunk(2, dim=-1)
+        return torch.addmm(x, F.silu(a).mul_(b), w.w2)                                        # x + ffn
+
+    def head(self, x: torch.Tensor, step: "ForwardStep", *, last_only: bool = False) -> torch.Tensor:
+        """Final RMSNorm + classifier (fp32 logits): ``[B, V]`` of the last position, or ``[B, T, V]``."""
+        B, T = step.batch, step.num_tokens
         if last_only:
-            x = x.view(B, T, cfg.dim)[:, -1]
+            x = x.view(B, T, -1)[:, -1]
         logits = torch.mm(x, self._folded_output()).mul_(_inv_rms(x, self.norm.eps).to(x.dtype))
         return (logits if last_only else logits.view(B, T, -1)).float()
 
