@@ -1,0 +1,167 @@
+"""The engine's forward pass: :class:`tinyattn.models.LlamaModel`'s math with the plug-ins' hooks.
+
+:meth:`ModelRunner.forward` is ``LlamaModel.forward`` step for step (same fused weights, the model's RoPE table,
+the same calls in the same order: equal outputs, tested bitwise in ``tests/test_engine.py``) with two additions:
+
+- every layer attends through the :class:`tinyattn.PagedAttention` the plug-ins chose for it this step
+  (:class:`LayerwiseAttention`: one attention layer per distinct :class:`tinyattn.SparsityConfig`, each planned
+  once per step);
+- after each layer of a decode step, plug-ins may stop rows early (:meth:`Plugin.after_layer`). An exited
+  row's hidden state stays frozen; the later layers still write its K/V, computed from that frozen state
+  (CALM's state propagation), so later tokens attend to a full cache. When every row has exited, the later
+  layers only compute and write K/V (no attention, no FFN): that is where early exit saves time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.models.llama import _rms_norm, _rotate
+from tinyattn.ops.spans import layer as profile_layer
+
+__all__ = ["ModelRunner", "LayerwiseAttention", "StepContext"]
+
+
+@dataclass
+class StepContext:
+    """What a plug-in's per-layer hook sees: the model, the step's requests (row order), whether it is a
+    decode step, and the rows that exited so far (``[B]`` bool)."""
+
+    model: object
+    requests: list
+    decode: bool
+    exited: torch.Tensor
+
+
+class LayerwiseAttention:
+    """A :class:`tinyattn.PagedAttention` per layer, chosen per step; the model's forward sees one object.
+
+    ``begin`` plans each distinct attention layer once; calling it with layer ``li`` runs ``li``'s.
+    """
+
+    def __init__(self, layers: list[PagedAttention]):
+        self.layers = layers
+        self.unique = list({id(a): a for a in layers}.values())
+
+    def begin(self, *args, **kwargs) -> "LayerwiseAttention":
+        for a in self.unique:
+            a.begin(*args, **kwargs)
+        return self
+
+    def __call__(self, layer: int, *args, **kwargs):
+        return self.layers[layer](layer, *args, **kwargs)
+
+
+class ModelRunner:
+    """Runs :class:`LlamaModel` steps over the engine's cache with per-layer attention and hooks.
+
+    Args:
+        model: a :class:`tinyattn.models.LlamaModel`. cache: its :class:`tinyattn.PagedKVCache`.
+        sparsity: the engine's :class:`SparsityConfig`, before plug-ins. backend: ``None``, ``"torch"``, ``"triton"``.
+        plugins: :class:`tinyattn.engine.Plugin` instances, applied in order.
+    """
+
+    def __init__(self, model, cache, sparsity: SparsityConfig, *, backend=None, plugins=()):
+        self.model, self.cache, self.sparsity, self.backend = model, cache, sparsity, backend
+        self.plugins = list(plugins)
+        self._attention: dict[SparsityConfig, PagedAttention] = {}
+        self._exit_hooks = [p for p in self.plugins if _overrides(p, "after_layer")]
+
+    def attention_for(self, config: SparsityConfig) -> PagedAttention:
+        """The one attention layer of ``config`` (built once, its plan's buffers reused every step)."""
+        attn = self._attention.get(config)
+        if attn is None:
+            attn = self._attention[config] = PagedAttention(config, backend=self.backend)
+        return attn
+
+    @property
+    def policies(self) -> list:
+        """Every selection policy in use (the engine clears a released request's state in each)."""
+        return list({id(a.sparsity.policy): a.sparsity.policy for a in self._attention.values()}.values())
+
+    def layer_configs(self, decode: bool) -> list[SparsityConfig]:
+        configs = []
+        n = self.model.config.n_layers
+        for li in range(n):
+            config = self.sparsity
+            for p in self.plugins:
+                config = p.layer_sparsity(li, config, num_layers=n, decode=decode)
+            configs.append(config)
+        return configs
+
+    def step_attention(self, decode: bool):
+        configs = self.layer_configs(decode)
+        if all(c is configs[0] for c in configs):
+            return self.attention_for(configs[0])
+        return LayerwiseAttention([self.attention_for(c) for c in configs])
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, seq_ids: list[int], *, decode: bool, requests=()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens`` ``[B, T]`` to ``seq_ids``; return the last position's logits ``[B, V]`` fp32 and,
+        when an early-exit hook ran, the layer each row exited after (``[B]`` int64; ``n_layers - 1`` = none)."""
+        model, cache = self.model, self.cache
+        cfg = model.config
+        B, T = tokens.shape
+        tokens = tokens.to(model.device)
+        attention = self.step_attention(decode)
+        attention.metrics = None
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+
+        start = [cache.length(s) for s in seq_ids]
+        slots = cache.extend(list(seq_ids), T)
+        positions = torch.tensor(start, dtype=torch.long, device=model.device)[:, None] + torch.arange(
+            T, device=model.device)
+        attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
+                        head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=decode,
+                        seq_ids=list(seq_ids), trusted=True)
+        cis = model._rope_cis(positions, max(start) + T)
+
+        hooks = self._exit_hooks if decode else []
+        exited = torch.zeros(B, dtype=torch.bool, device=model.device) if hooks else None
+        exit_layer = torch.full((B,), cfg.n_layers - 1, dtype=torch.long) if hooks else None
+        all_exited = False
+        ctx = StepContext(model=model, requests=list(requests), decode=decode, exited=exited)
+        x = model.tok_embeddings(tokens)                                             # [B, T, dim]
+        n_qk = (Hq + Hkv) * hd
+        for li, layer in enumerate(model.layers):
+            with profile_layer(li):
+                w_qkv, w_13 = layer.fused_weights()
+                if all_exited:                 # K/V from the exit state only: no attention, no FFN
+                    kv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv[Hq * hd:])  # [B, T, 2*Hkv*hd]
+                    k = _rotate(kv[..., :Hkv * hd].reshape(B, T, Hkv, hd), cis)
+                    v = kv[..., Hkv * hd:].reshape(B, T, Hkv, hd)
+                    cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
+                    continue
+                qkv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv)              # [B, T, (Hq+2Hkv)*hd]
+                qk = _rotate(qkv[..., :n_qk].view(B, T, Hq + Hkv, hd), cis)          # [B, T, Hq+Hkv, hd]
+                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+                v = qkv[..., n_qk:].view(B, T, Hkv, hd)
+                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
+                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li],
+                                 cache.k_min[li], cache.k_max[li])
+                h = x + F.linear(attn.reshape(B, T, Hq * hd), layer.wo.weight)
+                a, b = F.linear(_rms_norm(h, layer.ffn_norm), w_13).chunk(2, dim=-1)
+                h = h + F.linear(F.silu(a) * b, layer.w2.weight)
+                if hooks and bool(exited.any()):
+                    h = torch.where(exited[:, None, None], x, h)     # exited rows keep their exit state
+                x = h
+            if hooks and li < cfg.n_layers - 1:
+                for hook in hooks:
+                    stop = hook.after_layer(li, x, ctx)
+                    if stop is not None:
+                        new = stop.to(exited.device) & ~exited
+                        exit_layer[new.cpu()] = li
+                        exited |= new
+                all_exited = bool(exited.all())
+        return model.output(model.norm(x[:, -1])).float(), exit_layer
+
+
+def _overrides(plugin, name: str) -> bool:
+    from .plugins import Plugin
+
+    return getattr(type(plugin), name) is not getattr(Plugin, name)
