@@ -11,12 +11,24 @@ attention, stop tokens early, or change logits, without touching the model.
 - ``python -m tinyattn serve-bench`` (:mod:`.serve_bench`): Poisson arrivals, TTFT / TPOT / throughput.
 """
 
-from .engine import Engine
-from .params import SamplingParams
-from .plugins import ApproximateAttention, EarlyExit, LayerPolicies, Plugin
-from .request import RequestOutput, RequestStatus
-from .scheduler import ScheduledBatch, Scheduler
-from .stats import EngineStats
+import importlib
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "RequestStatus", "EngineStats", "Scheduler",
-           "ScheduledBatch", "Plugin", "LayerPolicies", "EarlyExit", "ApproximateAttention"]
+# name -> module: loaded on first access, so that ``serve-bench --help`` imports no torch
+_LAZY = {"Engine": ".engine", "SamplingParams": ".params", "RequestOutput": ".request", "RequestStatus": ".request",
+         "EngineStats": ".stats", "Scheduler": ".scheduler", "ScheduledBatch": ".scheduler", "Plugin": ".plugins",
+         "LayerPolicies": ".plugins", "EarlyExit": ".plugins", "ApproximateAttention": ".plugins",
+         "teacher_forced_nll": ".nll"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tinyattn.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
