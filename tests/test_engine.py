@@ -285,3 +285,38 @@ def test_early_exit_always_equals_a_truncated_model(model, prompts):
     s = engine.stats
     assert s.early_exits == s.decode_rows == 3 * 19
     assert s.layers_skipped == s.decode_rows * (model.config.n_layers - 1 - l)
+
+
+# ---------------------------------------------------------------------------------------------- NLL, serve-bench
+def test_teacher_forced_nll_equals_evaluate(model, tok):
+    """Without plug-ins the engine's NLL is tinyattn.models.evaluate's, dense and sparse."""
+    from tinyattn.engine import teacher_forced_nll
+    from tinyattn.models import evaluate
+
+    stories = load_stories(VALID)[:2]
+    res = evaluate(model, tok, stories, page_size=16, page_budgets=[2], max_context=96, backend="torch",
+                   repeat_probe=False, selection_metrics=False, progress=False)
+    seqs = [tok.encode(s, bos=True)[:96] for s in stories]
+    assert teacher_forced_nll(model, seqs, page_budget=2, backend="torch").nll == pytest.approx(res.row(2).nll, abs=1e-5)
+    assert teacher_forced_nll(model, seqs, backend="torch").nll == pytest.approx(res.dense.nll, abs=1e-4)
+    worse = teacher_forced_nll(model, seqs, backend="torch", plugins=[EarlyExit(0.5, min_layer=1)])
+    assert worse.early_exits > 0 and worse.nll > res.dense.nll
+
+
+def test_serve_bench_workload_and_configs():
+    import argparse
+    import math
+
+    from tinyattn.engine.serve_bench import make_workload, parse_config
+
+    w = make_workload([list(range(1, 100))] * 3, num_requests=200, request_rate=50.0, prompt_len=20, output_len=10,
+                      output_len_dist="uniform", seed=3)
+    assert all(10 <= len(p) <= 20 for p in w.prompts) and all(5 <= n <= 15 for n in w.output_lens)
+    gaps = [b - a for a, b in zip(w.arrivals, w.arrivals[1:])]
+    assert all(g >= 0 for g in gaps) and 0.5 / 50 < sum(gaps) / len(gaps) < 2 / 50     # mean gap 1 / rate
+    w2 = make_workload([[1, 2, 3]], num_requests=4, request_rate=math.inf, prompt_len=8, output_len=6,
+                       output_len_dist="fixed", seed=0)
+    assert w2.arrivals == [0.0] * 4 and w2.output_lens == [6] * 4 and w2.prompts == [[1, 2, 3]] * 4
+    assert parse_config("quest+exit") == ("quest", ("exit",))
+    with pytest.raises(argparse.ArgumentTypeError, match="BASE"):
+        parse_config("fast+exit")
