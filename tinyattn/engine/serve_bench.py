@@ -382,7 +382,8 @@ def run(args) -> int:
                     dense_layers=args.dense_layers, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, recompute=args.recompute, exit_threshold=args.exit_threshold,
                     exit_min_layer=args.exit_min_layer, nll_stories=args.nll_stories, nll_context=args.nll_context,
-                    threads=torch.get_num_threads(), cpus=os.cpu_count())
+                    threads=torch.get_num_threads(), cpus=os.cpu_count(), machine=_machine(),
+                    torch=torch.__version__)
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens, "
              f"page_budget {args.page_budget}; {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s)")
@@ -400,6 +401,23 @@ def run(args) -> int:
         print(f"error: not every request completed in {', '.join(incomplete)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _machine() -> str:
+    """The CPU model, its core count and the load average when the run ended (other work shows there)."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    try:
+        load = f", load average {os.getloadavg()[0]:.2f}"
+    except OSError:
+        load = ""
+    return f"{name}, {os.cpu_count()} cores{load}"
 
 
 def _write_json(path: Path, rows, settings) -> None:
