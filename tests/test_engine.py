@@ -330,3 +330,11 @@ def test_serve_bench_workload_and_configs():
     assert parse_config("quest+exit") == ("quest", ("exit",))
     with pytest.raises(argparse.ArgumentTypeError, match="BASE"):
         parse_config("fast+exit")
+
+
+def test_generate_keeps_the_outputs_of_requests_queued_before(model, prompts):
+    engine = Engine(model, page_size=16, num_pages=32, backend="torch")
+    early = engine.add_request(prompts[0], SamplingParams(3, ignore_eos=True))
+    assert engine.generate(prompts[1:2], SamplingParams(20, ignore_eos=True)) == alone(model, prompts[1:2], 20)
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [early] and outs[0].tokens == alone(model, prompts[:1], 3)[0]

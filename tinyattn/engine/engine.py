@@ -242,15 +242,20 @@ class Engine:
     # ---- batch API ----------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
         """Run ``prompts`` (token-id lists) to completion; their new tokens, in input order. ``params``: one
-        :class:`SamplingParams` for all, or one per prompt. Requests already queued run alongside."""
+        :class:`SamplingParams` for all, or one per prompt. Requests queued before run alongside; those that
+        finish meanwhile come back from the next :meth:`step`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], str)):
             raise TypeError("prompts: expected a list of token-id lists, got text; encode it first")
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: expected one SamplingParams or {len(prompts)} (one per prompt), got {len(plist)}")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        want, got = set(ids), {}
+        want, got, others = set(ids), {}, []
         while want - set(got):
             for out in self.step():
-                got[out.request_id] = out.tokens
+                if out.request_id in want:
+                    got[out.request_id] = out.tokens
+                else:
+                    others.append(out)
+        self._done.extend(others)           # requests queued by add_request: the next step() returns them
         return [got[i] for i in ids]

@@ -324,7 +324,9 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> None:
         for j, key in enumerate(keys):
             ax.bar([i + (j - 0.5) * 0.38 for i in x], [getattr(r, key) for r in rows], width=0.38,
                    label=key.split("_")[1])
-        ax.set_title(label)
+        ax.set_title(label + (", log scale" if keys[0].startswith("ttft") else ""))
+        if keys[0].startswith("ttft"):
+            ax.set_yscale("log")            # queueing makes TTFT span orders of magnitude
         ax.legend()
     axes[2].bar(list(x), [r.output_throughput_tok_s for r in rows], color="tab:green")
     axes[2].set_title("output throughput (tokens/s)")
