@@ -40,12 +40,13 @@ def check_pool_empty(engine):
 
 # ---------------------------------------------------------------------------------------------- the forward
 def test_runner_forward_equals_the_models_bitwise(model):
-    """ModelRunner.forward (no plug-ins) is LlamaModel.forward: same logits, bit for bit, prefill and decode."""
+    """ModelRunner.forward's own layer loop (an early-exit hook that never fires) is LlamaModel.forward: same
+    logits, bit for bit, prefill and decode."""
     sp = SparsityConfig(page_budget=2, dense_layers=1)
     c1, c2 = model.new_cache(page_size=4, num_pages=32), model.new_cache(page_size=4, num_pages=32)
     ids1 = [c1.add_sequence() for _ in range(2)]
     ids2 = [c2.add_sequence() for _ in range(2)]
-    runner = ModelRunner(model, c2, sp, backend="torch")
+    runner = ModelRunner(model, c2, sp, backend="torch", plugins=[EarlyExit(threshold=0.0, min_layer=0)])
     from tinyattn.layer import PagedAttention
     attn = PagedAttention(sp, backend="torch")
     g = torch.Generator().manual_seed(0)
@@ -57,8 +58,8 @@ def test_runner_forward_equals_the_models_bitwise(model):
     for _ in range(12):
         t = torch.randint(0, 512, (2, 1), generator=g)
         a = model(t, c1, ids1, sparse=True, attention=attn, last_only=True)
-        b, _ = runner.forward(t, ids2, decode=True)
-        assert torch.equal(a, b)
+        b, exit_layer = runner.forward(t, ids2, decode=True)
+        assert torch.equal(a, b) and exit_layer.tolist() == [4, 4]
 
 
 # ---------------------------------------------------------------------------------------------- the issue's must-show

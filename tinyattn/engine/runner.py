@@ -1,15 +1,13 @@
-"""The engine's forward pass: :class:`tinyattn.models.LlamaModel`'s math with the plug-ins' hooks.
+"""The engine's forward pass: :class:`tinyattn.models.LlamaModel`'s, with the plug-ins' hooks.
 
-:meth:`ModelRunner.forward` is ``LlamaModel.forward`` step for step (same fused weights, the model's RoPE table,
-the same calls in the same order: equal outputs, tested bitwise in ``tests/test_engine.py``) with two additions:
-
-- every layer attends through the :class:`tinyattn.PagedAttention` the plug-ins chose for it this step
-  (:class:`LayerwiseAttention`: one attention layer per distinct :class:`tinyattn.SparsityConfig`, each planned
-  once per step);
-- after each layer of a decode step, plug-ins may stop rows early (:meth:`Plugin.after_layer`). An exited
-  row's hidden state stays frozen; the later layers still write its K/V, computed from that frozen state
-  (CALM's state propagation), so later tokens attend to a full cache. When every row has exited, the later
-  layers only compute and write K/V (no attention, no FFN): that is where early exit saves time.
+:meth:`ModelRunner.forward` hands every layer the :class:`tinyattn.PagedAttention` the plug-ins chose for it
+this step (:class:`LayerwiseAttention`: one attention layer per distinct :class:`tinyattn.SparsityConfig`, each
+planned once per step). Without an early-exit hook it calls ``LlamaModel.forward`` itself. With one (decode
+steps), it runs the same math layer by layer (same fused weights, RoPE table and calls: bitwise equal to the
+model's when no row exits, tested in ``tests/test_engine.py``) and asks the hooks after each layer which rows
+stop. An exited row's hidden state stays frozen; the later layers still write its K/V, computed from that
+frozen state (CALM's state propagation), so later tokens attend to a full cache. When every row has exited,
+the later layers only compute and write K/V (no attention, no FFN): that is where early exit saves time.
 """
 
 from __future__ import annotations
@@ -105,10 +103,13 @@ class ModelRunner:
         """Append ``tokens`` ``[B, T]`` to ``seq_ids``; return the last position's logits ``[B, V]`` fp32 and,
         when an early-exit hook ran, the layer each row exited after (``[B]`` int64; ``n_layers - 1`` = none)."""
         model, cache = self.model, self.cache
+        attention = self.step_attention(decode)
+        hooks = self._exit_hooks if decode else []
+        if not hooks:                  # the model's own forward, through the step's attention layer(s)
+            return model(tokens, cache, list(seq_ids), sparse=decode, attention=attention, last_only=True), None
         cfg = model.config
         B, T = tokens.shape
         tokens = tokens.to(model.device)
-        attention = self.step_attention(decode)
         attention.metrics = None
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
 
@@ -121,9 +122,8 @@ class ModelRunner:
                         seq_ids=list(seq_ids), trusted=True)
         cis = model._rope_cis(positions, max(start) + T)
 
-        hooks = self._exit_hooks if decode else []
-        exited = torch.zeros(B, dtype=torch.bool, device=model.device) if hooks else None
-        exit_layer = torch.full((B,), cfg.n_layers - 1, dtype=torch.long) if hooks else None
+        exited = torch.zeros(B, dtype=torch.bool, device=model.device)
+        exit_layer = torch.full((B,), cfg.n_layers - 1, dtype=torch.long)
         all_exited = False
         ctx = StepContext(model=model, requests=list(requests), decode=decode, exited=exited)
         x = model.tok_embeddings(tokens)                                             # [B, T, dim]
@@ -147,10 +147,10 @@ class ModelRunner:
                 h = x + F.linear(attn.reshape(B, T, Hq * hd), layer.wo.weight)
                 a, b = F.linear(_rms_norm(h, layer.ffn_norm), w_13).chunk(2, dim=-1)
                 h = h + F.linear(F.silu(a) * b, layer.w2.weight)
-                if hooks and bool(exited.any()):
+                if bool(exited.any()):
                     h = torch.where(exited[:, None, None], x, h)     # exited rows keep their exit state
                 x = h
-            if hooks and li < cfg.n_layers - 1:
+            if li < cfg.n_layers - 1:
                 for hook in hooks:
                     stop = hook.after_layer(li, x, ctx)
                     if stop is not None:
