@@ -80,10 +80,11 @@ def test_twelve_requests_small_pool_preempt_and_equal_the_runtime(model, prompts
 
 def test_stateful_policy_state_is_rebuilt_after_preemption(model, prompts):
     """H2O keeps per-sequence scores: a preempted request's are cleared and rebuilt by the replay, so its tokens
-    still equal LlamaRuntime's alone."""
+    still equal LlamaRuntime's alone; prompts prefilled in chunks of at most 7 tokens."""
     ps = prompts[6:9]
     expected = alone(model, ps, 32, page_budget=2, policy="h2o")
-    engine = Engine(model, page_size=16, num_pages=7, page_budget=2, policy="h2o", backend="torch")
+    engine = Engine(model, page_size=16, num_pages=7, page_budget=2, policy="h2o", backend="torch",
+                    max_num_batched_tokens=7)
     assert engine.generate(ps, SamplingParams(32, ignore_eos=True)) == expected
     assert engine.stats.preemptions >= 1
     check_pool_empty(engine)
@@ -339,3 +340,13 @@ def test_generate_keeps_the_outputs_of_requests_queued_before(model, prompts):
     assert engine.generate(prompts[1:2], SamplingParams(20, ignore_eos=True)) == alone(model, prompts[1:2], 20)
     outs = engine.step()
     assert [o.request_id for o in outs] == [early] and outs[0].tokens == alone(model, prompts[:1], 3)[0]
+
+
+@pytest.mark.parametrize("policy", ["meanstd", "oracle"])
+def test_other_policies_equal_the_runtime_with_chunked_prefill(model, prompts, policy):
+    ps = prompts[8:10]
+    rt = LlamaRuntime(model, page_size=8, page_budget=2, policy=policy, backend="torch")
+    expected = [rt.generate([p], max_new_tokens=24, eos_id=None).tokens[0] for p in ps]
+    engine = Engine(model, page_size=8, num_pages=32, page_budget=2, policy=policy, backend="torch",
+                    max_num_batched_tokens=7)
+    assert engine.generate(ps, SamplingParams(24, ignore_eos=True)) == expected

@@ -154,6 +154,8 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running, or a finished one is waiting to be returned by :meth:`step`
+        (an abort, ``max_new_tokens=0``): loop ``while engine.has_unfinished_requests(): engine.step()``."""
         return bool(self._requests) or bool(self._done)
 
     @property
