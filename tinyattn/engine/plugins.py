@@ -187,7 +187,8 @@ class EarlyExit(Plugin):
         min_layer: the first layer after which a token may exit (earlier layers always run); default
             ``3 * n_layers // 4`` (layer 3 of stories260K's 5). Earlier exits need exit heads trained for them
             (CALM trains them): with the model's own final head, an early layer's state still looks like its
-            input token's embedding (tied classifier), so it predicts that token with confidence. On
+            input token's embedding (tied classifier), so it predicts that token with confidence (99.8% of
+            stories260K's low-entropy predictions after layer 1 are the input token). On
             stories260K, exits from layer 1 raise the NLL from 1.15 to 3-4.5 nats (docs/engine.md).
 
     The engine counts the exits and skipped layers (``EngineStats.early_exits``, ``layers_skipped``).
