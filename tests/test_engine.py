@@ -39,9 +39,9 @@ def check_pool_empty(engine):
 
 
 # ---------------------------------------------------------------------------------------------- the forward
-def test_runner_forward_equals_the_models_bitwise(model):
-    """ModelRunner.forward's own layer loop (an early-exit hook that never fires) is LlamaModel.forward: same
-    logits, bit for bit, prefill and decode."""
+def test_runner_layer_loop_matches_the_model(model):
+    """ModelRunner.forward's own layer loop (an early-exit hook that never fires) gives LlamaModel.forward's
+    logits (to float rounding: the model runs fused, folded weights) and the same cache, prefill and decode."""
     sp = SparsityConfig(page_budget=2, dense_layers=1)
     c1, c2 = model.new_cache(page_size=4, num_pages=32), model.new_cache(page_size=4, num_pages=32)
     ids1 = [c1.add_sequence() for _ in range(2)]
@@ -54,12 +54,16 @@ def test_runner_forward_equals_the_models_bitwise(model):
         t = torch.randint(0, 512, (1, 7 + 4 * i), generator=g)
         a = model(t, c1, [ids1[i]], sparse=False, attention=attn, last_only=True)
         b, _ = runner.forward(t, [ids2[i]], decode=False)
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for _ in range(12):
         t = torch.randint(0, 512, (2, 1), generator=g)
         a = model(t, c1, ids1, sparse=True, attention=attn, last_only=True)
         b, exit_layer = runner.forward(t, ids2, decode=True)
-        assert torch.equal(a, b) and exit_layer.tolist() == [4, 4]
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert exit_layer.tolist() == [4, 4]
+    for li in range(model.config.n_layers):
+        torch.testing.assert_close(c2.k_cache[li], c1.k_cache[li], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c2.v_cache[li], c1.v_cache[li], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- the issue's must-show

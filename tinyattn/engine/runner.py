@@ -2,10 +2,11 @@
 
 :meth:`ModelRunner.forward` hands every layer the :class:`tinyattn.PagedAttention` the plug-ins chose for it
 this step (:class:`LayerwiseAttention`: one attention layer per distinct :class:`tinyattn.SparsityConfig`, each
-planned once per step). Without an early-exit hook it calls ``LlamaModel.forward`` itself. With one (decode
-steps), it runs the same math layer by layer (same fused weights, RoPE table and calls: bitwise equal to the
-model's when no row exits, tested in ``tests/test_engine.py``) and asks the hooks after each layer which rows
-stop. An exited row's hidden state stays frozen; the later layers still write its K/V, computed from that
+planned once per step). Without an early-exit hook it calls ``LlamaModel.forward`` itself, so the engine runs the
+model's own (optimised) forward. With one (decode steps), it runs the model layer by layer through its public
+modules (``LlamaBlock``'s reference math: RMSNorm, ``wq``/``wk``/``wv``, :func:`apply_rope`, ``wo``, ``ffn``;
+the same logits as the model's forward to float rounding, tested) and asks the hooks after each layer which
+rows stop. An exited row's hidden state stays frozen; the later layers still write its K/V, computed from that
 frozen state (CALM's state propagation), so later tokens attend to a full cache. When every row has exited,
 the later layers only compute and write K/V (no attention, no FFN): that is where early exit saves time.
 """
@@ -15,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tinyattn.layer import PagedAttention, SparsityConfig
-from tinyattn.models.llama import _rms_norm, _rotate
+from tinyattn.models.llama import apply_rope, rope_tables
 from tinyattn.ops.spans import layer as profile_layer
 
 __all__ = ["ModelRunner", "LayerwiseAttention", "StepContext"]
@@ -68,6 +68,7 @@ class ModelRunner:
         self.plugins = list(plugins)
         self._attention: dict[SparsityConfig, PagedAttention] = {}
         self._exit_hooks = [p for p in self.plugins if _overrides(p, "after_layer")]
+        self._rope_cos = self._rope_sin = torch.empty(0)
 
     def attention_for(self, config: SparsityConfig) -> PagedAttention:
         """The one attention layer of ``config`` (built once, its plan's buffers reused every step)."""
@@ -116,40 +117,33 @@ class ModelRunner:
         start = [cache.length(s) for s in seq_ids]
         slots = cache.extend(list(seq_ids), T)
         positions = torch.tensor(start, dtype=torch.long, device=model.device)[:, None] + torch.arange(
-            T, device=model.device)
+            T, device=model.device)                                                  # [B, T] absolute positions
         attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
                         head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=decode,
                         seq_ids=list(seq_ids), trusted=True)
-        cis = model._rope_cis(positions, max(start) + T)
+        cos, sin = self._rope(positions, max(start) + T)                             # [B, T, hd/2] each
+        boxes = list(zip(cache.k_min, cache.k_max)) or [(None, None)] * cfg.n_layers
 
         exited = torch.zeros(B, dtype=torch.bool, device=model.device)
         exit_layer = torch.full((B,), cfg.n_layers - 1, dtype=torch.long)
         all_exited = False
         ctx = StepContext(model=model, requests=list(requests), decode=decode, exited=exited)
         x = model.tok_embeddings(tokens)                                             # [B, T, dim]
-        n_qk = (Hq + Hkv) * hd
         for li, layer in enumerate(model.layers):
             with profile_layer(li):
-                w_qkv, w_13 = layer.fused_weights()
-                if all_exited:                 # K/V from the exit state only: no attention, no FFN
-                    kv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv[Hq * hd:])  # [B, T, 2*Hkv*hd]
-                    k = _rotate(kv[..., :Hkv * hd].reshape(B, T, Hkv, hd), cis)
-                    v = kv[..., Hkv * hd:].reshape(B, T, Hkv, hd)
-                    cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
-                    continue
-                qkv = F.linear(_rms_norm(x, layer.attention_norm), w_qkv)              # [B, T, (Hq+2Hkv)*hd]
-                qk = _rotate(qkv[..., :n_qk].view(B, T, Hq + Hkv, hd), cis)          # [B, T, Hq+Hkv, hd]
-                q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-                v = qkv[..., n_qk:].view(B, T, Hkv, hd)
+                h = layer.attention_norm(x)
+                k = apply_rope(layer.wk(h).view(B, T, Hkv, hd), cos, sin)
+                v = layer.wv(h).view(B, T, Hkv, hd)
                 cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
-                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li],
-                                 cache.k_min[li], cache.k_max[li])
-                h = x + F.linear(attn.reshape(B, T, Hq * hd), layer.wo.weight)
-                a, b = F.linear(_rms_norm(h, layer.ffn_norm), w_13).chunk(2, dim=-1)
-                h = h + F.linear(F.silu(a) * b, layer.w2.weight)
+                if all_exited:                 # K/V from the exit state only: no attention, no FFN
+                    continue
+                q = apply_rope(layer.wq(h).view(B, T, Hq, hd), cos, sin)
+                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li], *boxes[li])
+                y = x + layer.wo(attn.reshape(B, T, Hq * hd))
+                y = y + layer.ffn(layer.ffn_norm(y))
                 if bool(exited.any()):
-                    h = torch.where(exited[:, None, None], x, h)     # exited rows keep their exit state
-                x = h
+                    y = torch.where(exited[:, None, None], x, y)     # exited rows keep their exit state
+                x = y
             if li < cfg.n_layers - 1:
                 for hook in hooks:
                     stop = hook.after_layer(li, x, ctx)
@@ -159,6 +153,15 @@ class ModelRunner:
                         exited |= new
                 all_exited = bool(exited.all())
         return model.output(model.norm(x[:, -1])).float(), exit_layer
+
+    def _rope(self, positions: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, T, hd/2]`` at ``positions`` from :func:`rope_tables`, grown to a power of two."""
+        if self._rope_cos.shape[0] < need or self._rope_cos.device != positions.device:
+            cfg = self.model.config
+            n = 1 << (max(need, cfg.max_seq_len) - 1).bit_length()
+            cos, sin = rope_tables(cfg.head_dim, n, cfg.rope_theta)
+            self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
+        return self._rope_cos[positions], self._rope_sin[positions]
 
 
 def _overrides(plugin, name: str) -> bool:
