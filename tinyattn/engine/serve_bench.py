@@ -388,7 +388,7 @@ def run(args) -> int:
                     torch=torch.__version__)
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens, "
-             f"page_budget {args.page_budget}; {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s)")
+             f"page_budget {args.page_budget}; {_device_words(model, torch.get_num_threads())}")
     print(title)
     print(format_table(rows))
     for path, write in ((args.json, _write_json), (args.csv, _write_csv)):
@@ -403,6 +403,15 @@ def run(args) -> int:
         print(f"error: not every request completed in {', '.join(incomplete)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _device_words(model, threads: int) -> str:
+    """Where the run ran, for the plot title: "2-core CPU, 1 thread" or the GPU's name."""
+    import torch
+
+    if model.device.type == "cuda":
+        return torch.cuda.get_device_name(model.device)
+    return f"{os.cpu_count()}-core CPU, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def _machine() -> str:
