@@ -36,8 +36,11 @@ _LAZY = {
     "SelectionMetrics": ".selection",
     "get_policy": ".selection",
     "ChunkedKVMemory": ".training",
+    "Engine": ".engine",
+    "SamplingParams": ".engine",
 }
-_SUBMODULES = ("cache", "integrations", "kernels", "layer", "metrics", "models", "ops", "profiler", "selection", "training")
+_SUBMODULES = ("cache", "engine", "integrations", "kernels", "layer", "metrics", "models", "ops", "profiler", "selection",
+               "training")
 
 __all__ = ["paged_attention", "update_page_metadata", "page_scores", "select_pages", "sparse_paged_attention",
            "reference", "value_checks", "PagedAttentionPlan", "__version__", *_LAZY]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m tinyattn {generate,eval}`` (also installed as ``tinyattn``).
+"""Command line: ``python -m tinyattn {generate,eval,convert,finetune,serve-bench}`` (also installed as ``tinyattn``).
 
 ``generate`` runs a llama2.c checkpoint with dense prefill and query-aware sparse decode and
 prints the text, then a stats block; ``eval`` prints teacher-forced NLL / perplexity / agreement
@@ -182,7 +182,22 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
     _add_convert_command(sub, prog)
     _add_finetune_command(sub, prog)
+    _add_serve_bench_command(sub, prog)
     return parser
+
+
+def _add_serve_bench_command(sub, prog: str) -> None:
+    """``serve-bench``: Poisson request stream through the engine; TTFT, TPOT, throughput, NLL per configuration."""
+    from .engine import serve_bench
+
+    sb = sub.add_parser("serve-bench", help="serve a Poisson request stream through the engine: TTFT, TPOT, "
+                                            "throughput, preemptions per configuration (dense, quest, early exit, ...)",
+                        description=serve_bench.DESCRIPTION,
+                        epilog=serve_bench.EPILOG.replace("python -m tinyattn", prog),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_options(sb)
+    serve_bench.add_arguments(sb)
+    sb.set_defaults(func=serve_bench.run)
 
 
 def _add_finetune_command(sub, prog: str) -> None:
