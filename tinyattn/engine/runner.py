@@ -2,11 +2,10 @@
 
 :meth:`ModelRunner.forward` hands every layer the :class:`tinyattn.PagedAttention` the plug-ins chose for it
 this step (:class:`LayerwiseAttention`: one attention layer per distinct :class:`tinyattn.SparsityConfig`, each
-planned once per step). Without an early-exit hook it calls ``LlamaModel.forward`` itself, so the engine runs the
-model's own (optimised) forward. With one (decode steps), it runs the model layer by layer through its public
-modules (``LlamaBlock``'s reference math: RMSNorm, ``wq``/``wk``/``wv``, :func:`apply_rope`, ``wo``, ``ffn``;
-the same logits as the model's forward to float rounding, tested) and asks the hooks after each layer which
-rows stop. An exited row's hidden state stays frozen; the later layers still write its K/V, computed from that
+planned once per step). Without an early-exit hook it calls ``LlamaModel.forward`` itself. With one (decode
+steps), it runs the model's forward from the same building blocks (``start_step``, ``embed``, ``layer_forward``,
+``write_kv``, ``head``: the same math and calls, so bitwise the model's logits when no row exits) and asks the
+hooks after each layer which rows stop. An exited row's hidden state stays frozen; the later layers still write its K/V, computed from that
 frozen state (CALM's state propagation), so later tokens attend to a full cache. When every row has exited,
 the later layers only compute and write K/V (no attention, no FFN): that is where early exit saves time.
 """
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from tinyattn.layer import PagedAttention, SparsityConfig
-from tinyattn.models.llama import apply_rope, rope_tables
 from tinyattn.ops.spans import layer as profile_layer
 
 __all__ = ["ModelRunner", "LayerwiseAttention", "StepContext"]
@@ -68,7 +66,6 @@ class ModelRunner:
         self.plugins = list(plugins)
         self._attention: dict[SparsityConfig, PagedAttention] = {}
         self._exit_hooks = [p for p in self.plugins if _overrides(p, "after_layer")]
-        self._rope_cos = self._rope_sin = torch.empty(0)
 
     def attention_for(self, config: SparsityConfig) -> PagedAttention:
         """The one attention layer of ``config`` (built once, its plan's buffers reused every step)."""
@@ -110,58 +107,31 @@ class ModelRunner:
             return model(tokens, cache, list(seq_ids), sparse=decode, attention=attention, last_only=True), None
         cfg = model.config
         B, T = tokens.shape
-        tokens = tokens.to(model.device)
         attention.metrics = None
-        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-
-        start = [cache.length(s) for s in seq_ids]
-        slots = cache.extend(list(seq_ids), T)
-        positions = torch.tensor(start, dtype=torch.long, device=model.device)[:, None] + torch.arange(
-            T, device=model.device)                                                  # [B, T] absolute positions
-        attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
-                        head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=decode,
-                        seq_ids=list(seq_ids), trusted=True)
-        cos, sin = self._rope(positions, max(start) + T)                             # [B, T, hd/2] each
-        boxes = list(zip(cache.k_min, cache.k_max)) or [(None, None)] * cfg.n_layers
-
+        step = model.start_step(tokens, cache, list(seq_ids), attention=attention, decode=decode)
         exited = torch.zeros(B, dtype=torch.bool, device=model.device)
         exit_layer = torch.full((B,), cfg.n_layers - 1, dtype=torch.long)
         all_exited = False
         ctx = StepContext(model=model, requests=list(requests), decode=decode, exited=exited)
-        x = model.tok_embeddings(tokens)                                             # [B, T, dim]
-        for li, layer in enumerate(model.layers):
+        x = model.embed(step)                                                        # [B*T, dim]
+        for li in range(cfg.n_layers):
             with profile_layer(li):
-                h = layer.attention_norm(x)
-                k = apply_rope(layer.wk(h).view(B, T, Hkv, hd), cos, sin)
-                v = layer.wv(h).view(B, T, Hkv, hd)
-                cache.write(li, slots, k.reshape(B * T, Hkv, hd), v.reshape(B * T, Hkv, hd))
                 if all_exited:                 # K/V from the exit state only: no attention, no FFN
+                    model.write_kv(li, x, step)
                     continue
-                q = apply_rope(layer.wq(h).view(B, T, Hq, hd), cos, sin)
-                attn = attention(li, q[:, 0] if T == 1 else q, cache.k_cache[li], cache.v_cache[li], *boxes[li])
-                y = x + layer.wo(attn.reshape(B, T, Hq * hd))
-                y = y + layer.ffn(layer.ffn_norm(y))
+                y = model.layer_forward(li, x, step)            # the model's own block: same math, same calls
                 if bool(exited.any()):
-                    y = torch.where(exited[:, None, None], x, y)     # exited rows keep their exit state
+                    y = torch.where(exited.repeat_interleave(T)[:, None], x, y)   # exited rows keep their state
                 x = y
             if li < cfg.n_layers - 1:
                 for hook in hooks:
-                    stop = hook.after_layer(li, x, ctx)
+                    stop = hook.after_layer(li, x.view(B, T, -1), ctx)
                     if stop is not None:
                         new = stop.to(exited.device) & ~exited
                         exit_layer[new.cpu()] = li
                         exited |= new
                 all_exited = bool(exited.all())
-        return model.output(model.norm(x[:, -1])).float(), exit_layer
-
-    def _rope(self, positions: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, T, hd/2]`` at ``positions`` from :func:`rope_tables`, grown to a power of two."""
-        if self._rope_cos.shape[0] < need or self._rope_cos.device != positions.device:
-            cfg = self.model.config
-            n = 1 << (max(need, cfg.max_seq_len) - 1).bit_length()
-            cos, sin = rope_tables(cfg.head_dim, n, cfg.rope_theta)
-            self._rope_cos, self._rope_sin = cos.to(positions.device), sin.to(positions.device)
-        return self._rope_cos[positions], self._rope_sin[positions]
+        return model.head(x, step, last_only=True), exit_layer
 
 
 def _overrides(plugin, name: str) -> bool:
