@@ -1,0 +1,332 @@
+"""KV formats (issue 13): int8 / fp8 e4m3 pools with per-(page, KV head) scales, fp16 / bf16 pools.
+
+The quantized ops are checked against dequantize-then-reference on ragged, poisoned problems (hypothesis),
+the cache's scale upkeep against its worst case (a page whose first token is tiny and a later one huge), and
+the boxes against the dequantized keys (the Quest bound must hold for what attention reads).
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tinyattn
+from tinyattn import reference
+from tinyattn.cache import PagedKVCache
+from tinyattn.ops import quant
+from paged_problems import Problem, make_problem, problems
+
+FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+TOL = dict(atol=3e-5, rtol=3e-5)
+
+
+def owned_slots(p: Problem) -> torch.Tensor:
+    """[num_pages, page_size] bool: slots some row holds."""
+    owned = torch.zeros(p.k_cache.shape[:2], dtype=torch.bool)
+    for b in range(p.block_table.shape[0]):
+        n = int(p.seq_lens[b])
+        for j in range(-(-n // p.page_size)):
+            owned[int(p.block_table[b, j]), : min(p.page_size, n - j * p.page_size)] = True
+    return owned
+
+
+def quantize_problem(p: Problem, fmt: str, *, poison_scales: bool = True):
+    """p's pools quantized per (page, KV head) over the owned slots; unowned slots hold garbage codes (NaN for
+    fp8, 127 for int8) and the scales of pages no row holds are NaN. Returns (k_q, v_q, k_scale, v_scale)."""
+    dtype = FORMATS[fmt]
+    owned = owned_slots(p)
+    mask = owned[:, :, None, None]
+    out = []
+    for pool in (p.k_cache, p.v_cache):
+        x = torch.where(mask, pool.float(), 0.0)
+        scale = x.abs().amax(dim=(1, 3)) / quant.qmax(dtype)                        # [num_pages, Hkv]
+        xq = quant.quantize(x, scale[:, None, :, None], dtype)
+        garbage = torch.full_like(xq.view(torch.uint8), 0x7F)                       # fp8: NaN, int8: 127
+        xq = torch.where(mask, xq.view(torch.uint8), garbage).view(dtype)
+        if poison_scales:
+            scale = torch.where(owned.any(1)[:, None], scale, float("nan"))
+        out.append((xq, scale))
+    (kq, ks), (vq, vs) = out
+    return kq, vq, ks, vs
+
+
+def dequantized_args(p, kq, vq, ks, vs):
+    """The same problem as float pools (dequantized), with the poison kept out of owned slots."""
+    k = torch.nan_to_num(quant.dequantize(kq, ks), nan=0.0).to(p.q.dtype)
+    v = torch.nan_to_num(quant.dequantize(vq, vs), nan=0.0).to(p.q.dtype)
+    return (p.q, k, v, p.block_table, p.seq_lens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems(dtypes=("fp32", "bf16"), max_query_tokens=3), st.sampled_from(sorted(FORMATS)))
+def test_dense_quantized_matches_dequantize_then_reference(p, fmt):
+    kq, vq, ks, vs = quantize_problem(p, fmt)
+    args = (p.q, kq, vq, p.block_table, p.seq_lens)
+    out, lse = tinyattn.paged_attention(*args, k_scale=ks, v_scale=vs, return_lse=True, backend="torch")
+    ref, ref_lse = reference.paged_attention(*args, k_scale=ks, v_scale=vs, return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    tol = TOL if p.q.dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    if p.q.dtype == torch.float32:       # the reference's twin is exactly dequantize-then-reference
+        want = reference.paged_attention(*dequantized_args(p, kq, vq, ks, vs))
+        torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+        fast = tinyattn.paged_attention(*args, k_scale=ks, v_scale=vs, backend="torch")   # the no-lse hot path
+        torch.testing.assert_close(fast, ref, **TOL)
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems(max_query_tokens=2), st.sampled_from(sorted(FORMATS)), st.integers(1, 4))
+def test_sparse_quantized_matches_dequantize_then_reference(p, fmt, budget):
+    kq, vq, ks, vs = quantize_problem(p, fmt)
+    fargs = dequantized_args(p, kq, vq, ks, vs)
+    k_min = torch.zeros(kq.shape[0], kq.shape[2], kq.shape[3])
+    k_max = torch.zeros_like(k_min)
+    reference.update_page_metadata(fargs[1], p.block_table, p.seq_lens, k_min, k_max)   # boxes of what is read
+    Tq = p.q.shape[1]
+    needed = max([-(-int(n) // p.page_size) - max(int(n) - Tq, 0) // p.page_size for n in p.seq_lens] + [1])
+    budget = max(budget, needed)
+    args = (p.q, kq, vq, p.block_table, p.seq_lens)
+    kw = dict(k_min=k_min, k_max=k_max, page_budget=budget)
+    out = tinyattn.sparse_paged_attention(*args, **kw, k_scale=ks, v_scale=vs, backend="torch")
+    out2, lse = tinyattn.sparse_paged_attention(*args, **kw, k_scale=ks, v_scale=vs, backend="torch",
+                                                return_lse=True)
+    ref, ref_lse = reference.sparse_paged_attention(*args, **kw, k_scale=ks, v_scale=vs, return_lse=True)
+    want = reference.sparse_paged_attention(*fargs, **kw)
+    for got in (out, out2, ref):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    pages = reference.select_pages(reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens,
+                                                         page_size=p.page_size),
+                                   p.seq_lens, page_size=p.page_size, page_budget=budget, num_query_tokens=Tq)
+    listed = tinyattn.sparse_paged_attention(*args, page_indices=pages, k_scale=ks, v_scale=vs, backend="torch")
+    torch.testing.assert_close(listed, want, **TOL)
+
+
+def test_quantized_gradient_reaches_q():
+    p = make_problem(3, batch=2, seq_lens=[7, 12], page_size=4, num_kv_heads=2, group=2, head_dim=8,
+                     dtype=torch.float64)
+    kq, vq, ks, vs = quantize_problem(p, "int8", poison_scales=False)
+    fargs = dequantized_args(p, kq, vq, ks, vs)
+    q = p.q.clone().requires_grad_(True)
+    out = tinyattn.paged_attention(q, kq, vq, p.block_table, p.seq_lens, k_scale=ks, v_scale=vs, backend="torch")
+    (dq,) = torch.autograd.grad(out.square().sum(), q)
+    q2 = p.q.clone().requires_grad_(True)
+    want = reference.paged_attention(q2, *fargs[1:])
+    (dq2,) = torch.autograd.grad(want.square().sum(), q2)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(dq, dq2)
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _small(fmt="int8"):
+    c = PagedKVCache(1, 2, 8, page_size=4, num_pages=6, kv_cache_dtype=fmt)
+    s = c.add_sequence()
+    c.write(0, c.extend([s], 6), torch.randn(6, 2, 8), torch.randn(6, 2, 8))
+    q = torch.randn(1, 4, 8)
+    return c, (q, c.k_cache[0], c.v_cache[0], c.block_table([s]), c.seq_lens([s]))
+
+
+@pytest.mark.parametrize("op", ["dense", "sparse", "reference"])
+def test_quantized_pool_errors_name_the_argument(op):
+    c, args = _small()
+    run = {"dense": lambda *a, **k: tinyattn.paged_attention(*a, backend="torch", **k),
+           "sparse": lambda *a, **k: tinyattn.sparse_paged_attention(*a, backend="torch", k_min=c.k_min[0],
+                                                                    k_max=c.k_max[0], page_budget=1, **k),
+           "reference": reference.paged_attention}[op]
+    with pytest.raises(ValueError, match=r"k_scale: expected a float32 \[num_pages, Hkv\] = \(6, 2\).*got None"):
+        run(*args)
+    with pytest.raises(ValueError, match=r"v_scale: .*got None"):
+        run(*args, k_scale=c.k_scale[0])
+    with pytest.raises(ValueError, match=r"k_scale: expected shape \(6, 2\) \[num_pages, Hkv\], got \(6,\)"):
+        run(*args, k_scale=c.k_scale[0][:, 0], v_scale=c.v_scale[0])
+    with pytest.raises(TypeError, match=r"v_scale: expected dtype in \(float32\), got float16"):
+        run(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0].half())
+    q, k, v, bt, sl = args
+    with pytest.raises(TypeError, match=r"v_cache: expected dtype int8 \(that of k_cache\), got float8_e4m3fn"):
+        run(q, k, v.view(torch.float8_e4m3fn), bt, sl, k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+    with pytest.raises(TypeError, match=r"k_cache: expected dtype float32 \(that of q\), or int8 / float8_e4m3fn"):
+        run(q, k.to(torch.int16), v, bt, sl, k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+    with pytest.raises(ValueError, match=r"k_scale: expected None for a float32 pool"):
+        run(q, k.float(), v.float(), bt, sl, k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_triton_backend_rejects_quantized_pools_naming_the_formats(fmt):
+    c, args = _small(fmt)
+    msg = r"kv_cache_dtype: the triton backend supports \('auto', 'fp16', 'bf16'\).*got a .* pool"
+    with pytest.raises(ValueError, match=msg):
+        tinyattn.paged_attention(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0], backend="triton")
+    with pytest.raises(ValueError, match=msg):
+        tinyattn.sparse_paged_attention(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0], backend="triton",
+                                        k_min=c.k_min[0], k_max=c.k_max[0], page_budget=1)
+    plan = tinyattn.PagedAttentionPlan(backend="triton").plan(args[3], args[4], num_q_heads=4, num_kv_heads=2,
+                                                              head_dim=8, page_size=4)
+    with pytest.raises(ValueError, match=msg):
+        plan.run(args[0], args[1], args[2], k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+
+
+def test_plan_run_checks_the_format():
+    c, (q, k, v, bt, sl) = _small()
+    plan = tinyattn.PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                                             page_size=4)
+    with pytest.raises(ValueError, match="k_scale: expected a float32"):
+        plan.run(q, k, v)
+    got = plan.run(q, k, v, k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+    want = reference.paged_attention(q, k, v, bt, sl, k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_the_call_memo_tells_scales_apart():
+    """The public ops remember the last validated call: a call without scales after one with them must fail."""
+    c, args = _small()
+    tinyattn.paged_attention(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0], backend="torch")
+    with pytest.raises(ValueError, match="k_scale"):
+        tinyattn.paged_attention(*args, backend="torch")
+    with pytest.raises(ValueError, match="k_scale"):
+        tinyattn.paged_attention(*args, k_scale=c.k_scale[0][:2], v_scale=c.v_scale[0], backend="torch")
+
+
+# ------------------------------------------------------------------------------------------ the cache
+def test_unknown_format_is_a_value_error_naming_the_set():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp16', 'bf16', 'int8', "
+                                         r"'fp8_e4m3'\), got 'int4'"):
+        PagedKVCache(1, 1, 8, page_size=4, num_pages=2, kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("fmt,dtype", [("auto", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                       ("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_formats_store_their_dtype_and_count_their_bytes(fmt, dtype):
+    c = PagedKVCache(3, 2, 64, page_size=16, num_pages=10, kv_cache_dtype=fmt)
+    assert c.dtype == dtype and c.k_cache[0].dtype == dtype and c.kv_cache_dtype == fmt
+    quantized = fmt in FORMATS
+    assert len(c.k_scale) == len(c.v_scale) == (3 if quantized else 0)
+    if quantized:
+        assert c.k_scale[0].shape == (10, 2) and c.k_scale[0].dtype == torch.float32
+        assert c.k_min[0].dtype == torch.float32
+    per_layer = 2 * 10 * 16 * 2 * 64 * dtype.itemsize + 2 * 10 * 2 * 64 * c.k_min[0].element_size() \
+        + (2 * 10 * 2 * 4 if quantized else 0)
+    assert c.kv_bytes == 3 * per_layer
+    fp32 = PagedKVCache(3, 2, 64, page_size=16, num_pages=10).kv_bytes
+    limit = {"auto": 1.0, "fp16": 0.55, "bf16": 0.55, "int8": 0.4, "fp8_e4m3": 0.4}[fmt]
+    assert c.kv_bytes <= limit * fp32
+
+
+def _dequantized_keys(c, seq, layer=0):
+    n = c.length(seq)
+    rows = [quant.dequantize(c.k_cache[layer][p][None], c.k_scale[layer][p][None])[0] for p in c.pages(seq)]
+    return torch.cat(rows)[:n]                                                          # [n, Hkv, D]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("one_call", [False, True])
+def test_worst_case_page_tiny_first_token_then_huge(fmt, one_call):
+    """A page's first token is 1e-4, a later one 1e4: the page is re-quantized, nothing clips, the error of every
+    token stays within one step of the final scale (two roundings), and the box is exact for the stored keys."""
+    torch.manual_seed(0)
+    S, Hkv, D = 8, 2, 16
+    c = PagedKVCache(2, Hkv, D, page_size=S, num_pages=4, kv_cache_dtype=fmt)
+    seq = c.add_sequence()
+    k = torch.randn(S + 3, Hkv, D)
+    k[0] *= 1e-4
+    k[5] *= 1e4
+    v = -2 * k
+    if one_call:
+        c.write(1, c.extend([seq], S + 3), k, v)
+    else:
+        for t in range(S + 3):
+            c.write(1, c.extend([seq], 1), k[t:t + 1], v[t:t + 1])
+    page0 = c.pages(seq)[0]
+    for x, pool, scales in ((k, c.k_cache[1], c.k_scale[1]), (v, c.v_cache[1], c.v_scale[1])):
+        scale = scales[page0]                                                           # [Hkv]
+        torch.testing.assert_close(scale, x[:S].abs().amax(dim=(0, 2)) / quant.qmax(c.dtype))
+        got = quant.dequantize(pool[page0][None], scale[None])[0]                      # [S, Hkv, D]
+        err = (got - x[:S]).abs()
+        assert torch.isfinite(got).all()
+        rel = 1 / 127 if fmt == "int8" else 2 ** -3                                     # grid spacing / qmax
+        step = scale[None, :, None] * (1.0 if fmt == "int8" else 448 * rel)
+        assert (err <= step * (1.0 if not one_call else 0.5) + 1e-6).all()
+        if fmt == "int8":                                # the huge token: rounded once, on the final scale
+            assert (err[5] <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
+        else:                                            # e4m3: half a spacing (3 mantissa bits), subnormals
+            assert (err[5] <= x[5].abs() * 2 ** -4 + scale[:, None] * 2 ** -9 + 1e-6).all()
+    keys = _dequantized_keys(c, seq, layer=1)
+    for j, p in enumerate(c.pages(seq)):
+        page_keys = keys[j * S:(j + 1) * S]
+        assert torch.equal(c.k_min[1][p], page_keys.amin(0))
+        assert torch.equal(c.k_max[1][p], page_keys.amax(0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), st.lists(st.integers(1, 9), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1))
+def test_boxes_bound_every_dequantized_logit(fmt, chunks, seed):
+    """Written in chunks of growing magnitude: boxes equal the dequantized keys' min/max, so the Quest bound is
+    an upper bound of every q.k attention reads, and attention equals dequantize-then-reference."""
+    g = torch.Generator().manual_seed(seed)
+    S, Hkv, D = 4, 2, 8
+    c = PagedKVCache(1, Hkv, D, page_size=S, num_pages=20, kv_cache_dtype=fmt)
+    seq = c.add_sequence()
+    for i, n in enumerate(chunks):
+        scale = float(10 ** (i % 4 - 2))
+        c.write(0, c.extend([seq], n), torch.randn(n, Hkv, D, generator=g) * scale,
+                torch.randn(n, Hkv, D, generator=g) * scale)
+    keys = _dequantized_keys(c, seq)
+    q = torch.randn(1, 2 * Hkv, D, generator=g)
+    bt, sl = c.block_table([seq]), c.seq_lens([seq])
+    ub = reference.page_scores(q, c.k_min[0], c.k_max[0], bt, sl, page_size=S)        # [1, Hkv, P]
+    for j, p in enumerate(c.pages(seq)):
+        page_keys = keys[j * S:(j + 1) * S]
+        assert torch.equal(c.k_min[0][p], page_keys.amin(0)) and torch.equal(c.k_max[0][p], page_keys.amax(0))
+        logits = torch.einsum("hgd,thd->hgt", q[0].view(Hkv, 2, D), page_keys)       # [Hkv, G, t]
+        assert (logits.amax(dim=(1, 2)) <= ub[0, :, j] * (1 + 1e-5) + 1e-5).all()
+    out = tinyattn.sparse_paged_attention(q, c.k_cache[0], c.v_cache[0], bt, sl, k_min=c.k_min[0],
+                                          k_max=c.k_max[0], page_budget=2, k_scale=c.k_scale[0],
+                                          v_scale=c.v_scale[0], backend="torch")
+    ref = reference.sparse_paged_attention(q, c.k_cache[0], c.v_cache[0], bt, sl, k_min=c.k_min[0],
+                                           k_max=c.k_max[0], page_budget=2, k_scale=c.k_scale[0],
+                                           v_scale=c.v_scale[0])
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_page_operations_keep_scales(fmt):
+    """fork, truncate, resize and a reused page keep the scales and exact boxes of a quantized cache."""
+    torch.manual_seed(1)
+    S = 4
+    c = PagedKVCache(1, 1, 8, page_size=S, num_pages=8, kv_cache_dtype=fmt)
+    a = c.add_sequence()
+    c.write(0, c.extend([a], 10), torch.randn(10, 1, 8) * 5, torch.randn(10, 1, 8))
+    b = c.fork(a, 6)                                   # ends inside page 1: its box refit from 2 keys
+    assert torch.equal(_dequantized_keys(c, b), _dequantized_keys(c, a)[:6])
+    pb = c.pages(b)[1]
+    keys = _dequantized_keys(c, b)[4:6]
+    assert torch.equal(c.k_min[0][pb], keys.amin(0)) and torch.equal(c.k_max[0][pb], keys.amax(0))
+    c.write(0, c.extend([b], 1), torch.full((1, 1, 8), 100.0), torch.ones(1, 1, 8))   # grows page pb's scale
+    keys = _dequantized_keys(c, b)[4:7]
+    assert torch.equal(c.k_max[0][pb], keys.amax(0)) and torch.equal(c.k_min[0][pb], keys.amin(0))
+    c.truncate(a, 5)
+    pa = c.pages(a)[1]
+    keys = _dequantized_keys(c, a)[4:5]
+    assert torch.equal(c.k_min[0][pa], keys.amin(0))
+    before = _dequantized_keys(c, a), _dequantized_keys(c, b)
+    c.resize(12)
+    assert c.k_scale[0].shape == (12, 1)
+    assert torch.equal(_dequantized_keys(c, a), before[0]) and torch.equal(_dequantized_keys(c, b), before[1])
+    assert torch.equal(before[0][:4], before[1][:4])          # the fork's untouched page: the same codes
+    c.free(a)
+    d = c.add_sequence()                               # reuses freed pages: stale scales and codes must not leak
+    c.write(0, c.extend([d], 3), torch.full((3, 1, 8), 1e-3), torch.full((3, 1, 8), 1e-3))
+    torch.testing.assert_close(_dequantized_keys(c, d), torch.full((3, 1, 8), 1e-3), atol=1e-5, rtol=1e-2)
+    assert torch.equal(c.k_max[0][c.pages(d)[0]], _dequantized_keys(c, d).amax(0))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_half_formats_of_an_fp32_model(fmt):
+    c = PagedKVCache(1, 2, 8, page_size=4, num_pages=4, dtype=torch.float32, kv_cache_dtype=fmt)
+    s = c.add_sequence()
+    k = torch.randn(5, 2, 8)
+    c.write(0, c.extend([s], 5), k, k)
+    assert c.k_cache[0].dtype == quant.storage_dtype(fmt, torch.float32) and c.k_min[0].dtype == c.dtype
+    assert torch.equal(c.k_max[0][c.pages(s)[0]], k[:4].to(c.dtype).amax(0))
