@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyattn import metrics, selection
+from tinyattn.ops import quant
 from tinyattn.ops.spans import layer as profile_layer
 from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
 
@@ -181,13 +182,16 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_cache(self, *, page_size: int, num_pages: int):
-        """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model."""
+    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto"):
+        """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model.
+
+        ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"``
+        (per-(page, KV head) scales); ``ValueError`` naming the supported set otherwise."""
         from tinyattn.cache import PagedKVCache
 
         cfg = self.config
         return PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, num_pages=num_pages,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
@@ -245,6 +249,9 @@ class LlamaModel(nn.Module):
         n_qk = (Hq + Hkv) * hd
         no_boxes = [None] * cfg.n_layers                    # a cache made with page_boxes=False
         pools = list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes))
+        scales = [dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
+                                                                 getattr(cache, "v_scale", []))] \
+            or [{}] * cfg.n_layers                          # int8 / fp8 caches: per-(page, KV head) scales
         for li, layer in enumerate(self.layers):
             with profile_layer(li):  # attributes the ops' spans to this layer when a profiler is on
                 # the math of LlamaBlock: wq|wk|wv and w1|w3 as one matmul each with the RMSNorm weights folded
@@ -255,7 +262,7 @@ class LlamaModel(nn.Module):
                 k, v = qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd)
                 cache.write(li, slots, k, v)
                 q = qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
-                attn = attention(li, q, *pools[li])
+                attn = attention(li, q, *pools[li], **scales[li])
                 x = torch.addmm(x, attn.reshape(B * T, Hq * hd), w.wo)                         # x + attn @ wo
                 h = torch.mm(x, w.w13).mul_(_inv_rms(x, layer.ffn_norm.eps).to(x.dtype))
                 a, b = h.chunk(2, dim=-1)
@@ -410,6 +417,9 @@ class LlamaRuntime:
             ``"streaming"``, ``"h2o"``, ``"random"``) or a :class:`tinyattn.selection.SelectionPolicy`.
         selection_metrics: measure each sparse step against the oracle selection (hit rate, captured
             attention mass; in ``GenerationStats.selection``); costs a dense attention pass per sparse layer.
+        kv_cache_dtype: KV storage format of the caches it makes: ``"auto"`` (the model dtype), ``"fp16"``,
+            ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (see :class:`tinyattn.PagedKVCache`); int8 / fp8 run on the
+            torch backend only.
 
     Example::
 
@@ -421,11 +431,17 @@ class LlamaRuntime:
 
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
-                 backend: str | None = None, policy="quest", selection_metrics: bool = False):
+                 backend: str | None = None, policy="quest", selection_metrics: bool = False,
+                 kv_cache_dtype: str = "auto"):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+        storage = quant.storage_dtype(kv_cache_dtype, model.dtype)        # ValueError naming the formats
+        if backend == "triton" and quant.is_quantized(storage):
+            raise ValueError(f"kv_cache_dtype: the triton backend supports ('auto', 'fp16', 'bf16'), got "
+                             f"{kv_cache_dtype!r}; use backend='torch'")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model = model
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
@@ -441,13 +457,14 @@ class LlamaRuntime:
         s = self.sparsity
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
-                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r})")
+                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r}, "
+                f"kv_cache_dtype={self.kv_cache_dtype!r})")
 
     # -------------------------------------------------------------- building blocks
     def new_cache(self, max_tokens: list[int]):
         """A cache with exactly enough pages for sequences of the given maximum lengths."""
         num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens)
-        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages)
+        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype)
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
@@ -476,7 +493,7 @@ class LlamaRuntime:
         (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget."""
         cfg = self.model.config
         page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
-        elem = self.model.dtype.itemsize
+        elem = quant.storage_dtype(self.kv_cache_dtype, self.model.dtype).itemsize    # bytes per stored value
         lens = seq_lens.tolist()             # the per-row formulas on Python ints: no tensor op per step
         n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
         n_dense = cfg.n_layers - n_sparse
