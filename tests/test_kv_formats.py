@@ -330,3 +330,69 @@ def test_half_formats_of_an_fp32_model(fmt):
     c.write(0, c.extend([s], 5), k, k)
     assert c.k_cache[0].dtype == quant.storage_dtype(fmt, torch.float32) and c.k_min[0].dtype == c.dtype
     assert torch.equal(c.k_max[0][c.pages(s)[0]], k[:4].to(c.dtype).amax(0))
+
+
+# ------------------------------------------------------------------------------------------ runtime and CLI
+from model_fixtures import model, tok  # noqa: E402,F401  (module-scoped fixtures)
+from tinyattn.models import LlamaRuntime  # noqa: E402
+
+
+def _teacher_forced_logits(rt, tokens):
+    cache = rt.new_cache([len(tokens)])
+    sid = cache.add_sequence()
+    rt.prefill(cache, sid, tokens[:20])
+    return torch.stack([rt.decode(cache, [sid], [t])[0] for t in tokens[20:]]), cache
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "int8", "fp8_e4m3"])
+def test_runtime_formats_track_the_fp32_cache(model, tok, fmt):  # noqa: F811
+    """Teacher-forced decode: each format's next-token distribution stays near the fp32 cache's (dense decode:
+    the quantization error alone; quest with 2 pages of 4 tokens: also the selections it flips)."""
+    tokens = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+                        "park with her friends. One day, she saw a big red ball under a tree.", bos=True)
+    for budget, limit, agree in ((None, {"fp16": 1e-5, "bf16": 2e-4, "int8": 5e-3, "fp8_e4m3": 2e-2}, 0.95),
+                                 (2, {"fp16": 1e-5, "bf16": 2e-2, "int8": 5e-2, "fp8_e4m3": 0.3}, 0.7)):
+        base, _ = _teacher_forced_logits(LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch"),
+                                         tokens)
+        rt = LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch", kv_cache_dtype=fmt)
+        got, cache = _teacher_forced_logits(rt, tokens)
+        assert cache.kv_cache_dtype == fmt and cache.k_cache[0].dtype == quant.storage_dtype(fmt, model.dtype)
+        assert torch.isfinite(got).all()
+        lp, lq = base.log_softmax(-1), got.log_softmax(-1)
+        kl = (lp.exp() * (lp - lq)).sum(-1).mean()                             # KL(fp32 cache || format)
+        assert kl < limit[fmt], (budget, float(kl))
+        assert (got.argmax(-1) == base.argmax(-1)).float().mean() >= agree
+    assert "kv_cache_dtype='%s'" % fmt in repr(rt)
+
+
+@pytest.mark.parametrize("policy", ["oracle", "h2o"])
+def test_quantized_cache_with_other_policies_and_metrics(model, tok, policy):  # noqa: F811
+    rt = LlamaRuntime(model, page_size=4, page_budget=2, backend="torch", policy=policy, selection_metrics=True,
+                      kv_cache_dtype="int8")
+    out = rt.generate([tok.encode("Once upon a time", bos=True)], max_new_tokens=16)
+    assert len(out.tokens[0]) >= 1 and out.stats.selection is not None
+    assert 0.0 <= out.stats.selection.hit_rate <= 1.0
+
+
+def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp16', 'bf16', 'int8', "
+                                         r"'fp8_e4m3'\), got 'fp8'"):
+        LlamaRuntime(model, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: the triton backend supports \('auto', 'fp16', 'bf16'\)"):
+        LlamaRuntime(model, backend="triton", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+        model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="float16")
+    assert model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="fp8_e4m3").k_scale[0].shape == (2, model.config.n_kv_heads)
+
+
+def test_cli_kv_cache_dtype():
+    from test_cli import assert_clean_error, model_args, run_cli
+
+    proc = run_cli("generate", "--help")
+    assert "--kv-cache-dtype {auto,fp16,bf16,int8,fp8_e4m3}" in proc.stdout and "per (page, KV head)" in proc.stdout
+    assert "--kv-cache-dtype" in run_cli("eval", "--help").stdout
+    proc = run_cli("generate", *model_args(), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                   "--page-size", "4", "--page-budget", "2", "--kv-cache-dtype", "int8", "--backend", "torch")
+    assert proc.returncode == 0, proc.stderr
+    assert "kv_cache_dtype=int8" in proc.stdout
+    assert_clean_error(run_cli("generate", "--kv-cache-dtype", "int4"), r"--kv-cache-dtype: invalid choice: 'int4'")
