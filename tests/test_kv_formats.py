@@ -153,18 +153,50 @@ def test_quantized_pool_errors_name_the_argument(op):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_triton_backend_rejects_quantized_pools_naming_the_formats(fmt):
-    c, args = _small(fmt)
-    msg = r"kv_cache_dtype: the triton backend supports \('auto', 'fp16', 'bf16'\).*got a .* pool"
-    with pytest.raises(ValueError, match=msg):
-        tinyattn.paged_attention(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0], backend="triton")
-    with pytest.raises(ValueError, match=msg):
-        tinyattn.sparse_paged_attention(*args, k_scale=c.k_scale[0], v_scale=c.v_scale[0], backend="triton",
-                                        k_min=c.k_min[0], k_max=c.k_max[0], page_budget=1)
-    plan = tinyattn.PagedAttentionPlan(backend="triton").plan(args[3], args[4], num_q_heads=4, num_kv_heads=2,
-                                                              head_dim=8, page_size=4)
-    with pytest.raises(ValueError, match=msg):
-        plan.run(args[0], args[1], args[2], k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_kernel_dequantizes_in_registers(fmt, qdtype):
+    """The Triton attention kernel (interpreter) on int8 / fp8 pools: dense, sparse and split-K against the
+    reference's dequantize-then-attend."""
+    torch.manual_seed(2)
+    c = PagedKVCache(1, 2, 16, page_size=4, num_pages=16, kv_cache_dtype=fmt)
+    ids = [c.add_sequence() for _ in range(3)]
+    for i, n in zip(ids, [0, 9, 23]):
+        c.write(0, c.extend([i], n), torch.randn(n, 2, 16), torch.randn(n, 2, 16))
+    q = torch.randn(3, 4, 16).to(qdtype)
+    args = (q, c.k_cache[0], c.v_cache[0], c.block_table(ids), c.seq_lens(ids))
+    kw = dict(k_scale=c.k_scale[0], v_scale=c.v_scale[0])
+    tol = {torch.float32: TOL, torch.float16: dict(atol=2e-3, rtol=2e-3),
+           torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[qdtype]
+    out, lse = tinyattn.paged_attention(*args, **kw, backend="triton", return_lse=True)
+    ref, ref_lse = reference.paged_attention(*args, **kw, return_lse=True)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    sparse = dict(k_min=c.k_min[0], k_max=c.k_max[0], page_budget=2)
+    out = tinyattn.sparse_paged_attention(*args, **kw, **sparse, backend="triton")
+    ref = reference.sparse_paged_attention(*args, **kw, **sparse)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    from tinyattn.kernels import attention as kernel
+
+    q4 = q.unsqueeze(1)
+    o, l = torch.empty_like(q4), torch.empty(3, 1, 4)
+    kernel.paged_attention(q4, *args[1:], page_indices=None, scale=16 ** -0.5, out=o, lse=l, num_splits=3, **kw)
+    torch.testing.assert_close(o.squeeze(1).float(), reference.paged_attention(*args, **kw).float(), **tol)
+
+
+def test_fp8_on_an_older_gpu_is_a_value_error_naming_the_formats(monkeypatch):
+    from types import SimpleNamespace
+
+    from tinyattn.ops import validation as V
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda", 0)
+    assert V.kv_formats_supported("triton", cuda) == ("auto", "fp16", "bf16", "int8")
+    assert "fp8_e4m3" in V.kv_formats_supported("torch", cuda)
+    V.check_kv_backend(SimpleNamespace(dtype=torch.int8, device=cuda), "triton")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: the triton backend on cuda:0 supports \('auto', 'fp16', "
+                                         r"'bf16', 'int8'\), got 'fp8_e4m3'"):
+        V.check_kv_backend(SimpleNamespace(dtype=torch.float8_e4m3fn, device=cuda), "triton")
 
 
 def test_plan_run_checks_the_format():
@@ -378,8 +410,6 @@ def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
     with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp16', 'bf16', 'int8', "
                                          r"'fp8_e4m3'\), got 'fp8'"):
         LlamaRuntime(model, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: the triton backend supports \('auto', 'fp16', 'bf16'\)"):
-        LlamaRuntime(model, backend="triton", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="float16")
     assert model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="fp8_e4m3").k_scale[0].shape == (2, model.config.n_kv_heads)

@@ -93,8 +93,8 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
 
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache storage format (vLLM's option): auto = the model dtype (--dtype), fp16, bf16, "
-                        "or int8 / fp8_e4m3 with one fp32 scale per (page, KV head) for K and for V (about 1/4 of "
-                        "fp32's bytes; torch backend only)" + (
+                        "or int8 / fp8_e4m3 with one fp32 scale per (page, KV head) for K and for V (about 0.3x "
+                        "fp32's bytes; fp8_e4m3 on the triton backend needs an sm_89+ GPU)" + (
                             "; eval: the sparse passes use it, the dense reference keeps the model dtype"
                             if budgets else "") + " (default: auto)")
     from .profiler import add_cli_option

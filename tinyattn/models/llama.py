@@ -32,6 +32,7 @@ from torch import nn
 
 from tinyattn import metrics, selection
 from tinyattn.ops import quant
+from tinyattn.ops.validation import kv_formats_supported
 from tinyattn.ops.spans import layer as profile_layer
 from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
 
@@ -418,8 +419,8 @@ class LlamaRuntime:
         selection_metrics: measure each sparse step against the oracle selection (hit rate, captured
             attention mass; in ``GenerationStats.selection``); costs a dense attention pass per sparse layer.
         kv_cache_dtype: KV storage format of the caches it makes: ``"auto"`` (the model dtype), ``"fp16"``,
-            ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (see :class:`tinyattn.PagedKVCache`); int8 / fp8 run on the
-            torch backend only.
+            ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (see :class:`tinyattn.PagedKVCache`); fp8 on the Triton
+            backend needs sm_89+ (else ``ValueError``).
 
     Example::
 
@@ -437,10 +438,12 @@ class LlamaRuntime:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
-        storage = quant.storage_dtype(kv_cache_dtype, model.dtype)        # ValueError naming the formats
-        if backend == "triton" and quant.is_quantized(storage):
-            raise ValueError(f"kv_cache_dtype: the triton backend supports ('auto', 'fp16', 'bf16'), got "
-                             f"{kv_cache_dtype!r}; use backend='torch'")
+        quant.storage_dtype(kv_cache_dtype, model.dtype)                   # ValueError naming the formats
+        runs_on = backend or ("triton" if model.device.type == "cuda" else "torch")
+        supported = kv_formats_supported(runs_on, model.device)
+        if kv_cache_dtype not in supported:
+            raise ValueError(f"kv_cache_dtype: the {runs_on} backend on {model.device} supports {supported}, got "
+                             f"{kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.model = model
         self.page_size = page_size

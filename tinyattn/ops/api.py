@@ -38,12 +38,12 @@ def _restore_q_shape(q, out, lse):
     return out, lse
 
 
-def _dequantized(q, k_cache, v_cache, k_scale, v_scale):
-    """Whole quantized pools -> values in the math dtype (the ``torch.compile`` path; eager runs dequantize
-    only the rows they gather)."""
+def _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend):
+    """Whole quantized pools -> values (the ``torch.compile`` path; eager runs dequantize only the rows they
+    gather, the Triton kernels in registers): fp32 math on the torch backend, ``q``'s dtype for the kernels."""
     if k_scale is None:
         return k_cache, v_cache
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = q.dtype if backend == "triton" or q.dtype == torch.float64 else torch.float32
     return quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
 
 
@@ -145,7 +145,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         k_scale, v_scale: fp32 ``[num_pages, Hkv]`` per-(page, KV head) scales of quantized pools (a value
             reads ``k_cache.float() * k_scale[page, head]``); required with int8 / fp8 pools, ``None`` otherwise.
             The torch backend gathers the quantized rows and their scales and multiplies before attending; the
-            Triton backend runs float pools only (a quantized pool there is a ``ValueError``).
+            Triton kernel dequantizes its K/V tiles in registers (fp8 e4m3 needs sm_89+: below, a ``ValueError``).
 
     Returns:
         ``out`` with the shape and dtype of ``q`` (zeros where a query sees no key), and ``lse`` if asked.
@@ -155,14 +155,14 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
         outside ``[0, num_pages)`` for valid pages; a quantized pool without ``k_scale``/``v_scale``, scales of
         the wrong shape or dtype, scales with a float pool; ``ValueError`` naming ``kv_cache_dtype`` and the
-        supported formats for a quantized pool on the Triton backend.
+        supported formats for a format the backend cannot run (fp8 e4m3 on the Triton backend below sm_89).
     """
     checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
         return _planned(checked.backend, checked, block_table, seq_lens).run(
             q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
-    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     page_indices = None                          # the Triton kernel walks every valid page itself
     if backend == "torch" or q.dtype == torch.float64:
@@ -287,7 +287,7 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse,
             k_scale=k_scale, v_scale=v_scale)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
-    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     selection = checked.selection if page_indices is None else dict(checked.selection,
                                                                       page_budget=page_indices.shape[-1])
     q4 = q.unsqueeze(1) if q.dim() == 3 else q

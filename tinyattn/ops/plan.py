@@ -267,7 +267,7 @@ class PagedAttentionPlan:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
             scales = (k_scale, v_scale)
             if needs_grad(q) or torch.compiler.is_compiling():      # the custom op reads float pools
-                dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+                dt = q.dtype if self.backend == "triton" or q.dtype == torch.float64 else torch.float32
                 k_cache, v_cache = quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
                 scales = None
         else:
@@ -296,7 +296,7 @@ class PagedAttentionPlan:
             if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
                 result = self._differentiable(q4, k_cache, v_cache, page_indices)
             elif self.backend == "triton" and q4.dtype != torch.float64:
-                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse)
+                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse, scales)
             else:
                 result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales)
         return self._finish(q, *result, return_lse, out)
@@ -542,7 +542,7 @@ class PagedAttentionPlan:
                            num_query_tokens=self.num_query_tokens, out=self._selected)
         return self._selected
 
-    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse):
+    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse, scales=None):
         o = out if out is not None else torch.empty_like(q4)
         o4 = o.unsqueeze(1) if o.dim() == 3 else o
         sparse = page_indices is not None
@@ -553,7 +553,9 @@ class PagedAttentionPlan:
         _kernels().paged_attention(q4, k_cache, v_cache, self._bt32, self._sl32, page_indices=page_indices,
                                    scale=self.scale, out=o4, lse=lse,
                                    num_splits=self._splits[False] if not sparse else splits,
-                                   ws_o=self._ws_o, ws_lse=self._ws_lse)
+                                   ws_o=self._ws_o, ws_lse=self._ws_lse,
+                                   k_scale=None if scales is None else scales[0],
+                                   v_scale=None if scales is None else scales[1])
         return o4, lse
 
     # ------------------------------------------------------------------------------- autograd path

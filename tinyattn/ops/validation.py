@@ -261,12 +261,26 @@ def check_kv_format(q, k_cache, v_cache, k_scale, v_scale) -> None:
         expect_device(name, x, q.device, "q")
 
 
+def kv_formats_supported(backend: str, device: torch.device) -> tuple[str, ...]:
+    """The ``kv_cache_dtype`` formats ``backend`` runs on ``device``: all of them, except fp8 e4m3 on the Triton
+    backend of a GPU below sm_89 (no e4m3 conversion in hardware; Triton rejects the type there)."""
+    formats = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")
+    if backend == "triton" and device.type == "cuda" and torch.cuda.is_available():
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return formats[:-1]
+    return formats
+
+
 def check_kv_backend(k_cache, backend: str) -> None:
-    """The Triton kernels read float pools only: a quantized pool there is a ValueError naming the formats."""
-    if backend == "triton" and k_cache.dtype in QUANTIZED_DTYPES:
-        raise ValueError(f"kv_cache_dtype: the triton backend supports ('auto', 'fp16', 'bf16') (float16 / "
-                         f"bfloat16 / float32 pools), got a {_dtype_name(k_cache.dtype)} pool "
-                         f"({'int8' if k_cache.dtype == torch.int8 else 'fp8_e4m3'}); use backend='torch'")
+    """A quantized pool on a backend that cannot read it: a ValueError naming ``kv_cache_dtype`` and the formats
+    that backend supports (see :func:`kv_formats_supported`)."""
+    if k_cache.dtype not in QUANTIZED_DTYPES:
+        return
+    fmt = "int8" if k_cache.dtype == torch.int8 else "fp8_e4m3"
+    supported = kv_formats_supported(backend, k_cache.device)
+    if fmt not in supported:
+        raise ValueError(f"kv_cache_dtype: the {backend} backend on {k_cache.device} supports {supported}, got "
+                         f"{fmt!r} (a {_dtype_name(k_cache.dtype)} pool); use int8 or backend='torch'")
 
 
 def box_dtype(q, k_cache) -> torch.dtype:
