@@ -22,11 +22,14 @@ one symmetric fp32 scale per (physical page, KV head) beside the pool: ``k_scale
 ``[num_pages, Hkv]`` (a value reads ``q * scale``; see :mod:`tinyattn.ops.quant`). Pass them to the ops as
 ``k_scale=`` / ``v_scale=``.
 
-When a later token of a page is larger than the page's scale can hold, the page is **re-quantized**: its scale
-grows to the new absmax / qmax and the values already stored are rescaled onto the new grid (one extra
-rounding, at most half a step of the new scale). Nothing is ever clipped, so a page whose first token is tiny
-and a later one huge ends up exactly as if it had been quantized in one go, up to that extra rounding of the
-earlier tokens. The page boxes of a quantized cache are fp32, recomputed from the **dequantized** keys of the
+A page's scales are set by its first write (``absmax / qmax`` of the tokens written, per KV head). When a later
+token is larger than the page's scale can hold, the page is **re-quantized**: the scale grows and the codes
+already stored are rescaled onto it. Nothing is ever clipped, so a page whose first token is tiny and a later one
+huge ends up as if it had been quantized in one go, up to the re-rounding of the earlier tokens. int8: the scale
+grows to exactly the new ``absmax / 127`` (each growth re-rounds the earlier codes, by at most half a step of the
+new scale). fp8 e4m3: the scale grows by the smallest power of two that holds the new token, so the earlier codes
+are rescaled exactly (a power-of-two factor only shifts e4m3 exponents; e4m3's relative precision does not
+depend on where the absmax falls in its range, so the up-to-2x larger scale costs nothing above the subnormals). The page boxes of a quantized cache are fp32, recomputed from the **dequantized** keys of the
 touched pages' valid slots after each write, so the Quest bound is exact for the keys attention reads.
 """
 
@@ -457,6 +460,11 @@ class PagedKVCache:
                 old = scale.index_select(0, touched)                                    # [U, Hkv]
                 need = x.detach().float().abs().amax(-1) / m                           # [N, Hkv]
                 new = old.clone().index_reduce_(0, inv, need, "amax")                  # [U, Hkv]
+                if dtype == torch.float8_e4m3fn:
+                    # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
+                    # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
+                    factor = torch.exp2(torch.ceil(torch.log2(new / torch.where(old > 0, old, 1.0))))
+                    new = torch.where((old > 0) & (new > old), old * factor, new)
                 grew = new > old
                 if bool(grew.any()):          # re-quantize the stored values of pages whose scale grew
                     ratio = torch.where(grew, old / new, 1.0)[:, None, :, None]        # [U, 1, Hkv, 1]
