@@ -448,10 +448,10 @@ class PagedKVCache:
         dequantized keys of their valid slots (see the module docstring)."""
         if slots.numel() == 0:
             return
-        S, Hkv, D = self.page_size, self.num_kv_heads, self.head_dim
+        page_size, Hkv, D = self.page_size, self.num_kv_heads, self.head_dim
         dtype, m = self.dtype, quant.qmax(self.dtype)
         touched, inv = torch.unique(pages, return_inverse=True)                         # [U], [N]
-        offsets = slots - pages * S
+        offsets = slots - pages * page_size
         fill = self._fill.index_select(0, touched).index_reduce_(0, inv, offsets + 1, "amax")
         self._fill.index_copy_(0, touched, fill)
         with span("metadata", k_new=k, pages=k.shape[0]):
@@ -477,8 +477,8 @@ class PagedKVCache:
             if not self.k_min:
                 return
             keys = quant.dequantize(self.k_cache[layer].index_select(0, touched),
-                                    self.k_scale[layer].index_select(0, touched))      # [U, S, Hkv, D] fp32
-            valid = (torch.arange(S, device=self.device)[None, :] < fill[:, None])[:, :, None, None]
+                                    self.k_scale[layer].index_select(0, touched))  # [U, page_size, Hkv, D] fp32
+            valid = (torch.arange(page_size, device=self.device)[None, :] < fill[:, None])[:, :, None, None]
             inf = torch.tensor(float("inf"), device=self.device)
             self.k_min[layer].index_copy_(0, touched, torch.where(valid, keys, inf).amin(1))
             self.k_max[layer].index_copy_(0, touched, torch.where(valid, keys, -inf).amax(1))
