@@ -432,3 +432,29 @@ def test_cli_kv_cache_dtype():
     assert proc.returncode == 0, proc.stderr
     assert "kv_cache_dtype=int8" in proc.stdout
     assert_clean_error(run_cli("generate", "--kv-cache-dtype", "int4"), r"--kv-cache-dtype: invalid choice: 'int4'")
+
+
+def test_published_kv_format_table_meets_the_issue():
+    """docs/accuracy.md's KV-format rows (docs/accuracy/kv_formats/*.json): the must-show figures of issue 13."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "accuracy" / "kv_formats"
+    rows = {f: json.loads((root / f"{f}.json").read_text()) for f in ("auto", "fp16", "bf16", "int8", "fp8_e4m3")}
+
+    def nll(fmt, budget):
+        return next(r["nll"] for r in rows[fmt]["rows"] if r["page_budget"] == budget)
+
+    assert nll("int8", 8) <= 1.005 * nll("auto", 8)
+    assert nll("fp8_e4m3", 8) <= 1.02 * nll("auto", 8)
+    per_token = {f: r["meta"]["kv_bytes_per_token"] for f, r in rows.items()}
+    assert per_token["int8"] <= 0.4 * per_token["auto"] and per_token["bf16"] <= 0.55 * per_token["auto"]
+    for f, r in rows.items():
+        assert r["meta"]["kv_cache_dtype"] == f and r["meta"]["page_sizes"] == [16]
+    from conftest import CKPT
+    from tinyattn.models import LlamaModel
+
+    m = LlamaModel.from_llama2c(CKPT)
+    for f, b in per_token.items():          # the recorded bytes are what the cache counts today
+        cache = m.new_cache(page_size=16, num_pages=2, kv_cache_dtype=f)
+        assert cache.kv_bytes == 2 * 16 * b
