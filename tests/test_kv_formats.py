@@ -458,3 +458,25 @@ def test_published_kv_format_table_meets_the_issue():
     for f, b in per_token.items():          # the recorded bytes are what the cache counts today
         cache = m.new_cache(page_size=16, num_pages=2, kv_cache_dtype=f)
         assert cache.kv_bytes == 2 * 16 * b
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_update_page_metadata_of_quantized_pools(fmt, backend):
+    """update_page_metadata(k_scale=) on every backend: the boxes the cache keeps (those of the dequantized
+    keys), exactly; a quantized pool without scales is a ValueError."""
+    torch.manual_seed(4)
+    c = PagedKVCache(1, 2, 16, page_size=4, num_pages=12, kv_cache_dtype=fmt)
+    ids = [c.add_sequence() for _ in range(3)]
+    for i, n in zip(ids, [5, 0, 14]):
+        c.write(0, c.extend([i], n), torch.randn(n, 2, 16) * 3, torch.randn(n, 2, 16))
+    bt, sl = c.block_table(ids), c.seq_lens(ids)
+    got = [torch.full_like(c.k_min[0], 7.0) for _ in range(2)]
+    want = [t.clone() for t in got]
+    tinyattn.update_page_metadata(c.k_cache[0], bt, sl, *got, k_scale=c.k_scale[0], backend=backend)
+    reference.update_page_metadata(c.k_cache[0], bt, sl, *want, k_scale=c.k_scale[0])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    used = [p for i in ids for p in c.pages(i)]
+    assert torch.equal(got[0][used], c.k_min[0][used]) and torch.equal(got[1][used], c.k_max[0][used])
+    with pytest.raises(ValueError, match=r"k_scale: expected a float32 \[num_pages, Hkv\]"):
+        tinyattn.update_page_metadata(c.k_cache[0], bt, sl, *got, backend=backend)

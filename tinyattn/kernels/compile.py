@@ -9,8 +9,8 @@ is what runs.
     python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
 
 Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (23 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
-dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, int8 K/V and, from sm_89 on, fp8 e4m3
+representative subset (25 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
+dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, attention and metadata on int8 K/V and, from sm_89 on, fp8 e4m3
 K/V), about a minute per arch on
 2 cores; ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
 """
@@ -60,10 +60,14 @@ def _spec(name, fn, pointers, meta, floats=()) -> Spec:
 
 
 def metadata_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int) -> Spec:
+    """``dtype`` ``"i8"`` / ``"fp8e4nv"``: a quantized pool (``QUANT``, fp32 scales; fp8 from sm_89 on)."""
     meta = metadata.metadata_blocks(page_size, head_dim, max_pages=4096)
-    ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype)
-    return _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
+    meta["QUANT"] = dtype in ("i8", "fp8e4nv")
+    ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype,
+                k_scale="fp32")
+    spec = _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
                  ptrs, meta)
+    return spec._replace(min_arch=89) if dtype == "fp8e4nv" else spec
 
 
 def scoring_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int) -> Spec:
@@ -136,6 +140,8 @@ def representative() -> Iterator[Spec]:
     yield metadata_specs("fp16", "fp16", 128, 16)
     yield metadata_specs("bf16", "fp32", 256, 256)
     yield metadata_specs("fp32", "fp32", 8, 1)
+    yield metadata_specs("i8", "fp32", 128, 16)
+    yield metadata_specs("fp8e4nv", "fp32", 64, 16)
     yield scoring_specs("fp16", "fp16", 128, 16, 1, 4)
     yield scoring_specs("bf16", "fp32", 256, 256, 64, 3)
     yield topk_specs(2048, 128, 16)

@@ -171,7 +171,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend)
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
     """Recompute the bounding box of every page the rows touch, in place; returns ``None``.
 
     ``k_min[p, h, i]`` / ``k_max[p, h, i]`` = min / max over the valid tokens of physical page ``p`` of
@@ -182,16 +182,25 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
         k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
         block_table, seq_lens: as in :func:`paged_attention`.
         k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache`` or fp32; written in place.
+        k_scale: ``[num_pages, Hkv]`` fp32 scales of an int8 / float8_e4m3fn ``k_cache`` (then ``k_min``/``k_max``
+            are fp32 boxes of the dequantized keys ``code.float() * scale``, the values attention reads);
+            ``None`` for a float pool.
+
+    Raises:
+        TypeError / ValueError naming the argument (as :func:`paged_attention`), a quantized pool without
+        ``k_scale`` or with scales of the wrong shape, ``kv_cache_dtype`` the backend cannot run.
     """
-    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
     backend = resolve_backend(backend, k_cache.device)
     if backend == "triton":
         V.check_kernel_page_size(page_size)
+        V.check_kv_backend(k_cache, backend)
     with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
         if backend == "torch" or k_cache.dtype == torch.float64:
-            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
         else:
-            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
+            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max,
+                                            k_scale=k_scale)
 
 
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):

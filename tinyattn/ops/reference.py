@@ -96,9 +96,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     return _attend(q, k_cache, v_cache, block_table, seq_lens, all_pages, scale, return_lse)
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
-    """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place)."""
-    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
+    """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place); an int8 / fp8 pool
+    with ``k_scale`` is dequantized first."""
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
+    if k_scale is not None:
+        k_cache = quant.dequantize(k_cache, k_scale)
     for b in range(block_table.shape[0]):
         n_tokens = int(seq_lens[b])
         for j in range(_cdiv(n_tokens, page_size)):

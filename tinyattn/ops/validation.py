@@ -344,17 +344,30 @@ def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_
                          f"query tokens), got {page_budget}")
 
 
-def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max) -> tuple[int, int, int, int]:
-    """Arguments of ``update_page_metadata``; returns ``(num_pages, page_size, Hkv, D)`` of ``k_cache``."""
+def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None) -> tuple[int, int, int, int]:
+    """Arguments of ``update_page_metadata``; returns ``(num_pages, page_size, Hkv, D)`` of ``k_cache``. An int8 /
+    float8_e4m3fn pool needs ``k_scale`` ``[num_pages, Hkv]`` fp32 and fp32 boxes."""
     expect_tensor("k_cache", k_cache)
     expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
-    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,))
+    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,) + QUANTIZED_DTYPES)
     num_pages, page_size, Hkv, D = k_cache.shape
+    if k_cache.dtype in QUANTIZED_DTYPES:
+        if k_scale is None:
+            raise ValueError(f"k_scale: expected a float32 [num_pages, Hkv] = {(num_pages, Hkv)} tensor of scales "
+                             f"for the {_dtype_name(k_cache.dtype)} pool, got None")
+        expect_tensor("k_scale", k_scale)
+        expect_dtype("k_scale", k_scale, (torch.float32,))
+        expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
+        expect_device("k_scale", k_scale, k_cache.device, "k_cache")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with int8 / "
+                         f"float8_e4m3fn pools only), got a tensor")
     if page_size < 1:
         raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
     check_tables(block_table, seq_lens, None, k_cache.device)
     check_table_values(block_table, seq_lens, page_size, num_pages)
-    check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D,
+                      torch.float32 if k_cache.dtype in QUANTIZED_DTYPES else k_cache.dtype, k_cache.device)
     return num_pages, page_size, Hkv, D
 
 
