@@ -509,8 +509,9 @@ class LlamaRuntime:
         if n_sparse:
             budget = self.sparsity.page_budget
             stats.pages_read += sum(metrics.pages_read(n, page_size, budget) for n in lens) * Hkv * n_sparse
-            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem)
-                                       for n in lens) * Hkv * n_sparse
+            box_elem = 4 if quant.is_quantized(quant.storage_dtype(self.kv_cache_dtype, self.model.dtype)) else elem
+            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem, box_elem)
+                                       for n in lens) * Hkv * n_sparse    # int8 / fp8: fp32 boxes
         stats.decode_steps += 1
 
     # -------------------------------------------------------------- generation
