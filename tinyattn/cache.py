@@ -454,6 +454,7 @@ class PagedKVCache:
         offsets = slots - pages * page_size
         fill = self._fill.index_select(0, touched).index_reduce_(0, inv, offsets + 1, "amax")
         self._fill.index_copy_(0, touched, fill)
+        refit = False                   # whether a page's K scale grew (its stored keys changed): refit its box
         with span("metadata", k_new=k, pages=k.shape[0]):
             for x, pools, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
                 pool, scale = pools[layer], scales[layer]
@@ -469,12 +470,20 @@ class PagedKVCache:
                 if bool(grew.any()):          # re-quantize the stored values of pages whose scale grew
                     ratio = torch.where(grew, old / new, 1.0)[:, None, :, None]        # [U, 1, Hkv, 1]
                     stored = pool.index_select(0, touched).float() * ratio
-                    requantized = quant.quantize(stored, torch.ones((), device=stored.device), dtype)
+                    requantized = quant.quantize(stored, 1.0, dtype)
                     pool.view(torch.uint8).index_copy_(0, touched, requantized.view(torch.uint8))
                     scale.index_copy_(0, touched, new)
-                xq = quant.quantize(x, new.index_select(0, inv)[:, :, None], dtype)  # [N, Hkv, D]
+                    refit = refit or x is k
+                token_scale = new.index_select(0, inv)[:, :, None]                     # [N, Hkv, 1]
+                xq = quant.quantize(x, token_scale, dtype)                             # [N, Hkv, D]
                 pool.view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, xq.view(torch.uint8))
+                if x is k:
+                    k_read = xq.float() * token_scale       # what attention reads of the new keys
             if not self.k_min:
+                return
+            if not refit:                   # no stored key changed: the boxes grow by the new keys, as in fp32
+                self.k_min[layer].index_reduce_(0, pages, k_read, "amin")
+                self.k_max[layer].index_reduce_(0, pages, k_read, "amax")
                 return
             keys = quant.dequantize(self.k_cache[layer].index_select(0, touched),
                                     self.k_scale[layer].index_select(0, touched))  # [U, page_size, Hkv, D] fp32

@@ -28,6 +28,7 @@ KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def storage_dtype(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dtype:
@@ -54,9 +55,9 @@ def qmax(dtype: torch.dtype) -> float:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x / scale`` rounded onto ``dtype``'s grid (int8: round to nearest, clamp to ±127; fp8: clamp to ±448,
-    round to nearest e4m3). ``scale`` broadcasts against ``x``; a zero scale quantizes to 0."""
-    safe = torch.where(scale > 0, scale, 1.0)
-    y = x.float() / safe
+    round to nearest e4m3). ``scale`` broadcasts against ``x``; a zero scale (only ever that of an all-zero
+    tile: scales are ``>= absmax / qmax``) quantizes to 0."""
+    y = x.float() / (scale.clamp_min(_TINY) if isinstance(scale, torch.Tensor) else max(scale, _TINY))
     m = _QMAX[dtype]
     if dtype == torch.int8:
         return y.round_().clamp_(-m, m).to(torch.int8)
