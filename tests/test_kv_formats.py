@@ -419,7 +419,8 @@ def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
         LlamaRuntime(model, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="float16")
-    assert model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="fp8_e4m3").k_scale[0].shape == (2, model.config.n_kv_heads)
+    cache = model.new_cache(page_size=4, num_pages=2, kv_cache_dtype="fp8_e4m3")
+    assert cache.k_scale[0].shape == (2, model.config.n_kv_heads)
 
 
 def test_cli_kv_cache_dtype():

@@ -29,8 +29,13 @@ huge ends up as if it had been quantized in one go, up to the re-rounding of the
 grows to exactly the new ``absmax / 127`` (each growth re-rounds the earlier codes, by at most half a step of the
 new scale). fp8 e4m3: the scale grows by the smallest power of two that holds the new token, so the earlier codes
 are rescaled exactly (a power-of-two factor only shifts e4m3 exponents; e4m3's relative precision does not
-depend on where the absmax falls in its range, so the up-to-2x larger scale costs nothing above the subnormals). The page boxes of a quantized cache are fp32, recomputed from the **dequantized** keys of the
-touched pages' valid slots after each write, so the Quest bound is exact for the keys attention reads.
+depend on where the absmax falls in its range, so the up-to-2x larger scale costs nothing above the subnormals).
+
+The page boxes of a quantized cache are fp32 boxes of the **dequantized** keys (``code.float() * scale``, the
+product attention computes): they grow by the new keys, and a page whose K scale grew (its stored keys changed)
+has its box recomputed over its valid slots, so the Quest bound is exact for the keys attention reads. A quantized
+write costs more PyTorch calls than a float one (about 6x the time of an fp32 write for stories260K on a CPU,
+where such small ops dominate); a fused write kernel would remove that.
 """
 
 from __future__ import annotations
@@ -454,34 +459,37 @@ class PagedKVCache:
         offsets = slots - pages * page_size
         fill = self._fill.index_select(0, touched).index_reduce_(0, inv, offsets + 1, "amax")
         self._fill.index_copy_(0, touched, fill)
-        refit = False                   # whether a page's K scale grew (its stored keys changed): refit its box
         with span("metadata", k_new=k, pages=k.shape[0]):
-            for x, pools, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
-                pool, scale = pools[layer], scales[layer]
-                old = scale.index_select(0, touched)                                    # [U, Hkv]
-                need = x.detach().float().abs().amax(-1) / m                           # [N, Hkv]
-                new = old.clone().index_reduce_(0, inv, need, "amax")                  # [U, Hkv]
-                if dtype == torch.float8_e4m3fn:
-                    # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
-                    # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
-                    factor = torch.exp2(torch.ceil(torch.log2(new / torch.where(old > 0, old, 1.0))))
-                    new = torch.where((old > 0) & (new > old), old * factor, new)
-                grew = new > old
-                if bool(grew.any()):          # re-quantize the stored values of pages whose scale grew
-                    ratio = torch.where(grew, old / new, 1.0)[:, None, :, None]        # [U, 1, Hkv, 1]
+            # K and V together: [2, ...] stacks (index 0 = K, 1 = V), one op each instead of two
+            x = torch.stack([k.detach(), v.detach()]).float()                          # [2, N, Hkv, D]
+            old = torch.stack([self.k_scale[layer].index_select(0, touched),
+                               self.v_scale[layer].index_select(0, touched)])           # [2, U, Hkv]
+            new = old.clone().index_reduce_(1, inv, x.abs().amax(-1).div_(m), "amax")  # [2, U, Hkv]
+            if dtype == torch.float8_e4m3fn:
+                # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
+                # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
+                factor = torch.exp2(torch.ceil(torch.log2(new / torch.where(old > 0, old, 1.0))))
+                new = torch.where((old > 0) & (new > old), old * factor, new)
+            grew_k, grew_v = (new > old).flatten(1).any(-1).tolist()                    # one host sync
+            for i, (pools, scales, regrow) in enumerate(((self.k_cache, self.k_scale, grew_k),
+                                                         (self.v_cache, self.v_scale, grew_v))):
+                if regrow:                    # re-quantize the stored values of pages whose scale grew
+                    pool = pools[layer]
+                    ratio = torch.where(new[i] > old[i], old[i] / new[i], 1.0)[:, None, :, None]  # [U, 1, Hkv, 1]
                     stored = pool.index_select(0, touched).float() * ratio
-                    requantized = quant.quantize(stored, 1.0, dtype)
-                    pool.view(torch.uint8).index_copy_(0, touched, requantized.view(torch.uint8))
-                    scale.index_copy_(0, touched, new)
-                    refit = refit or x is k
-                token_scale = new.index_select(0, inv)[:, :, None]                     # [N, Hkv, 1]
-                xq = quant.quantize(x, token_scale, dtype)                             # [N, Hkv, D]
-                pool.view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, xq.view(torch.uint8))
-                if x is k:
-                    k_read = xq.float() * token_scale       # what attention reads of the new keys
+                    requantized = quant.quantize(stored, 1.0, dtype).view(torch.uint8)
+                    pool.view(torch.uint8).index_copy_(0, touched, requantized)
+                    scales[layer].index_copy_(0, touched, new[i])
+            refit = grew_k                  # a page's K scale grew (its stored keys changed): refit its box
+            token_scale = new.index_select(1, inv)[..., None]                           # [2, N, Hkv, 1]
+            xq = quant.quantize(x, token_scale, dtype)                                  # [2, N, Hkv, D]
+            codes = xq.view(torch.uint8)
+            self.k_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[0])
+            self.v_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[1])
             if not self.k_min:
                 return
             if not refit:                   # no stored key changed: the boxes grow by the new keys, as in fp32
+                k_read = xq[0].float() * token_scale[0]     # what attention reads of the new keys
                 self.k_min[layer].index_reduce_(0, pages, k_read, "amin")
                 self.k_max[layer].index_reduce_(0, pages, k_read, "amax")
                 return

@@ -255,8 +255,9 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     from tinyattn.cache import PagedKVCache
 
     cfg = model.config
-    probe = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_sizes[0] if page_sizes else page_size,
-                         num_pages=1, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)   # ValueError: bad format
+    probe = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                         page_size=page_sizes[0] if page_sizes else page_size, num_pages=1, dtype=model.dtype,
+                         kv_cache_dtype=kv_cache_dtype)                         # ValueError: an unknown format
     kv_bytes_per_token = probe.kv_bytes / probe.page_size
     del probe
     LlamaRuntime(model, backend=backend, kv_cache_dtype=kv_cache_dtype)   # a format the backend cannot run: now
