@@ -482,3 +482,23 @@ def test_update_page_metadata_of_quantized_pools(fmt, backend):
     assert torch.equal(got[0][used], c.k_min[0][used]) and torch.equal(got[1][used], c.k_max[0][used])
     with pytest.raises(ValueError, match=r"k_scale: expected a float32 \[num_pages, Hkv\]"):
         tinyattn.update_page_metadata(c.k_cache[0], bt, sl, *got, backend=backend)
+
+
+def test_torch_compile_fullgraph_with_a_quantized_pool():
+    """Under torch.compile the ops dequantize the pool, then run the custom op: same result as the reference."""
+    torch.manual_seed(5)
+    c = PagedKVCache(1, 2, 8, page_size=4, num_pages=8, kv_cache_dtype="int8")
+    s = c.add_sequence()
+    c.write(0, c.extend([s], 11), torch.randn(11, 2, 8), torch.randn(11, 2, 8))
+    bt, sl = c.block_table([s]), c.seq_lens([s])
+    kw = dict(k_min=c.k_min[0], k_max=c.k_max[0], page_budget=2)
+
+    def step(q, k, v, ks, vs):
+        return tinyattn.sparse_paged_attention(q, k, v, bt, sl, k_scale=ks, v_scale=vs, backend="torch", **kw)
+
+    q = torch.randn(1, 4, 8)
+    args = (q, c.k_cache[0], c.v_cache[0], c.k_scale[0], c.v_scale[0])
+    got = torch.compile(step, fullgraph=True, backend="eager")(*args)
+    want = reference.sparse_paged_attention(q, c.k_cache[0], c.v_cache[0], bt, sl, k_scale=c.k_scale[0],
+                                            v_scale=c.v_scale[0], **kw)
+    torch.testing.assert_close(got, want, **TOL)
