@@ -364,3 +364,34 @@ def test_reusing_a_cache_for_a_smaller_batch_raises_a_clear_error():
             generate(tiny, prompt(20, 3), max_new_tokens=2, cache=c)             # smaller batch, longer input
         with pytest.raises(ValueError, match="batch size changed from 2 to 1"):
             tiny(prompt(6, 1)[None], cache=c, use_cache=True)
+
+
+# -------------------------------------------------------------------- KV formats (issue 13)
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3"])
+def test_kv_cache_dtype_stays_near_stock(fmt):
+    """The pool in another format: the decode logits stay near stock attention's (dense and with a budget), the
+    pool holds the format, beam search (fork) and crop keep working, and to_dense dequantizes."""
+    from tinyattn.ops import quant
+
+    tiny, stock = models("llama")
+    ids = prompt(21, seed=5)
+    ref = generate(stock, ids, max_new_tokens=6)
+    c = cache(tiny, kv_cache_dtype=fmt)
+    out = generate(tiny, ids, max_new_tokens=6, cache=c)
+    assert c.pool.kv_cache_dtype == fmt and c.pool.k_cache[0].dtype == quant.storage_dtype(
+        fmt, torch.float32)
+    scale = max(x.abs().max().item() for x in ref.logits)
+    assert max_logit_diff(out, ref) < {"bf16": 0.02, "int8": 0.03, "fp8_e4m3": 0.25}[fmt] * scale   # random weights, D = 8
+    keys, values = c.to_dense(0)
+    assert keys.dtype == (torch.bfloat16 if fmt == "bf16" else torch.float32) and keys.shape[2] == 21 + 6 - 1
+    sparse = generate(tiny, ids, max_new_tokens=6, cache=cache(tiny, page_budget=2, kv_cache_dtype=fmt))
+    assert all(torch.isfinite(x).all() for x in sparse.logits)
+    beams = generate(tiny, ids, max_new_tokens=4, num_beams=2, cache=cache(tiny, page_budget=3, kv_cache_dtype=fmt))
+    assert all(torch.isfinite(x).all() for x in beams.logits)
+
+
+def test_kv_cache_dtype_unknown_is_a_value_error():
+    tiny, _ = models("llama")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of \('auto', 'fp16', 'bf16', 'int8', "
+                                         r"'fp8_e4m3'\), got 'e4m3'"):
+        TinyAttnCache(tiny.config, kv_cache_dtype="e4m3")

@@ -38,6 +38,7 @@ def test_specialisation_list_covers_every_kernel_and_dtype():
     for dtype in ("fp16", "bf16", "fp32"):
         assert f"attention[{dtype}," in names
     assert "sparse,split" in names and "SPLIT': True" in names and "BD': 256" in names and "BD': 16" in names
+    assert "attention[fp16,kv=i8," in names and ",kv=fp8e4nv," in names and "QUANT': True" in names   # issue 13
 
 
 def test_refuses_to_run_in_the_interpreter():

@@ -15,6 +15,27 @@ Per step a caller does what vLLM's ``reshape_and_cache`` path does::
 
 Bounding boxes are kept incrementally: a page's min/max is reset when the page is allocated and then
 only grows with ``amin``/``amax`` of the keys written into it, so padding slots never enter the box.
+
+KV formats (``kv_cache_dtype``, vLLM's names): ``"auto"`` (the model dtype), ``"fp16"``, ``"bf16"``, ``"int8"``,
+``"fp8_e4m3"``. The quantized ones store ``k_cache[layer]`` / ``v_cache[layer]`` as int8 / float8_e4m3fn with
+one symmetric fp32 scale per (physical page, KV head) beside the pool: ``k_scale[layer]`` and ``v_scale[layer]``
+``[num_pages, Hkv]`` (a value reads ``q * scale``; see :mod:`tinyattn.ops.quant`). Pass them to the ops as
+``k_scale=`` / ``v_scale=``.
+
+A page's scales are set by its first write (``absmax / qmax`` of the tokens written, per KV head). When a later
+token is larger than the page's scale can hold, the page is **re-quantized**: the scale grows and the codes
+already stored are rescaled onto it. Nothing is ever clipped, so a page whose first token is tiny and a later one
+huge ends up as if it had been quantized in one go, up to the re-rounding of the earlier tokens. int8: the scale
+grows to exactly the new ``absmax / 127`` (each growth re-rounds the earlier codes, by at most half a step of the
+new scale). fp8 e4m3: the scale grows by the smallest power of two that holds the new token, so the earlier codes
+are rescaled exactly (a power-of-two factor only shifts e4m3 exponents; e4m3's relative precision does not
+depend on where the absmax falls in its range, so the up-to-2x larger scale costs nothing above the subnormals).
+
+The page boxes of a quantized cache are fp32 boxes of the **dequantized** keys (``code.float() * scale``, the
+product attention computes): they grow by the new keys, and a page whose K scale grew (its stored keys changed)
+has its box recomputed over its valid slots, so the Quest bound is exact for the keys attention reads. A quantized
+write costs more PyTorch calls than a float one (about 6x the time of an fp32 write for stories260K on a CPU,
+where such small ops dominate); a fused write kernel would remove that.
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ import torch
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
+from .ops import quant
 from .ops.spans import span
 
 
@@ -42,38 +64,55 @@ class PagedKVCache:
         num_layers: layers that store K/V (each gets its own pool; the allocation is shared).
         num_kv_heads: ``Hkv``. head_dim: ``D``.
         page_size: tokens per page. num_pages: physical pages in the pool (per layer).
-        dtype: K/V dtype (fp16, bf16, fp32, or fp64 for gradient checks); k_min/k_max use the same dtype.
+        dtype: the model dtype (fp16, bf16, fp32, or fp64 for gradient checks): the K/V dtype with
+            ``kv_cache_dtype="auto"``, and what :meth:`write` is given.
         device: where the pools live.
+        kv_cache_dtype: the storage format (vLLM's option): ``"auto"`` (= ``dtype``), ``"fp16"``, ``"bf16"``,
+            ``"int8"`` or ``"fp8_e4m3"``. The pools then hold that dtype (:attr:`dtype`); quantized formats add
+            ``k_scale`` / ``v_scale`` (lists per layer of ``[num_pages, Hkv]`` fp32, else empty lists) and keep
+            fp32 boxes. See the module docstring for how a page's scale grows.
         page_boxes: keep the per-page ``k_min``/``k_max`` (default); ``False`` for a plain paged K/V store
             that never scores pages (chunked training's memory): ``k_min``/``k_max`` are then empty lists.
 
     Memory: ``2 * num_layers * num_pages * page_size * Hkv * D`` elements for K/V, plus
-    ``2 * num_layers * num_pages * Hkv * D`` for the boxes (see :attr:`kv_bytes`).
+    ``2 * num_layers * num_pages * Hkv * D`` for the boxes, plus ``2 * num_layers * num_pages * Hkv`` fp32
+    scales for int8 / fp8 (see :attr:`kv_bytes`).
 
     Pages are owned here: besides :meth:`extend` / :meth:`free`, :meth:`fork` (copy a sequence, beam search),
     :meth:`truncate` (crop, boxes kept exact), :meth:`resize` (grow or shrink the pool, contents kept),
     :meth:`drop_pages` (evict pages, positions kept) and :meth:`copy_pages`.
 
     Raises:
-        ValueError for sizes below 1; :class:`CacheFullError` from :meth:`extend` when out of pages.
+        ValueError for sizes below 1 or a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES`
+        (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_boxes: bool = True):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_boxes: bool = True,
+                 kv_cache_dtype: str = "auto"):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages = page_size, num_pages
-        self.dtype, self.device = dtype, torch.device(device)
+        storage = quant.storage_dtype(kv_cache_dtype, dtype)
+        self.kv_cache_dtype, self.model_dtype = kv_cache_dtype, dtype
+        self.dtype, self.device = storage, torch.device(device)         # dtype: what the pools hold
+        self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(pool, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(pool, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        box_dtype = torch.float32 if self.quantized else storage
+        self.k_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
+        scale_layers = num_layers if self.quantized else 0
+        self.k_scale = [torch.zeros(num_pages, num_kv_heads, device=self.device) for _ in range(scale_layers)]
+        self.v_scale = [torch.zeros(num_pages, num_kv_heads, device=self.device) for _ in range(scale_layers)]
+        # quantized: valid slots written so far per physical page (a re-quantized page's box is refit over them)
+        self._fill = torch.zeros(num_pages if self.quantized else 0, dtype=torch.int64, device=self.device)
         box_layers = num_layers if page_boxes else 0
-        self.k_min = [torch.full(box, float("inf"), dtype=dtype, device=self.device) for _ in range(box_layers)]
-        self.k_max = [torch.full(box, float("-inf"), dtype=dtype, device=self.device) for _ in range(box_layers)]
+        self.k_min = [torch.full(box, float("inf"), dtype=box_dtype, device=self.device) for _ in range(box_layers)]
+        self.k_max = [torch.full(box, float("-inf"), dtype=box_dtype, device=self.device) for _ in range(box_layers)]
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # a stack: low ids are handed out first
         self._pages: dict[int, list[int]] = {}                        # seq id -> physical pages, in order
         self._lens: dict[int, int] = {}                               # seq id -> valid tokens
@@ -111,8 +150,8 @@ class PagedKVCache:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the K/V pools and bounding boxes, all layers."""
-        tensors = self.k_cache + self.v_cache + self.k_min + self.k_max
+        """Bytes of the K/V pools, bounding boxes and scales (int8 / fp8), all layers."""
+        tensors = self.k_cache + self.v_cache + self.k_min + self.k_max + self.k_scale + self.v_scale
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -169,11 +208,15 @@ class PagedKVCache:
         for k_min, k_max in zip(self.k_min, self.k_max):
             k_min[page].fill_(float("inf"))          # an empty box: the first write sets it
             k_max[page].fill_(float("-inf"))
+        for scale in self.k_scale + self.v_scale:
+            scale[page] = 0.0                        # an empty page: the first write sets its scale
+        if self.quantized:
+            self._fill[page] = 0
         self._pages[seq_id].append(page)
 
     # ---- page operations: copy, fork, resize, truncate, drop ----------------------------------------
     def copy_pages(self, src, dst) -> None:
-        """Copy physical pages ``src`` onto pages ``dst`` (one for one): K, V and boxes, in every layer.
+        """Copy physical pages ``src`` onto pages ``dst`` (one for one): K, V, boxes and scales, in every layer.
 
         All of ``src`` is read before anything is written, so the lists may overlap; ``dst`` must not repeat a
         page. No sequence's page list changes: this is the primitive under :meth:`fork` (beam search).
@@ -190,9 +233,11 @@ class PagedKVCache:
             return
         s = torch.tensor(src_ids, dtype=torch.int64, device=self.device)
         d = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
-        for pools in (self.k_cache, self.v_cache, self.k_min, self.k_max):
+        for pools in (self.k_cache, self.v_cache, self.k_min, self.k_max, self.k_scale, self.v_scale):
             for t in pools:
                 t[d] = t[s]
+        if self.quantized:
+            self._fill[d] = self._fill[s]
 
     def fork(self, seq_id: int, num_tokens: int | None = None) -> int:
         """A new sequence holding a copy of the first ``num_tokens`` tokens of ``seq_id`` (default: all of them).
@@ -279,6 +324,12 @@ class PagedKVCache:
         self.v_cache = [resized(t, 0.0) for t in self.v_cache]
         self.k_min = [resized(t, float("inf")) for t in self.k_min]
         self.k_max = [resized(t, float("-inf")) for t in self.k_max]
+        self.k_scale = [resized(t, 0.0) for t in self.k_scale]
+        self.v_scale = [resized(t, 0.0) for t in self.v_scale]
+        if self.quantized:
+            fill = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
+            fill[:keep] = self._fill[:keep]
+            self._fill = fill
         if num_pages > old:
             self._free = list(range(num_pages - 1, old - 1, -1)) + self._free
         else:
@@ -340,8 +391,12 @@ class PagedKVCache:
         if not valid or not pages or pages[-1] < 0:
             return
         page = pages[-1]
-        for k_cache, k_min, k_max in zip(self.k_cache, self.k_min, self.k_max):
+        if self.quantized:
+            self._fill[page] = valid
+        for layer, (k_cache, k_min, k_max) in enumerate(zip(self.k_cache, self.k_min, self.k_max)):
             keys = k_cache[page, :valid]                                   # [valid, Hkv, D]
+            if self.quantized:                                             # the keys attention reads
+                keys = quant.dequantize(keys[None], self.k_scale[layer][page][None])[0]
             k_min[page] = keys.amin(0)
             k_max[page] = keys.amax(0)
 
@@ -374,6 +429,9 @@ class PagedKVCache:
                 raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
+        if self.quantized:
+            self._write_quantized(layer, slots, pages, k, v)
+            return
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         Hkv, D = self.num_kv_heads, self.head_dim
@@ -387,6 +445,60 @@ class PagedKVCache:
         with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
             self.k_min[layer].index_reduce_(0, pages, k, "amin")
             self.k_max[layer].index_reduce_(0, pages, k, "amax")
+
+    def _write_quantized(self, layer: int, slots: torch.Tensor, pages: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> None:
+        """int8 / fp8 write: grow the touched pages' scales to hold the new tokens, re-quantize what those pages
+        already store onto the new scales, store the new tokens, refit the touched pages' boxes from the
+        dequantized keys of their valid slots (see the module docstring)."""
+        if slots.numel() == 0:
+            return
+        page_size, Hkv, D = self.page_size, self.num_kv_heads, self.head_dim
+        dtype, m = self.dtype, quant.qmax(self.dtype)
+        touched, inv = torch.unique(pages, return_inverse=True)                         # [U], [N]
+        offsets = slots - pages * page_size
+        fill = self._fill.index_select(0, touched).index_reduce_(0, inv, offsets + 1, "amax")
+        self._fill.index_copy_(0, touched, fill)
+        with span("metadata", k_new=k, pages=k.shape[0]):
+            # K and V together: [2, ...] stacks (index 0 = K, 1 = V), one op each instead of two
+            x = torch.stack([k.detach(), v.detach()]).float()                          # [2, N, Hkv, D]
+            old = torch.stack([self.k_scale[layer].index_select(0, touched),
+                               self.v_scale[layer].index_select(0, touched)])           # [2, U, Hkv]
+            new = old.clone().index_reduce_(1, inv, x.abs().amax(-1).div_(m), "amax")  # [2, U, Hkv]
+            if dtype == torch.float8_e4m3fn:
+                # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
+                # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
+                factor = torch.exp2(torch.ceil(torch.log2(new / torch.where(old > 0, old, 1.0))))
+                new = torch.where((old > 0) & (new > old), old * factor, new)
+            grew_k, grew_v = (new > old).flatten(1).any(-1).tolist()                    # one host sync
+            for i, (pools, scales, regrow) in enumerate(((self.k_cache, self.k_scale, grew_k),
+                                                         (self.v_cache, self.v_scale, grew_v))):
+                if regrow:                    # re-quantize the stored values of pages whose scale grew
+                    pool = pools[layer]
+                    ratio = torch.where(new[i] > old[i], old[i] / new[i], 1.0)[:, None, :, None]  # [U, 1, Hkv, 1]
+                    stored = pool.index_select(0, touched).float() * ratio
+                    requantized = quant.quantize(stored, 1.0, dtype).view(torch.uint8)
+                    pool.view(torch.uint8).index_copy_(0, touched, requantized)
+                    scales[layer].index_copy_(0, touched, new[i])
+            refit = grew_k                  # a page's K scale grew (its stored keys changed): refit its box
+            token_scale = new.index_select(1, inv)[..., None]                           # [2, N, Hkv, 1]
+            xq = quant.quantize(x, token_scale, dtype)                                  # [2, N, Hkv, D]
+            codes = xq.view(torch.uint8)
+            self.k_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[0])
+            self.v_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[1])
+            if not self.k_min:
+                return
+            if not refit:                   # no stored key changed: the boxes grow by the new keys, as in fp32
+                k_read = xq[0].float() * token_scale[0]     # what attention reads of the new keys
+                self.k_min[layer].index_reduce_(0, pages, k_read, "amin")
+                self.k_max[layer].index_reduce_(0, pages, k_read, "amax")
+                return
+            keys = quant.dequantize(self.k_cache[layer].index_select(0, touched),
+                                    self.k_scale[layer].index_select(0, touched))  # [U, page_size, Hkv, D] fp32
+            valid = (torch.arange(page_size, device=self.device)[None, :] < fill[:, None])[:, :, None, None]
+            inf = torch.tensor(float("inf"), device=self.device)
+            self.k_min[layer].index_copy_(0, touched, torch.where(valid, keys, inf).amin(1))
+            self.k_max[layer].index_copy_(0, touched, torch.where(valid, keys, -inf).amax(1))
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

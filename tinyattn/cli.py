@@ -89,6 +89,14 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: by device: triton on CUDA, torch on CPU); "
                         "'triton' on a CPU-only machine runs the Triton interpreter (slow)")
+    from .ops.quant import KV_CACHE_DTYPES
+
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage format (vLLM's option): auto = the model dtype (--dtype), fp16, bf16, "
+                        "or int8 / fp8_e4m3 with one fp32 scale per (page, KV head) for K and for V (about 0.3x "
+                        "fp32's bytes; fp8_e4m3 on the triton backend needs an sm_89+ GPU)" + (
+                            "; eval: the sparse passes use it, the dense reference keeps the model dtype"
+                            if budgets else "") + " (default: auto)")
     from .profiler import add_cli_option
 
     add_cli_option(g)
@@ -271,7 +279,7 @@ def _cmd_generate(args) -> int:
     runtime = LlamaRuntime(model, page_size=args.page_size, page_budget=args.page_budget,
                            num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                            dense_layers=args.dense_layers, backend=args.backend, policy=args.policy,
-                           selection_metrics=args.selection_metrics)
+                           selection_metrics=args.selection_metrics, kv_cache_dtype=args.kv_cache_dtype)
     texts = args.prompt if args.prompt else [""]
     prompts = [tokenizer.encode(t, bos=True) for t in texts]
     from .profiler import cli_profile, print_cli_report
@@ -292,7 +300,8 @@ def _cmd_generate(args) -> int:
             f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
             f"policy={s.policy.name}")
         print("---")
-        print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}")
+        print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}"
+              + ("" if args.kv_cache_dtype == "auto" else f", kv_cache_dtype={args.kv_cache_dtype}"))
         print(out.stats.format())
     longest = max(len(p) + len(n) for p, n in zip(prompts, out.tokens))
     _warn_past_context(longest, model.config.max_seq_len)
@@ -350,7 +359,8 @@ def _cmd_eval(args) -> int:
                           num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                           dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
                           long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
-                          selection_metrics=not args.no_selection_metrics, progress=not args.no_progress)
+                          selection_metrics=not args.no_selection_metrics, progress=not args.no_progress,
+                          kv_cache_dtype=args.kv_cache_dtype)
     print(f"data: {data if args.data is not None else data.name + ' (shipped with tinyattn)'}")
     print(format_eval_table(result))
     _warn_past_context(result.max_sequence_tokens, model.config.max_seq_len)

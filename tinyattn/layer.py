@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import quant
 from .ops.plan import PagedAttentionPlan
 from .ops.validation import check_selection_options
 
@@ -138,30 +139,46 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None, *,
-                 page_indices: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                 page_indices: torch.Tensor | None = None, scale: float | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output (shape and dtype of ``q``) of model layer ``layer`` under the current step.
 
         ``q``: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; the pool and boxes of this layer;
         ``page_indices``: attend to these logical pages (``[B, Hkv, K]``, -1 padded) instead of deciding.
         ``scale``: this layer's softmax scale if it differs from the step's (GPT-2 scales per layer).
+        ``k_scale``, ``v_scale``: fp32 ``[num_pages, Hkv]`` scales of an int8 / fp8 pool (the cache's
+        ``k_scale[layer]`` / ``v_scale[layer]``). A float pool of another dtype than ``q`` (``kv_cache_dtype``
+        ``"fp16"`` / ``"bf16"`` under an fp32 model) gets ``q`` cast to the pool's dtype and the output cast
+        back. Quest's fused path reads quantized pools directly; other policies and the selection metrics see
+        the pool dequantized to ``q``'s dtype (a whole-pool pass per layer).
         """
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
         if scale is not None and scale != self.plan.scale:
             saved, self.plan.scale = self.plan.scale, float(scale)
             try:
-                return self(layer, q, k_cache, v_cache, k_min, k_max, page_indices=page_indices)
+                return self(layer, q, k_cache, v_cache, k_min, k_max, page_indices=page_indices, k_scale=k_scale,
+                            v_scale=v_scale)
             finally:
                 self.plan.scale = saved
+        if k_scale is None and k_cache.dtype != q.dtype and k_cache.is_floating_point() \
+                and k_cache.dtype not in quant.QUANTIZED_DTYPES:
+            return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max,
+                        page_indices=page_indices).to(q.dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if page_indices is not None:
-            return self.plan.run(q, k_cache, v_cache, page_indices=page_indices)
+            return self.plan.run(q, k_cache, v_cache, page_indices=page_indices, **scales)
         sparse = self.decode and self.sparsity.layer_is_sparse(layer)
         if sparse and self._fused:
-            return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max)
+            return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)
+        stateful = self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer)
+        if k_scale is not None and (sparse or stateful):      # policies and metrics read float pools
+            k_cache, v_cache = quant.dequantize(k_cache, k_scale, q.dtype), quant.dequantize(v_cache, v_scale, q.dtype)
+            scales = {}
         if sparse:        # every step, even one where all pages fit: a stateful policy observes each one
             return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max)
-        out = self.plan.run(q, k_cache, v_cache)
-        if self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer):
+        out = self.plan.run(q, k_cache, v_cache, **scales)
+        if stateful:
             from . import selection
 
             selection.observe_prefill(self.sparsity.policy, self._context(layer, q, k_cache, v_cache, k_min, k_max))

@@ -70,6 +70,7 @@ import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig
 from tinyattn.ops.validation import check_selection_options
+from tinyattn.ops import quant
 
 __all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
 
@@ -190,6 +191,10 @@ class TinyAttnCache(Cache):
         policy: page-selection policy of the sparse layers, as :class:`tinyattn.models.LlamaRuntime`'s:
             ``"quest"`` (default), ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"`` or a
             :class:`tinyattn.selection.SelectionPolicy`.
+        kv_cache_dtype: storage format of the pool (vLLM's option): ``"auto"`` (the model's dtype), ``"fp16"``,
+            ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (per-(page, KV head) scales, see
+            :class:`tinyattn.PagedKVCache`). The first prefill into an empty cache attends over the new states as
+            the model computed them (stock SDPA); every later step reads the stored format.
 
     The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
     (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
@@ -208,7 +213,7 @@ class TinyAttnCache(Cache):
 
     def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int = 0,
                  num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
-                 backend: str | None = None, policy="quest"):
+                 backend: str | None = None, policy="quest", kv_cache_dtype: str = "auto"):
         for name, value, low in (("page_size", page_size, 1), ("num_sink_pages", num_sink_pages, 0),
                                  ("num_recent_pages", num_recent_pages, 0), ("dense_layers", dense_layers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -220,6 +225,8 @@ class TinyAttnCache(Cache):
             check_selection_options(page_budget, num_sink_pages, num_recent_pages)
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
+        quant.storage_dtype(kv_cache_dtype, torch.float32)       # ValueError naming the supported formats
+        self.kv_cache_dtype = kv_cache_dtype
         if config is None or not hasattr(config, "get_text_config"):
             raise ValueError(f"config: expected the model's transformers config (model.config), got {config!r}")
         text_config = config.get_text_config(decoder=True)
@@ -406,16 +413,21 @@ class TinyAttnCache(Cache):
         lens = [pool.length(s) for s in self._seq_ids]
         L = max(lens + [0])
         shape = (len(lens), pool.num_kv_heads, L, pool.head_dim)
-        keys = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
-        values = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        dtype = pool.model_dtype if pool.quantized else pool.dtype          # int8 / fp8: dequantized
+        keys = torch.zeros(shape, dtype=dtype, device=pool.device)
+        values = torch.zeros(shape, dtype=dtype, device=pool.device)
+        k_pool, v_pool = pool.k_cache[layer_idx], pool.v_cache[layer_idx]
+        if pool.quantized:
+            k_pool = quant.dequantize(k_pool, pool.k_scale[layer_idx], dtype)
+            v_pool = quant.dequantize(v_pool, pool.v_scale[layer_idx], dtype)
         S = self.page_size
         for row, (sid, n) in enumerate(zip(self._seq_ids, lens)):
             if n == 0:
                 continue
             pages = torch.tensor(pool.pages(sid), device=pool.device)
             pos = torch.arange(n, device=pool.device)
-            keys[row, :, L - n:] = pool.k_cache[layer_idx][pages[pos // S], pos % S].transpose(0, 1)
-            values[row, :, L - n:] = pool.v_cache[layer_idx][pages[pos // S], pos % S].transpose(0, 1)
+            keys[row, :, L - n:] = k_pool[pages[pos // S], pos % S].transpose(0, 1)
+            values[row, :, L - n:] = v_pool[pages[pos // S], pos % S].transpose(0, 1)
         return keys, values
 
     def _check_ready(self) -> None:
@@ -427,7 +439,7 @@ class TinyAttnCache(Cache):
         per_row = -(-T // self.page_size) + 4
         num_pages = self.num_pages or max(B * per_row, 1)
         self._pool = PagedKVCache(self.num_layers, Hkv, D, page_size=self.page_size, num_pages=num_pages,
-                                  dtype=dtype, device=device)
+                                  dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype)
         self._seq_ids = [self._pool.add_sequence() for _ in range(B)]
         self._real = torch.zeros(B, 0, dtype=torch.bool)
 
@@ -560,15 +572,16 @@ class TinyAttnCache(Cache):
         q = query.transpose(1, 2)                                               # [B, T, Hq, D]
         if T == 1:
             q = q[:, 0]                                                         # [B, Hq, D]
-        if q.dtype != pool.dtype:
+        if q.dtype != pool.dtype and not pool.quantized:
             q = q.to(pool.dtype)
         if not self._planned:       # first layer of this forward: one plan for every layer
             self._attention.begin(self._block_table, self._seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                   page_size=self.page_size, num_query_tokens=T, decode=T == 1, scale=scaling,
                                   seq_ids=list(self._seq_ids), trusted=True)   # the pool's own tables
             self._planned = True
+        scales = dict(k_scale=pool.k_scale[layer_idx], v_scale=pool.v_scale[layer_idx]) if pool.quantized else {}
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
-                              pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling)
+                              pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling, **scales)
         return out.reshape(B, T, Hq, D).to(query.dtype), None
 
 

@@ -40,6 +40,8 @@ def _attn_fwd_kernel(
     block_table,  # [B, MAXP] int32
     seq_lens,  # [B] int32
     page_indices,  # [B, HKV, K] int32 logical pages (SPARSE only)
+    k_scale,  # [num_pages, Hkv] fp32 (QUANT only)
+    v_scale,  # [num_pages, Hkv] fp32 (QUANT only)
     out,  # [B, TQ, HQ, D]                 (not SPLIT)
     lse,  # [B, TQ, HQ] fp32 natural log   (not SPLIT)
     ws_o,  # [num_splits, B, Tq, Hq, D] fp32        (SPLIT)
@@ -48,6 +50,7 @@ def _attn_fwd_kernel(
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_ib, stride_ih,
+    stride_sp, stride_sh,  # k_scale and v_scale (the same strides)
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_lb, stride_lt, stride_lh,
     stride_ws, stride_wb, stride_wt, stride_wh,
@@ -63,6 +66,7 @@ def _attn_fwd_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr = False,  # int8 / fp8 e4m3 K/V: dequantized in registers by their (page, head) scale
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = (tl.program_id(1) // NUM_MB).to(tl.int64)
@@ -81,7 +85,7 @@ def _attn_fwd_kernel(
     p_q = (q + i_b * stride_qb + o_t[:, None].to(tl.int64) * stride_qt + o_hq[:, None] * stride_qh
            + o_d[None, :] * stride_qd)
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
-    if UPCAST:
+    if UPCAST or QUANT:
         b_q = b_q.to(tl.float32)
 
     if SPARSE:
@@ -103,6 +107,8 @@ def _attn_fwd_kernel(
     o_d64 = o_d.to(tl.int64)
     p_k0 = k_cache + i_h * stride_kh + o_d64[None, :] * stride_kd  # [1, BD]
     p_v0 = v_cache + i_h * stride_vh + o_d64[None, :] * stride_vd  # [1, BD]
+    p_ks0 = k_scale + i_h * stride_sh  # scales of KV head i_h: + page * stride_sp
+    p_vs0 = v_scale + i_h * stride_sh
     o_n = tl.arange(0, BLOCK_N)
 
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base 2)
@@ -112,7 +118,8 @@ def _attn_fwd_kernel(
         b_m, b_l, b_acc = _attn_tile(
             b_q, b_m, b_l, b_acc, it * BLOCK_N + o_n, o_qpos, m_d, seq_len, n_tok,
             p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
-            PAGE_SIZE, SPARSE, UPCAST, PRECISION,
+            p_ks0, p_vs0, stride_sp,
+            PAGE_SIZE, SPARSE, UPCAST, PRECISION, QUANT,
         )
 
     # rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf (never 0/0)
@@ -138,10 +145,12 @@ def _attn_fwd_kernel(
 def _attn_tile(
     b_q, b_m, b_l, b_acc, o_u, o_qpos, m_d, seq_len, n_tok,
     p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
+    p_ks0, p_vs0, stride_sp,
     PAGE_SIZE: tl.constexpr,
     SPARSE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One step of the online softmax over tokens ``o_u`` [BN] of the page list; returns ``(m, l, acc)``."""
     m_u = o_u < n_tok
@@ -158,7 +167,12 @@ def _attn_tile(
     m_kv = m_n[:, None] & m_d[None, :]  # [BN, BD]
     b_k = tl.load(p_k0 + (o_p * stride_kp + o_slot * stride_ks)[:, None], mask=m_kv, other=0.0)  # [BN, BD]
     b_v = tl.load(p_v0 + (o_p * stride_vp + o_slot * stride_vs)[:, None], mask=m_kv, other=0.0)  # [BN, BD]
-    if UPCAST:
+    if QUANT:  # codes -> values in registers: code.to(fp32) * scale[page, head], the product every backend uses
+        b_sk = tl.load(p_ks0 + o_p * stride_sp, mask=m_n, other=0.0)  # [BN] fp32
+        b_sv = tl.load(p_vs0 + o_p * stride_sp, mask=m_n, other=0.0)  # [BN]
+        b_k = b_k.to(tl.float32) * b_sk[:, None]  # [BN, BD]
+        b_v = b_v.to(tl.float32) * b_sv[:, None]
+    elif UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
 
@@ -268,7 +282,8 @@ def _num_sms(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor], scale: float,
                     out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None,
-                    ws_o: Optional[torch.Tensor] = None, ws_lse: Optional[torch.Tensor] = None) -> None:
+                    ws_o: Optional[torch.Tensor] = None, ws_lse: Optional[torch.Tensor] = None,
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """Attention of q ``[B, Tq, Hq, D]`` over the paged cache; writes ``out`` (q's shape/dtype) and ``lse``.
 
     k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
@@ -278,6 +293,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_splits: ``None`` picks it with ``choose_num_splits``; an int forces it (tests, plans).
     ws_o ``[>= num_splits, B, Tq, Hq, D]`` / ws_lse ``[>= num_splits, B, Tq, Hq]`` fp32: split-K partials
     preallocated by a plan (``tinyattn.ops.plan``); allocated here when ``None`` and needed.
+    k_scale / v_scale ``[num_pages, Hkv]`` fp32: with int8 / float8_e4m3fn pools, the per-(page, KV head) scales;
+    K and V tiles are dequantized in registers (``code.to(fp32) * scale``) and the math runs in fp32.
     """
     batch, num_queries, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -300,9 +317,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     elif not split:
         ws_o, ws_lse = out, lse  # unused
     idx = page_indices if sparse else block_table  # unused when dense
+    quantized = k_scale is not None
+    if quantized:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    else:
+        k_scale = v_scale = lse  # unused
     _attn_fwd_kernel[(batch, num_kv_heads * num_mb, num_splits)](
         q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-        page_indices=idx, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse,
+        page_indices=idx, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse,
         stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
         stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
         stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
@@ -310,6 +332,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
         stride_bt=block_table.stride(0),
         stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
+        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
         stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
         stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
         stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
@@ -317,7 +340,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_zh=ws_lse.stride(3) if split else 0,
         qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
         NUM_SPLITS=num_splits, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
-        PRECISION="ieee", **meta,
+        PRECISION="ieee", QUANT=quantized, **meta,
     )
     if split:
         mmeta = merge_blocks(num_heads, num_splits, head_dim)

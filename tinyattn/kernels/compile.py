@@ -9,9 +9,10 @@ is what runs.
     python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
 
 Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (19 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page sizes 1 / 16 / 256,
-dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill), about a minute per arch on
-2 cores; ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
+representative subset (25 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page
+sizes 1 / 16 / 256, dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, attention and
+metadata on int8 K/V and, from sm_89 on, fp8 e4m3 K/V), about a minute and a half per arch on 2 cores;
+``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
 """
 import argparse
 import itertools
@@ -36,6 +37,7 @@ class Spec(NamedTuple):
     signature: Dict[str, str]
     constexprs: Dict[str, object]
     num_warps: int
+    min_arch: int = 0  # below this SM version the specialisation is skipped (fp8 e4m3 needs sm_89)
 
 
 def _signature(fn, pointers: Dict[str, str], floats=(), constexprs=()) -> Dict[str, str]:
@@ -58,10 +60,14 @@ def _spec(name, fn, pointers, meta, floats=()) -> Spec:
 
 
 def metadata_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int) -> Spec:
+    """``dtype`` ``"i8"`` / ``"fp8e4nv"``: a quantized pool (``QUANT``, fp32 scales; fp8 from sm_89 on)."""
     meta = metadata.metadata_blocks(page_size, head_dim, max_pages=4096)
-    ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype)
-    return _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
+    meta["QUANT"] = dtype in ("i8", "fp8e4nv")
+    ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype,
+                k_scale="fp32")
+    spec = _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
                  ptrs, meta)
+    return spec._replace(min_arch=89) if dtype == "fp8e4nv" else spec
 
 
 def scoring_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int) -> Spec:
@@ -78,14 +84,18 @@ def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
 
 
 def attention_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
-                    split: bool) -> Spec:
+                    split: bool, kv: str = "") -> Spec:
+    """``kv``: the pool's Triton type when quantized (``"i8"``, ``"fp8e4nv"``: ``kv_cache_dtype`` int8 / fp8_e4m3,
+    dequantized in registers with fp32 scales); empty for a pool of ``dtype``."""
     meta = attention.attention_blocks(tq, group, head_dim, page_size)
-    meta.update(SPARSE=sparse, SPLIT=split, UPCAST=False, PRECISION="ieee")
-    ptrs = dict(q=dtype, k_cache=dtype, v_cache=dtype, block_table="i32", seq_lens="i32", page_indices="i32",
-                out=dtype, lse="fp32", ws_o="fp32", ws_lse="fp32")
-    name = (f"attention[{dtype},D={head_dim},S={page_size},Tq={tq},G={group},"
+    meta.update(SPARSE=sparse, SPLIT=split, UPCAST=False, PRECISION="ieee", QUANT=bool(kv))
+    ptrs = dict(q=dtype, k_cache=kv or dtype, v_cache=kv or dtype, block_table="i32", seq_lens="i32",
+                page_indices="i32", k_scale="fp32", v_scale="fp32", out=dtype, lse="fp32", ws_o="fp32",
+                ws_lse="fp32")
+    name = (f"attention[{dtype}{',kv=' + kv if kv else ''},D={head_dim},S={page_size},Tq={tq},G={group},"
             f"{'sparse' if sparse else 'dense'}{',split' if split else ''}]")
-    return _spec(name, attention._attn_fwd_kernel, ptrs, meta, floats=("qk_scale",))
+    spec = _spec(name, attention._attn_fwd_kernel, ptrs, meta, floats=("qk_scale",))
+    return spec._replace(min_arch=89) if kv == "fp8e4nv" else spec
 
 
 def merge_specs(dtype: str, num_heads: int, num_splits: int, head_dim: int) -> Spec:
@@ -121,11 +131,17 @@ def representative() -> Iterator[Spec]:
     yield attention_specs("bf16", 256, 256, 1, 3, sparse=True, split=False)  # BLOCK_N = 32 < page size
     yield attention_specs("fp16", 64, 1, 1, 8, sparse=True, split=True)  # 64 pages per iteration
     yield attention_specs("fp16", 128, 16, 512, 4, sparse=False, split=False)  # prefill: BLOCK_M = 64, 8 warps
+    yield attention_specs("fp16", 128, 16, 1, 4, sparse=True, split=True, kv="i8")  # kv_cache_dtype int8
+    yield attention_specs("bf16", 64, 16, 128, 4, sparse=False, split=False, kv="i8")  # int8 prefill
+    yield attention_specs("bf16", 128, 16, 1, 4, sparse=False, split=False, kv="fp8e4nv")  # fp8_e4m3: sm_89+
+    yield attention_specs("fp32", 8, 1, 1, 8, sparse=True, split=False, kv="fp8e4nv")
     yield merge_specs("fp16", 32, 16, 128)
     yield merge_specs("bf16", 3, 64, 80)
     yield metadata_specs("fp16", "fp16", 128, 16)
     yield metadata_specs("bf16", "fp32", 256, 256)
     yield metadata_specs("fp32", "fp32", 8, 1)
+    yield metadata_specs("i8", "fp32", 128, 16)
+    yield metadata_specs("fp8e4nv", "fp32", 64, 16)
     yield scoring_specs("fp16", "fp16", 128, 16, 1, 4)
     yield scoring_specs("bf16", "fp32", 256, 256, 64, 3)
     yield topk_specs(2048, 128, 16)
@@ -140,6 +156,8 @@ def full() -> Iterator[Spec]:
     for dtype, d, s, (tq, g), sparse, split in itertools.product(
             DTYPES, HEAD_DIMS, PAGE_SIZES, [(1, 1), (1, 3), (1, 8), (128, 4)], (False, True), (False, True)):
         yield attention_specs(dtype, d, s, tq, g, sparse, split)
+    for dtype, kv, d, sparse in itertools.product(DTYPES, ("i8", "fp8e4nv"), HEAD_DIMS, (False, True)):
+        yield attention_specs(dtype, d, 16, 1, 4, sparse, sparse, kv=kv)
     for dtype, d, s in itertools.product(DTYPES, HEAD_DIMS, PAGE_SIZES):
         yield metadata_specs(dtype, dtype, d, s)
         yield metadata_specs(dtype, "fp32", d, s)
@@ -175,6 +193,10 @@ def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True) -> Li
     for arch in archs:
         for spec in specs:
             t0 = time.perf_counter()
+            if arch < spec.min_arch:
+                if verbose:
+                    print(f"sm_{arch} {spec.name:<60} skipped (needs sm_{spec.min_arch}+)", flush=True)
+                continue
             try:
                 kernel = compile_spec(spec, arch)
                 assert kernel.asm.get("cubin"), "no cubin produced"
@@ -185,7 +207,8 @@ def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True) -> Li
             if verbose:
                 print(f"sm_{arch} {spec.name:<60} {time.perf_counter() - t0:6.2f}s {status}", flush=True)
     if verbose:
-        print(f"compiled {len(specs) * len(archs)} specialisations in {time.perf_counter() - start:.1f}s, "
+        count = sum(arch >= spec.min_arch for arch in archs for spec in specs)
+        print(f"compiled {count} specialisations in {time.perf_counter() - start:.1f}s, "
               f"{len(failures)} failed", flush=True)
     return failures
 

@@ -29,15 +29,18 @@ def _page_minmax_kernel(
     seq_lens,  # [B] int32
     k_min,  # [num_pages, Hkv, D]
     k_max,  # [num_pages, Hkv, D]
+    k_scale,  # [num_pages, Hkv] fp32 (QUANT only)
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_bt,
     stride_np, stride_nh, stride_nd,
     stride_xp, stride_xh, stride_xd,
+    stride_sp, stride_sh,
     MAXP, D,
     PAGE_SIZE: tl.constexpr,
     BP: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
+    QUANT: tl.constexpr = False,  # int8 / fp8 e4m3 keys: boxes of code * scale[page, head]
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_pb = tl.program_id(1)
@@ -65,6 +68,12 @@ def _page_minmax_kernel(
         b_min = tl.minimum(b_min, tl.min(tl.where(m_k, b_k, float("inf")), axis=1))  # [BP, BD]
         b_max = tl.maximum(b_max, tl.max(tl.where(m_k, b_k, float("-inf")), axis=1))  # [BP, BD]
 
+    if QUANT:
+        # scale > 0 and rounding is monotone: min/max of the codes times the scale are exactly the min/max of
+        # the dequantized keys (code.to(fp32) * scale), the values attention reads
+        b_sc = tl.load(k_scale + o_p * stride_sp + i_h * stride_sh, mask=m_j, other=1.0)  # [BP]
+        b_min = b_min * b_sc[:, None]
+        b_max = b_max * b_sc[:, None]
     m_o = m_j[:, None] & m_d[None, :]  # [BP, BD]
     p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
     p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
@@ -81,11 +90,12 @@ def metadata_blocks(page_size: int, head_dim: int, max_pages: int) -> dict:
 
 
 def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                         k_min: torch.Tensor, k_max: torch.Tensor) -> None:
+                         k_min: torch.Tensor, k_max: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
     """Recompute ``k_min``/``k_max`` ``[num_pages, Hkv, D]`` of every valid page of every row, in place.
 
     k_cache: ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32;
-    seq_lens ``[B]`` int32. Pages that no row touches are left as they are.
+    seq_lens ``[B]`` int32. Pages that no row touches are left as they are. k_scale ``[num_pages, Hkv]`` fp32:
+    an int8 / fp8 pool's scales; the boxes are then those of the dequantized keys.
     """
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, max_pages = block_table.shape
@@ -94,8 +104,12 @@ def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_l
         return
     meta = metadata_blocks(page_size, head_dim, max_pages)
     grid = (batch, triton.cdiv(max_pages, meta["BP"]), num_kv_heads)
+    quantized = k_scale is not None
     _page_minmax_kernel[grid](
         k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min, k_max=k_max,
+        k_scale=k_scale if quantized else k_min,
+        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
+        QUANT=quantized,
         stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
         stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
         stride_bt=block_table.stride(0),

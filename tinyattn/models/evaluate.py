@@ -220,7 +220,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
              token_budgets: list[int] | None = None, num_sink_pages: int = 0, num_recent_pages: int = 1,
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
-             progress: bool = True) -> EvalResult:
+             progress: bool = True, kv_cache_dtype: str = "auto") -> EvalResult:
     """Teacher-forced NLL, perplexity, agreement, KL, hit rate and the long-range probes, per configuration.
 
     Args:
@@ -239,6 +239,10 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         selection_metrics: measure hit rate and captured mass against the oracle (a dense pass per sparse
             layer and step).
         progress: a tqdm bar over the configurations (and one over the steps of each), on stderr.
+        kv_cache_dtype: KV storage format of the sparse passes (``"auto"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"fp8_e4m3"``); the dense reference keeps the model dtype, so NLL, agreement and KL compare each
+            format's sparse decode with the full-precision dense one. ``options["kv_bytes_per_token"]`` records the
+            format's cache bytes per token (pools, boxes and scales, all layers).
     """
     from tqdm.auto import tqdm
 
@@ -248,6 +252,15 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         raise ValueError("stories is empty: nothing to evaluate")
     if page_budgets is not None and token_budgets is not None:
         raise ValueError("give page_budgets or token_budgets, not both")
+    from tinyattn.cache import PagedKVCache
+
+    cfg = model.config
+    probe = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
+                         page_size=page_sizes[0] if page_sizes else page_size, num_pages=1, dtype=model.dtype,
+                         kv_cache_dtype=kv_cache_dtype)                         # ValueError: an unknown format
+    kv_bytes_per_token = probe.kv_bytes / probe.page_size
+    del probe
+    LlamaRuntime(model, backend=backend, kv_cache_dtype=kv_cache_dtype)   # a format the backend cannot run: now
     max_context = model.config.max_seq_len if max_context is None else max_context
     if max_context < 2:
         raise ValueError(f"max_context must be >= 2 (BOS + one target), got {max_context}")
@@ -318,7 +331,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         t0 = time.perf_counter()
         rt = LlamaRuntime(model, page_size=ps, page_budget=budget, num_sink_pages=num_sink_pages,
                           num_recent_pages=num_recent_pages, dense_layers=dense_layers, backend=backend,
-                          policy=get_policy(pol) if not isinstance(pol, str) else pol)
+                          policy=get_policy(pol) if not isinstance(pol, str) else pol, kv_cache_dtype=kv_cache_dtype)
         rt.sparsity.policy.reset()
         metrics = SelectionMetrics() if selection_metrics else None
         stats = GenerationStats()
@@ -337,7 +350,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
                       max_sequence_tokens=longest,
                       options=dict(num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
-                                   repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets))
+                                   repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets,
+                                   kv_cache_dtype=kv_cache_dtype, kv_bytes_per_token=kv_bytes_per_token))
 
 
 def _teacher_forced(rt: LlamaRuntime, seqs, dense_logp, dense_top, stats, metrics, progress, desc) -> _Rows:
@@ -395,7 +409,10 @@ def format_eval_table(result: EvalResult) -> str:
     for (ps, policy), rows in groups.items():
         lines = [
             f"page_size={ps}, policy={policy}, num_sink_pages={o.get('num_sink_pages')}, "
-            f"num_recent_pages={o.get('num_recent_pages')}, dense_layers={o.get('dense_layers')}",
+            f"num_recent_pages={o.get('num_recent_pages')}, dense_layers={o.get('dense_layers')}"
+            + ("" if o.get("kv_cache_dtype", "auto") == "auto" else
+               f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
+               f"the dense row keeps the model dtype)"),
             "",
             "| page_budget | token budget | mean NLL | ppl | top-1 agreement | KL(dense‖sparse) | pages read "
             "| hit rate | captured mass | long-range NLL | repeat NLL |",

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyattn import metrics, selection
+from tinyattn.ops import quant
+from tinyattn.ops.validation import kv_formats_supported
 from tinyattn.ops.spans import layer as profile_layer
 from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
 
@@ -133,7 +135,8 @@ class FusedWeights:
 class ForwardStep:
     """One forward step of :class:`LlamaModel` (from :meth:`LlamaModel.start_step`): ``B`` rows of ``T`` new
     tokens, their cache slots, the planned attention layer, RoPE factors ``cis`` ``[B*T, 1, D/2]`` and each
-    layer's ``(k_cache, v_cache, k_min, k_max)``."""
+    layer's ``(k_cache, v_cache, k_min, k_max)`` and ``scales`` (``k_scale``/``v_scale`` keywords of a quantized
+    cache, else empty)."""
     tokens: torch.Tensor
     batch: int
     num_tokens: int
@@ -142,6 +145,7 @@ class ForwardStep:
     attention: object
     cis: torch.Tensor
     pools: list
+    scales: list
 
 
 def _folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -196,13 +200,16 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_cache(self, *, page_size: int, num_pages: int):
-        """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model."""
+    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto"):
+        """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model.
+
+        ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"``
+        (per-(page, KV head) scales); ``ValueError`` naming the supported set otherwise."""
         from tinyattn.cache import PagedKVCache
 
         cfg = self.config
         return PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, num_pages=num_pages,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
@@ -271,7 +278,10 @@ class LlamaModel(nn.Module):
         return ForwardStep(
             tokens=tokens.to(self.device), batch=B, num_tokens=T, cache=cache, slots=slots, attention=attention,
             cis=self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2),  # [N, 1, D/2] complex
-            pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)))
+            pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)),
+            scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
+                                                                   getattr(cache, "v_scale", []))]
+            or [{}] * cfg.n_layers)                           # int8 / fp8 caches: per-(page, KV head) scales
 
     def embed(self, step: "ForwardStep") -> torch.Tensor:
         """The step's token embeddings as rows ``[N, dim]``, ``N = B * T`` (row-major)."""
@@ -295,7 +305,7 @@ class LlamaModel(nn.Module):
         B, T = step.batch, step.num_tokens
         w, norm_eps = self.layers[li].fused_weights(), self.layers[li].ffn_norm.eps
         q = self.write_kv(li, x, step)
-        attn = step.attention(li, q, *step.pools[li])
+        attn = step.attention(li, q, *step.pools[li], **step.scales[li])
         x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
         h = torch.mm(x, w.w13).mul_(_inv_rms(x, norm_eps).to(x.dtype))
         a, b = h.chunk(2, dim=-1)
@@ -454,6 +464,9 @@ class LlamaRuntime:
             ``"streaming"``, ``"h2o"``, ``"random"``) or a :class:`tinyattn.selection.SelectionPolicy`.
         selection_metrics: measure each sparse step against the oracle selection (hit rate, captured
             attention mass; in ``GenerationStats.selection``); costs a dense attention pass per sparse layer.
+        kv_cache_dtype: KV storage format of the caches it makes: ``"auto"`` (the model dtype), ``"fp16"``,
+            ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (see :class:`tinyattn.PagedKVCache`); fp8 on the Triton
+            backend needs sm_89+ (else ``ValueError``).
 
     Example::
 
@@ -465,11 +478,19 @@ class LlamaRuntime:
 
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
-                 backend: str | None = None, policy="quest", selection_metrics: bool = False):
+                 backend: str | None = None, policy="quest", selection_metrics: bool = False,
+                 kv_cache_dtype: str = "auto"):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+        quant.storage_dtype(kv_cache_dtype, model.dtype)                   # ValueError naming the formats
+        runs_on = backend or ("triton" if model.device.type == "cuda" else "torch")
+        supported = kv_formats_supported(runs_on, model.device)
+        if kv_cache_dtype not in supported:
+            raise ValueError(f"kv_cache_dtype: the {runs_on} backend on {model.device} supports {supported}, got "
+                             f"{kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model = model
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
@@ -485,13 +506,14 @@ class LlamaRuntime:
         s = self.sparsity
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
-                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r})")
+                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r}, "
+                f"kv_cache_dtype={self.kv_cache_dtype!r})")
 
     # -------------------------------------------------------------- building blocks
     def new_cache(self, max_tokens: list[int]):
         """A cache with exactly enough pages for sequences of the given maximum lengths."""
         num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens)
-        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages)
+        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype)
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
@@ -520,7 +542,7 @@ class LlamaRuntime:
         (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget."""
         cfg = self.model.config
         page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
-        elem = self.model.dtype.itemsize
+        elem = quant.storage_dtype(self.kv_cache_dtype, self.model.dtype).itemsize    # bytes per stored value
         lens = seq_lens.tolist()             # the per-row formulas on Python ints: no tensor op per step
         n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
         n_dense = cfg.n_layers - n_sparse
@@ -533,8 +555,9 @@ class LlamaRuntime:
         if n_sparse:
             budget = self.sparsity.page_budget
             stats.pages_read += sum(metrics.pages_read(n, page_size, budget) for n in lens) * Hkv * n_sparse
-            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem)
-                                       for n in lens) * Hkv * n_sparse
+            box_elem = 4 if quant.is_quantized(quant.storage_dtype(self.kv_cache_dtype, self.model.dtype)) else elem
+            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem, box_elem)
+                                       for n in lens) * Hkv * n_sparse    # int8 / fp8: fp32 boxes
         stats.decode_steps += 1
 
     # -------------------------------------------------------------- generation

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import quant
 from . import torch_backend as T
 from .spans import span
 from . import library as L
@@ -35,6 +36,15 @@ def _restore_q_shape(q, out, lse):
     if q.dim() == 3:
         return out.squeeze(1), lse.squeeze(1)
     return out, lse
+
+
+def _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend):
+    """Whole quantized pools -> values (the ``torch.compile`` path; eager runs dequantize only the rows they
+    gather, the Triton kernels in registers): fp32 math on the torch backend, ``q``'s dtype for the kernels."""
+    if k_scale is None:
+        return k_cache, v_cache
+    dt = q.dtype if backend == "triton" or q.dtype == torch.float64 else torch.float32
+    return quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
 
 
 def _nothing_to_attend(q4, k_cache, block_table, page_indices) -> bool:
@@ -92,23 +102,26 @@ class _Checked(NamedTuple):
     selection: dict
 
 
-def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend) -> _Checked:
+def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale=None,
+                   v_scale=None) -> _Checked:
     """Validate ``paged_attention``'s arguments, or recall the last identical call's result."""
-    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, scale, backend)
+    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
     tables = (block_table, seq_lens)
     hit = V.recall("dense", sig, tables) if isinstance(block_table, torch.Tensor) and isinstance(
         seq_lens, torch.Tensor) else None
     if hit is not None:
         return hit
-    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
+        V.check_kv_backend(k_cache, backend)
     return V.remember("dense", sig, tables, _Checked(shapes, scale, backend, {}))
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
+                    k_scale=None, v_scale=None):
     """Dense paged attention over every valid page of each row: the baseline of the sparse op.
 
     Args:
@@ -119,8 +132,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
                 Tq=2, seq_len=5     keys: 0 1 2 3 4
                 query 0 (pos 3)           x x x x .
                 query 1 (pos 4)           x x x x x
-        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` page pool, same dtype as ``q``.
-            ``Hq % Hkv == 0`` (GQA; MQA when ``Hkv == 1``).
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` page pool, same dtype as ``q``, or quantized
+            (both int8 or both float8_e4m3fn, :class:`tinyattn.PagedKVCache` with ``kv_cache_dtype="int8"`` /
+            ``"fp8_e4m3"``) with ``k_scale`` / ``v_scale``. ``Hq % Hkv == 0`` (GQA; MQA when ``Hkv == 1``).
         block_table: ``[B, max_pages_per_seq]`` int32 (int64 accepted): physical page of each logical page;
             entries past a row's last page are ignored.
         seq_lens: ``[B]`` int32 (int64 accepted): valid tokens per row, including the ``Tq`` queries; 0 allowed.
@@ -128,6 +142,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         return_lse: also return the natural-log log-sum-exp of the scaled logits, fp32 ``[B, Hq]`` or
             ``[B, Tq, Hq]``, ``-inf`` where a query sees no key.
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+        k_scale, v_scale: fp32 ``[num_pages, Hkv]`` per-(page, KV head) scales of quantized pools (a value
+            reads ``k_cache.float() * k_scale[page, head]``); required with int8 / fp8 pools, ``None`` otherwise.
+            The torch backend gathers the quantized rows and their scales and multiplies before attending; the
+            Triton kernel dequantizes its K/V tiles in registers (fp8 e4m3 needs sm_89+: below, a ``ValueError``).
 
     Returns:
         ``out`` with the shape and dtype of ``q`` (zeros where a query sees no key), and ``lse`` if asked.
@@ -135,13 +153,16 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     Raises:
         TypeError / ValueError naming the argument, expected and actual value, for bad shapes, dtypes,
         devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
-        outside ``[0, num_pages)`` for valid pages.
+        outside ``[0, num_pages)`` for valid pages; a quantized pool without ``k_scale``/``v_scale``, scales of
+        the wrong shape or dtype, scales with a float pool; ``ValueError`` naming ``kv_cache_dtype`` and the
+        supported formats for a format the backend cannot run (fp8 e4m3 on the Triton backend below sm_89).
     """
-    checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend)
+    checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned(checked.backend, checked, block_table, seq_lens).run(q, k_cache, v_cache,
-                                                                               return_lse=return_lse)
+        return _planned(checked.backend, checked, block_table, seq_lens).run(
+            q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     page_indices = None                          # the Triton kernel walks every valid page itself
     if backend == "torch" or q.dtype == torch.float64:
@@ -150,7 +171,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend)
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
     """Recompute the bounding box of every page the rows touch, in place; returns ``None``.
 
     ``k_min[p, h, i]`` / ``k_max[p, h, i]`` = min / max over the valid tokens of physical page ``p`` of
@@ -161,16 +182,25 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
         k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
         block_table, seq_lens: as in :func:`paged_attention`.
         k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache`` or fp32; written in place.
+        k_scale: ``[num_pages, Hkv]`` fp32 scales of an int8 / float8_e4m3fn ``k_cache`` (then ``k_min``/``k_max``
+            are fp32 boxes of the dequantized keys ``code.float() * scale``, the values attention reads);
+            ``None`` for a float pool.
+
+    Raises:
+        TypeError / ValueError naming the argument (as :func:`paged_attention`), a quantized pool without
+        ``k_scale`` or with scales of the wrong shape, ``kv_cache_dtype`` the backend cannot run.
     """
-    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
     backend = resolve_backend(backend, k_cache.device)
     if backend == "triton":
         V.check_kernel_page_size(page_size)
+        V.check_kv_backend(k_cache, backend)
     with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
         if backend == "torch" or k_cache.dtype == torch.float64:
-            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
         else:
-            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max)
+            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max,
+                                            k_scale=k_scale)
 
 
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
@@ -230,7 +260,7 @@ def _select_pages(scores, seq_lens, options, backend):
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None):
     """Query-aware sparse paged attention: attend only to the selected pages of each (row, KV head).
 
     Either pass ``page_indices`` (``[B, Hkv, K]`` logical pages, e.g. from :func:`select_pages`), or pass
@@ -240,9 +270,11 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     end are ignored, and so are duplicates (the reference raises on them instead).
 
     Args:
-        q, k_cache, v_cache, block_table, seq_lens, scale, return_lse, backend: as in :func:`paged_attention`.
+        q, k_cache, v_cache, block_table, seq_lens, scale, return_lse, backend, k_scale, v_scale: as in
+            :func:`paged_attention` (quantized pools with their scales).
         page_indices: ``[B, Hkv, K]`` int32 (int64 accepted) logical page ids, ``-1`` = padding.
-        k_min, k_max: ``[num_pages, Hkv, D]`` page bounding boxes (:func:`update_page_metadata`).
+        k_min, k_max: ``[num_pages, Hkv, D]`` page bounding boxes (:func:`update_page_metadata`); for a
+            quantized pool, fp32 (or ``q``'s dtype) boxes of the dequantized keys.
         page_budget: pages kept per (row, KV head), >= 1; token budget = ``page_budget * page_size``.
         num_sink_pages, num_recent_pages: pages always kept at the start and at the end of each row. With
             ``page_indices`` they describe how those were chosen (read by :mod:`tinyattn.profiler`'s oracle).
@@ -258,11 +290,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
     checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                              num_sink_pages, num_recent_pages, scale, backend)
+                              num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
         return _planned(checked.backend, checked, block_table, seq_lens).run(
-            q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse)
+            q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse,
+            k_scale=k_scale, v_scale=v_scale)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     selection = checked.selection if page_indices is None else dict(checked.selection,
                                                                       page_budget=page_indices.shape[-1])
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
@@ -280,19 +314,19 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
 
 
 def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                    num_sink_pages, num_recent_pages, scale, backend) -> _Checked:
+                    num_sink_pages, num_recent_pages, scale, backend, k_scale=None, v_scale=None) -> _Checked:
     """Validate ``sparse_paged_attention``'s arguments, or recall the last identical call's result.
 
     The plan's selection rules: with boxes, the budget and forced pages; with ``page_indices``, only the forced
     pages (the profiler reads them; the list's width is its budget).
     """
     sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                      num_sink_pages, num_recent_pages, scale, backend)
+                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
     tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
     hit = V.recall("sparse", sig, tables) if all(isinstance(t, torch.Tensor) for t in tables) else None
     if hit is not None:
         return hit
-    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                          num_sink_pages, num_recent_pages)
     if page_indices is not None:
@@ -301,4 +335,5 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
+        V.check_kv_backend(k_cache, backend)
     return V.remember("sparse", sig, tables, _Checked(shapes, scale, backend, selection))

@@ -43,7 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import chunked, core, tables
+from . import chunked, core, quant, tables
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
 from .spans import span
@@ -224,7 +224,7 @@ class PagedAttentionPlan:
     # -------------------------------------------------------------------------------------------- run
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_min=None, k_max=None,
             page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None,
-            scale: float | None = None):
+            scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
         """Attention of one layer under this plan.
 
         Args:
@@ -239,8 +239,13 @@ class PagedAttentionPlan:
             out: optional output tensor like ``q`` (Triton backend: then ``run`` allocates nothing).
             scale: this layer's softmax scale when it differs from the plan's (e.g. GPT-2's per-layer
                 scaling); ``None``: the plan's.
+            k_scale, v_scale: fp32 ``[num_pages, Hkv]`` scales of int8 / float8_e4m3fn pools
+                (:class:`tinyattn.PagedKVCache` ``k_scale[layer]`` / ``v_scale[layer]``); the torch backend
+                dequantizes the rows it gathers (``row.float() * scale``). ``k_min``/``k_max`` are then fp32.
 
-        Nothing is validated here (see :meth:`plan`); differentiable in ``q``, ``k_cache``, ``v_cache``.
+        Nothing is validated here (see :meth:`plan`) beyond the shapes and the KV format (a quantized pool
+        needs its scales, ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``); differentiable in
+        ``q``, ``k_cache``, ``v_cache`` (float pools).
         """
         if not self._planned:
             raise RuntimeError("PagedAttentionPlan.run: call plan(block_table, seq_lens, ...) first (once per step)")
@@ -255,14 +260,23 @@ class PagedAttentionPlan:
             saved, self.scale = self.scale, float(scale)
             try:
                 return self.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices,
-                                return_lse=return_lse, out=out)
+                                return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale)
             finally:
                 self.scale = saved
+        if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
+            self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
+            scales = (k_scale, v_scale)
+            if needs_grad(q) or torch.compiler.is_compiling():      # the custom op reads float pools
+                dt = q.dtype if self.backend == "triton" or q.dtype == torch.float64 else torch.float32
+                k_cache, v_cache = quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
+                scales = None
+        else:
+            scales = None
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
                 and page_indices is None and self._fast_ok and not torch.compiler.is_compiling()):
-            return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max)     # the decode hot path
+            return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max, scales)     # the decode hot path
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
@@ -282,12 +296,20 @@ class PagedAttentionPlan:
             if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
                 result = self._differentiable(q4, k_cache, v_cache, page_indices)
             elif self.backend == "triton" and q4.dtype != torch.float64:
-                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse)
+                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse, scales)
             else:
-                result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse)
+                result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales)
         return self._finish(q, *result, return_lse, out)
 
-    def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max):
+    def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
+        """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""
+        if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache: expected dtype {k_cache.dtype} and shape {tuple(k_cache.shape)} (those of "
+                             f"k_cache), got {v_cache.dtype} and {tuple(v_cache.shape)}")
+        V.check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
+        V.check_kv_backend(k_cache, self.backend)
+
+    def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max, scales=None):
         """Torch backend, no lse, no grad, no profiler: the fewest PyTorch calls (see the module docstring)."""
         if k_cache.shape[0] == 0:
             return torch.zeros_like(q)
@@ -308,9 +330,9 @@ class PagedAttentionPlan:
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
-            o = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk)[0]
+            o = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk, scales)[0]
         else:
-            o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype), bias)  # [B, Hkv, M, D]
+            o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype, scales), bias)
         if decode:
             return o.view(q.shape)
         o = core.ungroup(o, 1 if q.dim() == 3 else q.shape[1]).to(q.dtype)
@@ -412,7 +434,7 @@ class PagedAttentionPlan:
                                               memo=self._dense_memo)
         return self._dense
 
-    def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse):
+    def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse, scales=None):
         B, Tq, Hq, D = q4.shape
         Hkv = self.num_kv_heads
         dt = torch.float64 if q4.dtype == torch.float64 else torch.float32
@@ -424,9 +446,9 @@ class PagedAttentionPlan:
             rows, bias, n_keys = self._selected_rows(page_indices)
         chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
-            o, lse = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk)
+            o, lse = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk, scales)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
-        k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt)
+        k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt, scales)
         if return_lse or not _sdpa_zeroes_empty_rows() or (
                 page_indices is not None and page_indices is not self._last_selection):
             # the NaN-safe core with its lse; also for pages listed by a caller, which may leave a query
@@ -435,19 +457,25 @@ class PagedAttentionPlan:
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         return core.ungroup(self._sdpa(qg, k, v, bias), Tq).to(q4.dtype), None
 
-    def _attend_in_chunks(self, qg, k_cache, v_cache, rows, n_keys: int, bias, chunk: int):
+    def _attend_in_chunks(self, qg, k_cache, v_cache, rows, n_keys: int, bias, chunk: int, scales=None):
         """:func:`tinyattn.ops.chunked.attend_chunked` over this step's ``rows`` (``[B * Hkv * n_keys]``)."""
         def gather(flat_rows, n):
-            return self._gather_kv(k_cache, v_cache, flat_rows, n, qg.dtype)
+            return self._gather_kv(k_cache, v_cache, flat_rows, n, qg.dtype, scales)
 
         rows = rows.view(self.batch, self.num_kv_heads, n_keys)
         return chunked.attend_chunked(qg, gather, rows, bias, self.scale, chunk)
 
-    def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype):
-        """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``."""
+    def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype, scales=None):
+        """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``; quantized pools
+        (``scales = (k_scale, v_scale)``) are dequantized row by row: ``row.float() * scale[page, head]``."""
         B, Hkv, D = self.batch, self.num_kv_heads, self.head_dim
-        k = self._gather_rows("k", k_cache, rows).view(B, Hkv, n_keys, D)
-        v = self._gather_rows("v", v_cache, rows).view(B, Hkv, n_keys, D)
+        k = self._gather_rows("k", k_cache, rows)
+        v = self._gather_rows("v", v_cache, rows)
+        if scales is not None:
+            idx = quant.scale_rows(rows, self.page_size, Hkv)
+            k = quant.dequantize_rows(k, scales[0], idx, dtype)
+            v = quant.dequantize_rows(v, scales[1], idx, dtype)
+        k, v = k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     def _sdpa(self, qg, k, v, bias):
@@ -530,7 +558,7 @@ class PagedAttentionPlan:
                            num_query_tokens=self.num_query_tokens, out=self._selected)
         return self._selected
 
-    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse):
+    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse, scales=None):
         o = out if out is not None else torch.empty_like(q4)
         o4 = o.unsqueeze(1) if o.dim() == 3 else o
         sparse = page_indices is not None
@@ -541,7 +569,9 @@ class PagedAttentionPlan:
         _kernels().paged_attention(q4, k_cache, v_cache, self._bt32, self._sl32, page_indices=page_indices,
                                    scale=self.scale, out=o4, lse=lse,
                                    num_splits=self._splits[False] if not sparse else splits,
-                                   ws_o=self._ws_o, ws_lse=self._ws_lse)
+                                   ws_o=self._ws_o, ws_lse=self._ws_lse,
+                                   k_scale=None if scales is None else scales[0],
+                                   v_scale=None if scales is None else scales[1])
         return o4, lse
 
     # ------------------------------------------------------------------------------- autograd path
@@ -562,7 +592,10 @@ def _empty_attention(q4, k_cache, v_cache):
     Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
     turn NaN padding into NaN).
     """
-    link = q4.flatten()[:0].sum() + k_cache.flatten()[:0].sum() + v_cache.flatten()[:0].sum()
+    link = q4.flatten()[:0].sum()
+    for x in (k_cache, v_cache):
+        if x.is_floating_point() and x.dtype not in V.QUANTIZED_DTYPES:     # int8 / fp8 pools have no gradient
+            link = link + x.flatten()[:0].sum()
     out = torch.zeros_like(q4) + link.to(q4.dtype)
     lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
     return out, lse

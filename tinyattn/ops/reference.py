@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
 from . import validation as V
 
 __all__ = ["paged_attention", "update_page_metadata", "page_scores", "select_pages", "sparse_paged_attention"]
@@ -72,10 +73,22 @@ def _attend(q, k_cache, v_cache, block_table, seq_lens, pages_of, scale, return_
     return out, (lse.squeeze(1) if q.dim() == 3 else lse)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None):
-    """Dense paged attention over every valid page. See :func:`tinyattn.paged_attention`."""
-    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+def _dequantized(q, k_cache, v_cache, k_scale, v_scale):
+    """int8 / fp8 pools -> their values ``q_value * scale`` in the math dtype (others unchanged)."""
+    if k_scale is None:
+        return k_cache, v_cache
+    dt = _math_dtype(q)
+    return quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
+                    k_scale=None, v_scale=None):
+    """Dense paged attention over every valid page. See :func:`tinyattn.paged_attention`.
+
+    Quantized pools (with ``k_scale`` / ``v_scale``) are dequantized first, then attended as float pools."""
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     scale = V.check_scale(scale, shapes.head_dim)
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
 
     def all_pages(b, h):
         return list(range(_cdiv(int(seq_lens[b]), shapes.page_size)))
@@ -83,9 +96,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     return _attend(q, k_cache, v_cache, block_table, seq_lens, all_pages, scale, return_lse)
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None):
-    """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place)."""
-    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max)
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
+    """Recompute per-page, per-KV-head min/max of the keys over valid slots only (in place); an int8 / fp8 pool
+    with ``k_scale`` is dequantized first."""
+    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
+    if k_scale is not None:
+        k_cache = quant.dequantize(k_cache, k_scale)
     for b in range(block_table.shape[0]):
         n_tokens = int(seq_lens[b])
         for j in range(_cdiv(n_tokens, page_size)):
@@ -158,15 +174,17 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None):
     """Attention over the selected logical pages only. See :func:`tinyattn.sparse_paged_attention`.
 
-    Duplicated page ids in ``page_indices`` raise ``ValueError`` here (the fast paths ignore them).
+    Duplicated page ids in ``page_indices`` raise ``ValueError`` here (the fast paths ignore them). Quantized
+    pools (with ``k_scale`` / ``v_scale``) are dequantized first.
     """
-    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens)
+    q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     scale = V.check_scale(scale, shapes.head_dim)
     V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget, num_sink_pages,
                              num_recent_pages)
+    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
     if page_indices is None:
         scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size)
         page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,

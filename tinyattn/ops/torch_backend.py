@@ -103,8 +103,9 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     return out
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max):
-    """Min/max over valid slots of every valid page, written at the physical page ids."""
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None):
+    """Min/max over valid slots of every valid page, written at the physical page ids (of the dequantized keys
+    ``code.float() * scale`` with an int8 / fp8 pool and its ``k_scale``)."""
     B, P = block_table.shape
     S = k_cache.shape[1]
     cols = torch.arange(P, device=k_cache.device)
@@ -115,6 +116,8 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max):
         return
     phys = block_table[rows, logical].to(torch.int64)                                   # [N]
     keys = k_cache[phys]                                                                # [N, S, Hkv, D]
+    if k_scale is not None:
+        keys = keys.float() * k_scale[phys][:, None, :, None]
     n_tok = (seq_lens.to(torch.int64)[rows] - logical * S).clamp(max=S)                 # [N]
     slot_ok = (torch.arange(S, device=k_cache.device)[None, :] < n_tok[:, None])[:, :, None, None]
     inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)

@@ -16,6 +16,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)       # pools that need k_scale / v_scale
 
 _VALUE_CHECKS = True
 
@@ -202,17 +203,20 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | N
                          f"row, got {int(block_table[row, col])} at [{row}, {col}]")
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> tuple[torch.Tensor, PagedShapes]:
-    """Validate the arguments shared by every attention op; return q as [B, Tq, Hq, D] and the sizes."""
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
+                       v_scale=None) -> tuple[torch.Tensor, PagedShapes]:
+    """Validate the arguments shared by every attention op; return q as [B, Tq, Hq, D] and the sizes.
+
+    The pools hold ``q``'s dtype, or int8 / float8_e4m3fn with ``k_scale`` and ``v_scale`` ``[num_pages, Hkv]``
+    fp32 (:mod:`tinyattn.ops.quant`)."""
     q = check_query(q)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     B, Tq, Hq, D = q4.shape
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         expect_tensor(name, x)
         expect_dim(name, x, (4,), "[num_pages, page_size, Hkv, D]")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} (that of q), got {_dtype_name(x.dtype)}")
         expect_device(name, x, q.device, "q")
+    check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}")
     num_pages, page_size, Hkv, Dk = k_cache.shape
@@ -227,6 +231,61 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens) -> tuple[torc
     check_tables(block_table, seq_lens, B, q.device)
     check_table_values(block_table, seq_lens, page_size, num_pages)
     return q4, PagedShapes(B, Tq, Hq, Hkv, D, num_pages, page_size, block_table.shape[1])
+
+
+def check_kv_format(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """Pool dtypes and scales: both pools of ``q``'s dtype and no scales, or both int8 / both float8_e4m3fn with
+    ``k_scale`` and ``v_scale`` fp32 ``[num_pages, Hkv]`` on ``q``'s device (pools already checked 4-D)."""
+    quantized = k_cache.dtype in QUANTIZED_DTYPES
+    if not quantized:
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected dtype {_dtype_name(q.dtype)} (that of q), or int8 / "
+                                f"float8_e4m3fn with k_scale and v_scale, got {_dtype_name(x.dtype)}")
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is not None:
+                raise ValueError(f"{name}: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with "
+                                 f"int8 / float8_e4m3fn pools only), got a tensor")
+        return
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {_dtype_name(k_cache.dtype)} (that of k_cache), "
+                        f"got {_dtype_name(v_cache.dtype)}")
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise ValueError(f"{name}: expected a float32 [num_pages, Hkv] = {shape} tensor of scales for the "
+                             f"{_dtype_name(k_cache.dtype)} pool, got None")
+        expect_tensor(name, x)
+        expect_dtype(name, x, (torch.float32,))
+        expect_shape(name, x, shape, "[num_pages, Hkv]")
+        expect_device(name, x, q.device, "q")
+
+
+def kv_formats_supported(backend: str, device: torch.device) -> tuple[str, ...]:
+    """The ``kv_cache_dtype`` formats ``backend`` runs on ``device``: all of them, except fp8 e4m3 on the Triton
+    backend of a GPU below sm_89 (no e4m3 conversion in hardware; Triton rejects the type there)."""
+    formats = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")
+    if backend == "triton" and device.type == "cuda" and torch.cuda.is_available():
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return formats[:-1]
+    return formats
+
+
+def check_kv_backend(k_cache, backend: str) -> None:
+    """A quantized pool on a backend that cannot read it: a ValueError naming ``kv_cache_dtype`` and the formats
+    that backend supports (see :func:`kv_formats_supported`)."""
+    if k_cache.dtype not in QUANTIZED_DTYPES:
+        return
+    fmt = "int8" if k_cache.dtype == torch.int8 else "fp8_e4m3"
+    supported = kv_formats_supported(backend, k_cache.device)
+    if fmt not in supported:
+        raise ValueError(f"kv_cache_dtype: the {backend} backend on {k_cache.device} supports {supported}, got "
+                         f"{fmt!r} (a {_dtype_name(k_cache.dtype)} pool); use int8 or backend='torch'")
+
+
+def box_dtype(q, k_cache) -> torch.dtype:
+    """The dtype page boxes may hold besides float32: the pool's, or ``q``'s for a quantized pool."""
+    return q.dtype if k_cache.dtype in QUANTIZED_DTYPES else k_cache.dtype
 
 
 def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim: int,
@@ -285,17 +344,30 @@ def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_
                          f"query tokens), got {page_budget}")
 
 
-def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max) -> tuple[int, int, int, int]:
-    """Arguments of ``update_page_metadata``; returns ``(num_pages, page_size, Hkv, D)`` of ``k_cache``."""
+def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None) -> tuple[int, int, int, int]:
+    """Arguments of ``update_page_metadata``; returns ``(num_pages, page_size, Hkv, D)`` of ``k_cache``. An int8 /
+    float8_e4m3fn pool needs ``k_scale`` ``[num_pages, Hkv]`` fp32 and fp32 boxes."""
     expect_tensor("k_cache", k_cache)
     expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
-    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,))
+    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,) + QUANTIZED_DTYPES)
     num_pages, page_size, Hkv, D = k_cache.shape
+    if k_cache.dtype in QUANTIZED_DTYPES:
+        if k_scale is None:
+            raise ValueError(f"k_scale: expected a float32 [num_pages, Hkv] = {(num_pages, Hkv)} tensor of scales "
+                             f"for the {_dtype_name(k_cache.dtype)} pool, got None")
+        expect_tensor("k_scale", k_scale)
+        expect_dtype("k_scale", k_scale, (torch.float32,))
+        expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
+        expect_device("k_scale", k_scale, k_cache.device, "k_cache")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with int8 / "
+                         f"float8_e4m3fn pools only), got a tensor")
     if page_size < 1:
         raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
     check_tables(block_table, seq_lens, None, k_cache.device)
     check_table_values(block_table, seq_lens, page_size, num_pages)
-    check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_cache.dtype, k_cache.device)
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D,
+                      torch.float32 if k_cache.dtype in QUANTIZED_DTYPES else k_cache.dtype, k_cache.device)
     return num_pages, page_size, Hkv, D
 
 
@@ -353,8 +425,8 @@ def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indic
             missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
             raise ValueError(f"page_indices: expected page_indices, or k_min, k_max and page_budget together; "
                              f"got page_indices=None and no {', '.join(missing)}")
-        check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim, k_cache.dtype,
-                          q.device)
+        check_page_bounds(k_min, k_max, shapes.num_pages, shapes.num_kv_heads, shapes.head_dim,
+                          box_dtype(q, k_cache), q.device)
         options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
                            check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
         check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
