@@ -353,3 +353,16 @@ def test_other_policies_equal_the_runtime_with_chunked_prefill(model, prompts, p
     engine = Engine(model, page_size=8, num_pages=32, page_budget=2, policy=policy, backend="torch",
                     max_num_batched_tokens=7)
     assert engine.generate(ps, SamplingParams(24, ignore_eos=True)) == expected
+
+
+def test_engine_with_an_int8_cache_equals_the_runtime(model, prompts):
+    """kv_cache_dtype reaches the engine's pool: greedy tokens equal LlamaRuntime's on the same int8 cache format,
+    under preemption; an unknown format names the option."""
+    runtime = LlamaRuntime(model, page_size=16, page_budget=4, backend="torch", kv_cache_dtype="int8")
+    expected = [runtime.generate([p], max_new_tokens=24, eos_id=None).tokens[0] for p in prompts[:4]]
+    engine = Engine(model, page_size=16, num_pages=8, page_budget=4, backend="torch", kv_cache_dtype="int8")
+    assert engine.cache.kv_cache_dtype == "int8"
+    got = engine.generate(prompts[:4], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert got == expected
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(model, page_size=16, num_pages=8, kv_cache_dtype="int4")

@@ -52,6 +52,8 @@ class Engine:
         eos_token_id: the token that ends a request unless ``ignore_eos`` (llama2.c: 2); ``None``: none.
         plugins: :class:`tinyattn.engine.Plugin` instances (see :mod:`tinyattn.engine.plugins`).
         clock: the time source of the timings (seconds).
+        kv_cache_dtype: the pool's storage format (``"auto"`` = the model dtype, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"fp8_e4m3"``; see :class:`tinyattn.PagedKVCache`); ``ValueError`` naming the supported set otherwise.
 
     Example::
 
@@ -62,7 +64,8 @@ class Engine:
     def __init__(self, model, *, page_size: int = 16, num_pages: int, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-                 recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter):
+                 recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
+                 kv_cache_dtype: str = "auto"):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -85,7 +88,7 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.plugins = plugins
         self.clock = clock
-        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages)
+        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype)
         self.runner = ModelRunner(model, self.cache, self.sparsity, backend=backend, plugins=plugins)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, recompute=recompute, on_release=self._on_release)

@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=positive_int, default=64, metavar="N",
                    help="pages in the KV pool, the KV memory of every configuration; fewer pages = more "
                         "preemptions (default: 64)")
+    from tinyattn.ops.quant import KV_CACHE_DTYPES
+
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV pool storage format (vLLM's option): auto = the model dtype, fp16, bf16, or int8 / "
+                        "fp8_e4m3 with one fp32 scale per (page, KV head): the same --num-pages then holds the "
+                        "same tokens in fewer bytes (default: auto)")
     g.add_argument("--page-budget", type=positive_int, default=4, metavar="K",
                    help="pages attended per sequence and KV head at each decode step by the sparse "
                         "configurations (default: 4)")
@@ -229,7 +235,7 @@ def build_engine(model, config: str, args, num_pages: int | None = None):
                   num_recent_pages=args.num_recent_pages, dense_layers=args.dense_layers if sparse else 0,
                   policy=base if sparse else "quest", backend=args.backend,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  recompute=args.recompute, plugins=plugins)
+                  recompute=args.recompute, plugins=plugins, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:
@@ -379,7 +385,8 @@ def run(args) -> int:
     settings = dict(data=str(data) if args.data is not None else data.name, num_requests=args.num_requests,
                     request_rate=args.request_rate, prompt_len=args.prompt_len, output_len=args.output_len,
                     output_len_dist=args.output_len_dist, temperature=args.temperature, seed=args.seed,
-                    page_size=args.page_size, num_pages=args.num_pages, page_budget=args.page_budget,
+                    page_size=args.page_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
+                    page_budget=args.page_budget,
                     num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                     dense_layers=args.dense_layers, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, recompute=args.recompute, exit_threshold=args.exit_threshold,
@@ -387,8 +394,9 @@ def run(args) -> int:
                     threads=torch.get_num_threads(), cpus=os.cpu_count(), machine=_machine(),
                     torch=torch.__version__)
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
-    title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens, "
-             f"page_budget {args.page_budget}; {_device_words(model, torch.get_num_threads())}")
+    kv = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
+    title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
+             f"{kv}, page_budget {args.page_budget}; {_device_words(model, torch.get_num_threads())}")
     print(title)
     print(format_table(rows))
     for path, write in ((args.json, _write_json), (args.csv, _write_csv)):
