@@ -41,7 +41,7 @@ non_negative_float = _finite_float(positive=False)
 
 def positive_int_list(text: str) -> list[int]:
     """``"2,4,8"`` -> ``[2, 4, 8]``, each an integer >= 1."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or not all(items):          # "", "2,,4", "2,": an empty item is a typo, not a skip
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers >= 1, got {text!r}")
     return [positive_int(t) for t in items]

@@ -47,9 +47,9 @@ _POLICY_HELP = ("quest = query-aware min/max bounding box (Quest/TinyServe); mea
 
 
 def _policy_list(text: str) -> list[str]:
-    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    items = [t.strip().lower() for t in text.split(",")]
     bad = [t for t in items if t not in _POLICY_NAMES]
-    if not items or bad:
+    if not text.strip() or bad:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(_POLICY_NAMES)}, "
                                          f"got {text!r}")
     return list(dict.fromkeys(items))

@@ -196,8 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory (created if missing; files in it with the same names are overwritten; "
                         "default: out/<model name>-hf under the current directory, git-ignored in a checkout)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="dtype of the saved weights (default: float32, the checkpoint's own precision)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "float32", "float16", "bfloat16"], default="fp32",
+                   help="dtype of the saved weights, spelled as in generate/eval (fp32, fp16, bf16) or as torch "
+                        "does (default: fp32, the checkpoint's own precision)")
     p.add_argument("--check", action="store_true",
                    help="after writing, load the result with transformers and compare its logits on 33 tokens "
                         "with tinyattn's llama2.c runtime (same weights, fp32 math); exit with status 1 if they "
@@ -206,6 +207,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 _PROG = "python -m tinyattn.integrations.convert"
+_TORCH_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -257,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         args.tokenizer = str(assets.resolve_file(args.tokenizer, "--tokenizer"))
     if args.out is None:
         args.out = str(Path("out") / f"{Path(args.model).stem}-hf")
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, _TORCH_NAMES.get(args.dtype, args.dtype))
     out = convert(args.model, args.out, args.tokenizer, dtype=dtype)
     print(f"wrote {out}/config.json, model.safetensors, generation_config.json"
           + (", tokenizer.json, tokenizer_config.json" if args.tokenizer else ""))

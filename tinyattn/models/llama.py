@@ -422,7 +422,8 @@ class GenerationStats:
             f"end to end:         {(self.prefill_s + self.decode_s) * 1e3:.1f} ms, "
             f"{self.end_to_end_tokens_per_s:.1f} generated tokens/s (prefill + decode time)",
             f"pages read / step:  {self.pages_read_per_step:.1f} vs {self.pages_dense_per_step:.1f} dense "
-            f"({ratio(self.pages_read, self.pages_dense)}; summed over rows, layers, KV heads)",
+            f"({ratio(self.pages_read, self.pages_dense)}; mean over decode steps, summed over rows, layers, KV "
+            f"heads; a row that fits the budget reads all its pages)",
             f"KV bytes / step:    {_fmt_bytes(self.kv_bytes_read_per_step)} vs "
             f"{_fmt_bytes(self.kv_bytes_dense_per_step)} dense ({ratio(self.kv_bytes_read, self.kv_bytes_dense)}; "
             f"sparse includes page min/max)",
