@@ -124,3 +124,99 @@ def test_cache_extend_numpy_int_count_is_an_int():
         assert "num_tokens" in str(e)
     else:
         assert slots.numel() == 2 and c.length(s) == 2
+
+
+# ------------------------------------------------------------------ findings of the CASES.md trial (session 3)
+def test_triton_backward_keeps_its_own_selection():
+    """Triton: the selection buffer is rewritten by the next call's kernel (no version bump), so a backward after
+    another sparse call must still use its own pages: dq equals the reference's."""
+    torch.manual_seed(1)
+    S, N = 4, 12
+    k, v = torch.randn(N, S, 1, 8), torch.randn(N, S, 1, 8)
+    bt = torch.arange(N, dtype=torch.int32).view(2, 6)
+    sl = torch.tensor([23, 18], dtype=torch.int32)
+    kmin, kmax = torch.zeros(N, 1, 8), torch.zeros(N, 1, 8)
+    tinyattn.update_page_metadata(k, bt, sl, kmin, kmax, backend="torch")
+    q, q2 = torch.randn(2, 2, 8), 3 * torch.randn(2, 2, 8)
+    qa = q.clone().requires_grad_()
+    out = tinyattn.sparse_paged_attention(qa, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2, backend="triton")
+    tinyattn.sparse_paged_attention(q2, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2, backend="triton")
+    out.sum().backward()
+    qr = q.clone().requires_grad_()
+    R.sparse_paged_attention(qr, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2).sum().backward()
+    torch.testing.assert_close(qa.grad, qr.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_call_under_value_checks_off_is_not_remembered_as_checked():
+    """value_checks(False) skips the checks; the same call with checks on must still raise the block_table error."""
+    k = v = torch.randn(4, 4, 1, 8)
+    q = torch.randn(1, 2, 8)
+    bad = torch.tensor([[0, 9]], dtype=torch.int32)                    # page 9 of a 4-page pool
+    sl = torch.tensor([6], dtype=torch.int32)
+    with tinyattn.value_checks(False):
+        try:
+            tinyattn.paged_attention(q, k, v, bad, sl, backend="torch")
+        except Exception:                                             # an out-of-range read, unchecked: anything
+            pass
+    with pytest.raises(ValueError, match="block_table"):
+        tinyattn.paged_attention(q, k, v, bad, sl, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batch_and_no_query_tokens(backend):
+    """B = 0 and Tq = 0 return empty outputs on both backends (the Triton plan used to divide by zero)."""
+    k = v = torch.randn(4, 4, 2, 8)
+    out = tinyattn.paged_attention(torch.randn(0, 2, 8), k, v, torch.zeros(0, 2, dtype=torch.int32),
+                                   torch.zeros(0, dtype=torch.int32), backend=backend)
+    assert out.shape == (0, 2, 8)
+    out = tinyattn.paged_attention(torch.randn(1, 0, 2, 8), k, v, torch.zeros(1, 2, dtype=torch.int32),
+                                   torch.tensor([3], dtype=torch.int32), backend=backend)
+    assert out.shape == (1, 0, 2, 8)
+
+
+def test_plan_run_checks_its_shapes_and_the_pool_size():
+    """run: v_cache / boxes of another shape, k_min without k_max, boxes with page_indices, a wrong out=, and a
+    pool smaller than the (checked) table's largest id are ValueErrors, never an out-of-bounds read."""
+    from tinyattn.ops.plan import PagedAttentionPlan
+    k = v = torch.randn(7, 4, 1, 8)
+    q = torch.randn(2, 2, 8)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    sl = torch.tensor([9, 5], dtype=torch.int32)
+    box = torch.zeros(7, 1, 8)
+    p = PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                                                 page_budget=1)
+    with pytest.raises(ValueError, match="v_cache"):
+        p.run(q, k, v[:3].clone())
+    with pytest.raises(ValueError, match="k_min, k_max"):
+        p.run(q, k, v, k_min=box)
+    with pytest.raises(ValueError, match="k_min"):
+        p.run(q, k, v, k_min=box[:2], k_max=box[:2])
+    with pytest.raises(ValueError, match="page_indices"):
+        p.run(q, k, v, k_min=box, k_max=box, page_indices=torch.zeros(2, 1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        p.run(q, k, v, out=torch.empty(2, 2, 4))
+    big = torch.tensor([[0, 1, 10**6], [3, 4, 5]], dtype=torch.int32)
+    p.plan(big, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    with pytest.raises(ValueError, match="block_table"):
+        p.run(q, k, v)
+
+
+def test_trusted_prefill_chunk_still_checks_its_query_pages():
+    """A trusted plan with Tq > 1 whose budget cannot hold the queries' own pages raises like the public op (the
+    torch backend has the lengths on the host: no sync)."""
+    from tinyattn.ops.plan import PagedAttentionPlan
+    bt = torch.arange(8, dtype=torch.int32)[None]
+    sl = torch.tensor([30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_budget: expected at least 4"):
+        PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                                                 num_query_tokens=12, page_budget=2, trusted=True)
+
+
+def test_numpy_float_scale():
+    """A NumPy float is a real number: accepted as scale, same result as the Python float."""
+    import numpy as np
+    k = v = torch.randn(4, 4, 1, 8)
+    q = torch.randn(1, 2, 8)
+    bt, sl = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    a = tinyattn.paged_attention(q, k, v, bt, sl, scale=np.float32(0.25), backend="torch")
+    torch.testing.assert_close(a, tinyattn.paged_attention(q, k, v, bt, sl, scale=0.25, backend="torch"))

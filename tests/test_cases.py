@@ -169,7 +169,7 @@ def test_5_page_ids_out_of_range_raise():
     (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens - 100), "seq_lens: expected values >= 0"),
     (lambda p: tinyattn.paged_attention(p.q.int(), p.k_cache, p.v_cache, p.block_table, p.seq_lens), "q: expected dtype"),
     (lambda p: tinyattn.paged_attention(p.q[0, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens), r"q: expected a \[B, Hq, D\]"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale="x"), "scale: expected a Python float"),
+    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale="x"), "scale: expected a real number"),
     (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="cuda"), "backend: expected one of"),
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens), "k_min, k_max, page_budget"),
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0],

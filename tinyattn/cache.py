@@ -342,9 +342,10 @@ class PagedKVCache:
 
         The sequence keeps its length and every other page its logical position (positions, RoPE and causal
         masks are unchanged); a dropped page reads as ``-1`` in :meth:`pages` and :meth:`block_table`, and is
-        never written again. Attend to the pages still held through ``page_indices`` (KV retention in
-        :class:`tinyattn.training.ChunkedKVMemory` does). The partial last page, which still receives tokens,
-        cannot be dropped.
+        never written again. Attend to the pages still held through ``page_indices``, with the table's ``-1``
+        entries replaced by any valid page id, e.g. ``block_table.clamp(min=0)`` (the ops check the id of every
+        page below ``seq_lens``, listed or not; KV retention in :class:`tinyattn.training.ChunkedKVMemory` does
+        this). The partial last page, which still receives tokens, cannot be dropped.
 
         Raises:
             ValueError: unknown ``seq_id``; a page outside the sequence, already dropped, repeated, or the

@@ -181,8 +181,11 @@ class PagedAttentionPlan:
             self._lens = self._host[1].tolist()
         else:
             self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
+        self._max_page_id = None            # the largest page id the tables use, when checked (run compares)
         if not trusted:
             self._check_values(num_pages)
+        elif page_budget is not None and num_query_tokens > 1 and self._lens is not None:
+            self._check_query_pages(self._lens)     # host lengths at hand: this check costs no sync
         self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
@@ -204,9 +207,17 @@ class PagedAttentionPlan:
     def _check_values(self, num_pages: int | None) -> None:
         """Data-dependent checks (one host sync): the ops' own, so that the errors read the same."""
         with V.value_checks(True):
-            V.check_table_values(self.block_table, self.seq_lens, self.page_size, num_pages)
+            self._max_page_id = V.check_table_values(self.block_table, self.seq_lens, self.page_size, num_pages)
             if self.page_budget is not None:
                 V.check_query_pages_fit(self.seq_lens, self.num_query_tokens, self.page_size, self.page_budget)
+
+    def _check_query_pages(self, lens: list[int]) -> None:
+        """Every page holding one of the ``Tq`` queries must fit the budget (the error of the public ops)."""
+        S, Tq = self.page_size, self.num_query_tokens
+        needed = max((core.cdiv_pages(n, S) - max(n - Tq, 0) // S for n in lens), default=0)
+        if needed > self.page_budget:
+            raise ValueError(f"page_budget: expected at least {needed} (the pages holding the Tq={Tq} query "
+                             f"tokens), got {self.page_budget}")
 
     @property
     def selects(self) -> bool:
@@ -252,6 +263,7 @@ class PagedAttentionPlan:
         if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (self.page_size, self.num_kv_heads, self.head_dim):
             raise ValueError(f"k_cache: expected [num_pages, page_size={self.page_size}, Hkv={self.num_kv_heads}, "
                              f"D={self.head_dim}] (the plan's), got {tuple(k_cache.shape)}")
+        self._check_run_shapes(q, k_cache, v_cache, k_min, k_max, page_indices, out)
         if q.shape[0] != self.batch or q.shape[-2] != self.num_q_heads or q.shape[-1] != self.head_dim or (
                 q.dim() == 4 and q.shape[1] != self.num_query_tokens) or (q.dim() == 3 and self.num_query_tokens != 1):
             raise ValueError(f"q: expected shape [B={self.batch}, Hq={self.num_q_heads}, D={self.head_dim}] or "
@@ -308,6 +320,28 @@ class PagedAttentionPlan:
                              f"k_cache), got {v_cache.dtype} and {tuple(v_cache.shape)}")
         V.check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
         V.check_kv_backend(k_cache, self.backend)
+
+    def _check_run_shapes(self, q, k_cache, v_cache, k_min, k_max, page_indices, out) -> None:
+        """The shape checks of :meth:`run` (host ints only, no sync): a pool or box of another shape would be read
+        out of bounds by a kernel."""
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got "
+                             f"{tuple(v_cache.shape)}")
+        if self._max_page_id is not None and self._max_page_id >= k_cache.shape[0]:
+            raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
+                             f"k_cache), got {self._max_page_id}")
+        if (k_min is None) != (k_max is None):
+            raise ValueError(f"k_min, k_max: expected both or neither, got k_min={'None' if k_min is None else 'a tensor'}"
+                             f" and k_max={'None' if k_max is None else 'a tensor'}")
+        if k_min is not None:
+            if page_indices is not None:
+                raise ValueError("page_indices: expected either page_indices or k_min/k_max (exclusive), got both")
+            box = (k_cache.shape[0], self.num_kv_heads, self.head_dim)
+            for name, x in (("k_min", k_min), ("k_max", k_max)):
+                if tuple(x.shape) != box:
+                    raise ValueError(f"{name}: expected shape {box} [num_pages, Hkv, D], got {tuple(x.shape)}")
+        if out is not None and out.shape != q.shape:
+            raise ValueError(f"out: expected shape {tuple(q.shape)} (that of q), got {tuple(out.shape)}")
 
     def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max, scales=None):
         """Torch backend, no lse, no grad, no profiler: the fewest PyTorch calls (see the module docstring)."""
@@ -502,6 +536,7 @@ class PagedAttentionPlan:
         return rows.reshape(-1), bias, K * S
 
     _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
+    _selected = None           # the Triton path's selection buffer (preallocated by _plan_triton)
     _last_selection = None     # the pages the torch path selected last (their rows come from the tables)
 
     # ------------------------------------------------------------------------------------ triton path
@@ -516,7 +551,7 @@ class PagedAttentionPlan:
         k = _kernels()
         splits = []
         for sparse in (False, True):
-            if sparse and self.page_budget is None:
+            if (sparse and self.page_budget is None) or self._nothing:      # nothing to split (B or Tq = 0)
                 splits.append(1)
                 continue
             n_list = self.page_budget if sparse else self.max_pages
@@ -582,6 +617,10 @@ class PagedAttentionPlan:
             page_indices = core.dense_page_indices(self.seq_lens, self.num_kv_heads, self.max_pages, self.page_size)
         elif page_indices is not None and page_indices is self._last_selection:    # score order -> canonical
             page_indices = core.canonical_page_indices(page_indices, self.seq_lens, self.page_size)
+        elif page_indices is not None and page_indices is self._selected:
+            # the Triton selection buffer is rewritten by the next call's kernel (no version bump autograd could
+            # see): the backward must keep this call's pages
+            page_indices = page_indices.clone()
         return differentiable_attention(q4, k_cache, v_cache, self.block_table, self.seq_lens, page_indices,
                                         self.scale, backend)
 

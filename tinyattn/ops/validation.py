@@ -9,6 +9,7 @@ cost one host sync; :func:`value_checks` turns them off for hot loops whose inpu
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from dataclasses import dataclass
 
@@ -179,18 +180,22 @@ def check_tables(block_table, seq_lens, batch: int | None, device: torch.device)
     expect_device("seq_lens", seq_lens, device, "q")
 
 
-def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | None) -> None:
+def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | None) -> int | None:
     """seq_lens in [0, capacity] and every block-table entry of a valid page in [0, num_pages) (``>= 0`` when
-    the pool size is not known yet, ``num_pages=None``)."""
-    if not value_checks_active() or seq_lens.numel() == 0:
-        return
+    the pool size is not known yet, ``num_pages=None``). Returns the largest physical page id a valid page uses
+    (``-1`` if none), learnt in the same host sync, or ``None`` when the checks did not run."""
+    if not value_checks_active():
+        return None
+    if seq_lens.numel() == 0:
+        return -1
     capacity = block_table.shape[1] * page_size
     lens = seq_lens.to(torch.int64)
     n_valid = (lens + page_size - 1) // page_size                              # [B]
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     used = cols[None, :] < n_valid[:, None]                                    # [B, P]
     bad_ids = used & (block_table < 0) if num_pages is None else used & ((block_table < 0) | (block_table >= num_pages))
-    stats = torch.stack([lens.min(), lens.max(), bad_ids.sum()]).tolist()      # one host sync
+    top = torch.where(used, block_table.to(torch.int64), -1).max() if used.numel() else lens.new_tensor(-1)
+    stats = torch.stack([lens.min(), lens.max(), bad_ids.sum(), top]).tolist()      # one host sync
     if stats[0] < 0:
         raise ValueError(f"seq_lens: expected values >= 0, got a minimum of {stats[0]}")
     if stats[1] > capacity:
@@ -201,6 +206,7 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | N
         want = "ids >= 0" if num_pages is None else f"ids in [0, {num_pages})"
         raise ValueError(f"block_table: expected physical page {want} for the valid pages of each "
                          f"row, got {int(block_table[row, col])} at [{row}, {col}]")
+    return stats[3]
 
 
 def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
@@ -443,8 +449,8 @@ def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indic
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):      # numbers.Real: NumPy floats too
+        raise TypeError(f"scale: expected a real number (float) or None, got {type(scale).__name__}")
     scale = float(scale)
     if not (scale == scale and abs(scale) != float("inf")):
         raise ValueError(f"scale: expected a finite float, got {scale}")
