@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from tinyattn.layer import PagedAttention
 
 from . import describe, settings_from_env
-from .paging import block_pools, box_views, make_boxes, plan_groups, write_kv
+from .paging import attend_groups, block_pools, box_views, make_boxes, plan_groups, write_kv
 
 __all__ = ["TinyAttnBackend", "TinyAttnMetadata", "TinyAttnMetadataBuilder", "TinyAttnImpl"]
 
@@ -185,12 +185,5 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
             return output
         _, k_cache, v_cache, boxes = self._pools(kv_cache)
         k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
-        li = self._layer(layer)
-        Hq, D = self.num_heads, self.head_size
-        for g in attn_metadata.groups:
-            tq = g.num_query_tokens
-            q = query[g.tokens]
-            q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
-            out = g.attn(li, q, k_cache, v_cache, k_min, k_max, scale=self.scale)
-            output[g.tokens] = out.reshape(-1, Hq, D)
-        return output
+        return attend_groups(attn_metadata.groups, self._layer(layer), query, output, k_cache, v_cache, k_min,
+                             k_max, self.scale)

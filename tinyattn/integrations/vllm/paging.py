@@ -6,7 +6,7 @@ vLLM hands each attention layer one cache tensor, a logical ``[num_blocks, Hkv, 
 through that view). The backend reinterprets the bytes of block ``b`` as two tinyattn pages::
 
     pool  : [2 * num_blocks, block_size, Hkv, D]   page 2b = keys of block b, page 2b + 1 = its values
-    k_cache = pool          v_cache = pool[1:]     both contiguous views, no copy
+    k_cache = pool[:-1]     v_cache = pool[1:]     contiguous views of 2 * num_blocks - 1 pages, no copy
     block_table (tinyattn) = 2 * block_table (vLLM)
 
 so that page ``2b`` of ``k_cache`` holds block ``b``'s keys and page ``2b`` of ``v_cache`` its values: the
@@ -14,7 +14,7 @@ tinyattn ops read vLLM's memory directly in their own NHD layout (docs/layout.md
 its vLLM block (zeroing, prefix caching and preemption see ordinary blocks), and the block table is the
 only thing translated. The page boxes follow the same trick in a small tensor of their own
 (``[2 * num_blocks, Hkv, D]``: row ``2b`` = ``k_min`` of block ``b``, row ``2b + 1`` = its ``k_max``;
-``k_min = boxes``, ``k_max = boxes[1:]``).
+``k_min = boxes[:-1]``, ``k_max = boxes[1:]``: every pool and box view has the same number of pages).
 
 :func:`write_kv` stores a step's keys and values at vLLM's ``slot_mapping`` and maintains the boxes
 incrementally, like :meth:`tinyattn.cache.PagedKVCache.write`: a block whose slot 0 is written in this
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "plan_groups"]
+__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "plan_groups", "attend_groups"]
 
 
 def _block_is_one_run(kv_cache: torch.Tensor) -> bool:
@@ -47,7 +47,7 @@ def _block_is_one_run(kv_cache: torch.Tensor) -> bool:
 
 
 def block_pools(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int):
-    """``(k_cache, v_cache)``: tinyattn pools ``[2 * num_blocks(-1), block_size, Hkv, D]`` over vLLM's cache.
+    """``(k_cache, v_cache)``: tinyattn pools ``[2 * num_blocks - 1, block_size, Hkv, D]`` over vLLM's cache.
 
     ``kv_cache``: vLLM's per-layer view ``[num_blocks, Hkv, block_size, 2 * D]`` (any block-compact
     stride order). Raises ``ValueError`` when a block is not one unpadded run of memory.
@@ -63,7 +63,7 @@ def block_pools(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_
                          f"VLLM_KV_CACHE_LAYOUT such as LBHNC")
     pool = torch.as_strided(kv_cache, (2 * num_blocks, block_size, num_kv_heads, head_dim),
                             (page, num_kv_heads * head_dim, head_dim, 1), kv_cache.storage_offset())
-    return pool, pool[1:]
+    return pool[:-1], pool[1:]
 
 
 def make_boxes(num_blocks: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> torch.Tensor:
@@ -76,7 +76,7 @@ def make_boxes(num_blocks: int, num_kv_heads: int, head_dim: int, *, dtype, devi
 
 def box_views(boxes: torch.Tensor):
     """``(k_min, k_max)`` as the ops take them, indexed by tinyattn page id ``2b`` (see the module doc)."""
-    return boxes, boxes[1:]
+    return boxes[:-1], boxes[1:]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor | None, key: torch.Tensor,
@@ -160,3 +160,19 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
                    page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
         groups.append(Group(tq, len(rows), tokens, attn))
     return groups
+
+
+def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, output: torch.Tensor, k_cache, v_cache,
+                  k_min, k_max, scale: float) -> torch.Tensor:
+    """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
+
+    ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None`` (dense mode).
+    """
+    Hq, D = query.shape[-2], query.shape[-1]
+    for g in groups:
+        tq = g.num_query_tokens
+        q = query[g.tokens]
+        q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
+        out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale)
+        output[g.tokens] = out.reshape(-1, Hq, D)
+    return output
