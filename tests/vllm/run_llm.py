@@ -9,7 +9,9 @@ RUNS: a list of dicts with ``model`` (a directory), ``prompts`` (lists of token 
 ``env`` (set before the engine starts; the previous run's variables are removed), ``alone`` (also generate
 each prompt on its own, in the same engine, after the batch).
 OUT: per run ``tokens`` (per prompt), ``prompt_logprobs`` (per prompt: the logprob of each prompt token after
-the first), ``alone_tokens``, ``seconds`` (engine start + generation), or ``error`` (the exception's text).
+the first), ``alone_tokens`` (and ``alone_cached_tokens``, the prompt tokens vLLM's prefix cache
+served), ``preemptions`` (vLLM's per-request count, summed; with
+``llm={"disable_log_stats": False}``), ``seconds`` (engine start + generation), or ``error`` (the exception's text).
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def run_one(cfg: dict) -> dict:
                                 prompt_logprobs=n_lp or None)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
         outs = llm.generate(prompts, params, use_tqdm=False)
-        result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                  "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics is not None)}
         if n_lp:
             result["prompt_logprobs"] = [[entry[tok].logprob for tok, entry in zip(p[1:], o.prompt_logprobs[1:])]
                                          for p, o in zip(cfg["prompts"], outs)]
         if cfg.get("alone"):
-            result["alone_tokens"] = [list(llm.generate([pr], params, use_tqdm=False)[0].outputs[0].token_ids)
-                                      for pr in prompts]
+            alone = [llm.generate([pr], params, use_tqdm=False)[0] for pr in prompts]
+            result["alone_tokens"] = [list(o.outputs[0].token_ids) for o in alone]
+            result["alone_cached_tokens"] = [o.num_cached_tokens or 0 for o in alone]   # prefix-cache hits
         result["seconds"] = time.perf_counter() - t0
         return result
     finally:

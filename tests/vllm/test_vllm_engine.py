@@ -91,12 +91,13 @@ def runs(llama_dir, stories_dir, tmp_path_factory):
     plan = {
         "bad_setting": dict(llama, env={**on, "TINYATTN_PAGE_BUDGET": "lots"}),
         "vllm_cpu": dict(llama),
-        "dense": dict(llama, env=on),
+        "dense": dict(llama, env=on, alone=True),
         "covering_b16": dict(llama, block_size=16, env={**on, "TINYATTN_PAGE_BUDGET": str(covering)}),
         "tp2": dict(llama, env={**on, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                     llm={"max_model_len": 1024, "tensor_parallel_size": 2}),
         "stories_dense_preempted": dict(stories, prompts=story_prompts(), env=on, alone=True,
-                                        llm={"max_model_len": 256, "num_gpu_blocks_override": PREEMPT_BLOCKS}),
+                                        llm={"max_model_len": 256, "num_gpu_blocks_override": PREEMPT_BLOCKS,
+                                             "disable_log_stats": False}),
         "stories_sparse": dict(stories, prompts=story_prompts()[:3],
                                env={**on, "TINYATTN_PAGE_BUDGET": "4"}, llm={"max_model_len": 256}),
     }
@@ -169,6 +170,14 @@ def test_dense_matches_vllm_cpu_backend(runs):
     compare(ok(runs["dense"]), ok(runs["vllm_cpu"]))
 
 
+def test_prefix_cache_hits_give_the_same_tokens(runs):
+    """Each prompt again, alone, after the batch: vLLM serves its full blocks from the prefix cache (written by
+    tinyattn) and prefills only the rest, a chunk into a non-empty cache."""
+    r = ok(runs["dense"])
+    assert r["alone_tokens"] == r["tokens"]
+    assert all(c >= 32 for c in r["alone_cached_tokens"]), r["alone_cached_tokens"]
+
+
 def test_budget_covering_the_context_at_block_size_16_matches(runs):
     compare(ok(runs["covering_b16"]), ok(runs["vllm_cpu"]))
 
@@ -200,6 +209,7 @@ def test_preempted_batch_completes_with_the_tokens_of_each_request_alone(runs):
     prompts = runs["_plan"]["stories_dense_preempted"]["prompts"]
     blocks_needed = sum(-(-(len(p) + STORY_TOKENS) // 16) for p in prompts)
     assert blocks_needed > 4 * PREEMPT_BLOCKS                       # cannot all be resident: vLLM preempts
+    assert r["preemptions"] > 0
     assert all(len(t) == STORY_TOKENS for t in r["tokens"])
     assert r["tokens"] == r["alone_tokens"]
 
