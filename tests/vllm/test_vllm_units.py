@@ -162,16 +162,17 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
 # ---- planning a mixed step ------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_budget", [None, 2])
 def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
-    """Rows in vLLM's order (decodes first, then prefills of several lengths, one length twice, apart): every
-    row's output equals the reference op run on that row alone (dense, or sparse at decode)."""
+    """Rows in vLLM's order (decodes first, then prefills: fresh ones and ones with cached context, one length
+    three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
+    decode), the fresh prefills (causal SDPA on the step's keys) included."""
     torch.manual_seed(1)
     B, Hq, H, N, D = 40, 4, 2, 4, 8
     kv = vllm_cache(B, H, N, D)
     k_cache, v_cache = block_pools(kv, H, D, N)
     boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
     vl = FakeVllm(B, N)
-    contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0}            # tokens already in the cache
-    query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5}           # 2 decodes, prefills of 5, 3 (chunked) and 5
+    contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0, 5: 6}      # tokens already in the cache
+    query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5, 5: 5}     # 2 decodes, fresh prefills of 5, chunks of 3 and 5
     for r, n in contexts.items():
         if n:
             write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), N)
@@ -180,7 +181,8 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
     reqs = list(query_lens)
     slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs])
     T = slots.shape[0]
-    write_kv(k_cache, v_cache, boxes, torch.randn(T, H, D), torch.randn(T, H, D), slots, N)
+    step_k, step_v = torch.randn(T, H, D), torch.randn(T, H, D)
+    write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, N)
     bt, sl = vl.tables(reqs)
     qsl = torch.tensor([0] + [query_lens[r] for r in reqs]).cumsum(0)
     sparsity = SparsityConfig(page_budget=page_budget)
@@ -191,12 +193,13 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
 
     groups = plan_groups(qsl, bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
                          page_size=N, scale=D ** -0.5)
-    assert [(g.num_query_tokens, g.num_rows) for g in groups] == [(1, 2), (3, 1), (5, 2)]
-    assert isinstance(groups[0].tokens, slice) and not isinstance(groups[2].tokens, slice)
+    assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
+        [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
+    assert isinstance(groups[0].tokens, slice) and not isinstance(groups[3].tokens, slice)
     query = torch.randn(T, Hq, D)
     output = torch.full((T, Hq, D), float("nan"))
     k_min, k_max = box_views(boxes)
-    attend_groups(groups, 0, query, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
+    attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
     for i, r in enumerate(reqs):
         tq = query_lens[r]
         q = query[int(qsl[i]): int(qsl[i + 1])][None]

@@ -8,7 +8,9 @@ Per forward step:
 1. :meth:`TinyAttnMetadataBuilder.build` (once per step): groups the requests by query length and plans
    each group once (:func:`tinyattn.integrations.vllm.paging.plan_groups`): the decode rows as one decode
    step (Quest selection per request and KV head in sparse layers), each other query length as one dense,
-   causal (bottom-right) prefill group. This is the per-step plan of :class:`tinyattn.PagedAttentionPlan`.
+   causal (bottom-right) prefill group: through the paged op with ``Tq > 1`` when the rows have cached context,
+   causal SDPA over the step's own keys/values when they have none. This is the per-step plan of
+   :class:`tinyattn.PagedAttentionPlan`.
 2. Per layer, :meth:`TinyAttnImpl.do_kv_cache_update` writes the new keys/values into the layer's paged
    cache and grows the page boxes (:func:`~tinyattn.integrations.vllm.paging.write_kv`), then
    :meth:`TinyAttnImpl.forward` runs each group's plan on this layer's pools
@@ -111,10 +113,12 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
               fast_build: bool = False) -> TinyAttnMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
+        host_lens = m.seq_lens_cpu_upper_bound                 # exact for prefill rows, the ones it is read for
         groups = plan_groups(m.query_start_loc_cpu[: num_reqs + 1], m.block_table_tensor[:num_reqs],
                              m.seq_lens[:num_reqs], make_attention=self._make_attention,
                              num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             page_size=self.page_size, scale=self.scale)
+                             page_size=self.page_size, scale=self.scale,
+                             seq_lens_cpu=None if host_lens is None else host_lens[:num_reqs])
         return TinyAttnMetadata(num_actual_tokens=m.num_actual_tokens, slot_mapping=m.slot_mapping, groups=groups)
 
 
@@ -185,5 +189,5 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
             return output
         _, k_cache, v_cache, boxes = self._pools(kv_cache)
         k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
-        return attend_groups(attn_metadata.groups, self._layer(layer), query, output, k_cache, v_cache, k_min,
-                             k_max, self.scale)
+        return attend_groups(attn_metadata.groups, self._layer(layer), query, key, value, output, k_cache, v_cache,
+                             k_min, k_max, self.scale)

@@ -23,7 +23,9 @@ other touched block's box grows with ``amin`` / ``amax``.
 
 :func:`plan_groups` splits a step's requests by query length (vLLM's mixed prefill/decode batches): all
 decode rows (1 query token) form one group planned as a decode step (sparse in sparse layers), every other
-query length one dense, causal group with ``Tq`` equal to that length.
+query length one dense, causal group with ``Tq`` equal to that length (through the paged op when the rows have
+cached context: chunked prefill, prefix-cache hits; with causal SDPA over the step's own keys and values when
+they have none, a *fresh* prefill: the same keys, without the paged op's ``[Tq x seq_len]`` mask).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "plan_groups", "attend_groups"]
 
@@ -117,7 +120,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
 class Group:
     """Rows of one step with the same query length ``Tq``: ``tokens`` is a ``slice`` of the step's tokens when
     they are contiguous (decodes first, as vLLM orders them), else an index tensor; ``attn`` is the planned
-    :class:`tinyattn.layer.PagedAttention`."""
+    :class:`tinyattn.layer.PagedAttention`, or ``None`` for a *fresh* prefill group (rows with no cached
+    context: ``seq_len == Tq``), which attends causally over the step's own keys and values."""
 
     num_query_tokens: int
     num_rows: int
@@ -127,34 +131,42 @@ class Group:
 
 def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                 make_attention, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                scale: float) -> list[Group]:
+                scale: float, seq_lens_cpu: torch.Tensor | None = None) -> list[Group]:
     """Group a step's rows by query length and plan each group once (all layers of the step share it).
+
+    Decode rows (``Tq == 1``) form one group planned as a decode step. Prefill rows with cached context
+    (chunked prefill, prefix-cache hits) form one dense group per query length through the paged op with
+    ``Tq > 1``; prefill rows without cached context (``seq_len == Tq``) one *fresh* group per length, no plan.
 
     Args:
         query_start_loc_cpu: ``[R + 1]`` host tensor, row ``r``'s tokens are ``[q[r], q[r+1])``.
         block_table: ``[R, max_blocks]`` vLLM block ids (device); seq_lens: ``[R]`` tokens incl. the queries.
         make_attention: ``Tq -> PagedAttention`` (the builder keeps one per length to reuse its buffers).
+        seq_lens_cpu: ``seq_lens`` on the host, exact for prefill rows (default: ``seq_lens``, copied).
     """
     starts = query_start_loc_cpu.tolist()
-    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    by_len: dict[int, list[int]] = {}
-    for row, length in enumerate(lengths):
-        if length > 0:
-            by_len.setdefault(length, []).append(row)
+    lens = (seq_lens if seq_lens_cpu is None else seq_lens_cpu).tolist()
+    by_key: dict[tuple[int, bool], list[int]] = {}
+    for row, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        if b > a:
+            tq = b - a
+            by_key.setdefault((tq, tq > 1 and lens[row] == tq), []).append(row)
     device = block_table.device
     groups = []
-    for tq in sorted(by_len):
-        rows = by_len[tq]
+    for tq, fresh in sorted(by_key):
+        rows = by_key[(tq, fresh)]
         first, last = rows[0], rows[-1]
         if last - first + 1 == len(rows):                 # consecutive rows: consecutive tokens
             tokens = slice(starts[first], starts[last + 1])
-            bt, sl = block_table[first:last + 1], seq_lens[first:last + 1]
+            idx = slice(first, last + 1)
         else:
-            idx = torch.tensor(rows, dtype=torch.int64)
             tok = (torch.tensor([starts[r] for r in rows], dtype=torch.int64)[:, None] + torch.arange(tq)).reshape(-1)
             tokens = tok.to(device)
-            idx = idx.to(device)
-            bt, sl = block_table.index_select(0, idx), seq_lens.index_select(0, idx)
+            idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        if fresh:
+            groups.append(Group(tq, len(rows), tokens, None))
+            continue
+        bt, sl = block_table[idx], seq_lens[idx]
         attn = make_attention(tq)
         attn.begin(bt * 2, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
@@ -162,17 +174,35 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
     return groups
 
 
-def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, output: torch.Tensor, k_cache, v_cache,
-                  k_min, k_max, scale: float) -> torch.Tensor:
+def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  output: torch.Tensor, k_cache, v_cache, k_min, k_max, scale: float) -> torch.Tensor:
     """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
 
-    ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None`` (dense mode).
+    ``key`` / ``value`` ``[num_tokens, Hkv, D]``: the step's own (already written to the cache); fresh prefill
+    groups attend over them with causal SDPA (the same keys the paged op would gather, without the paged
+    op's ``[Tq x seq_len]`` mask). ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``.
     """
     Hq, D = query.shape[-2], query.shape[-1]
     for g in groups:
         tq = g.num_query_tokens
         q = query[g.tokens]
-        q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
-        out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale)
+        if g.attn is None:
+            out = _causal_sdpa(q.view(g.num_rows, tq, Hq, D), key[g.tokens].view(g.num_rows, tq, -1, D),
+                               value[g.tokens].view(g.num_rows, tq, -1, D), scale)
+        else:
+            q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
+            out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale)
         output[g.tokens] = out.reshape(-1, Hq, D)
     return output
+
+
+def _causal_sdpa(q, k, v, scale):
+    """``[R, T, Hq, D]`` causal attention over ``[R, T, Hkv, D]`` keys/values (GQA by repeating K/V heads), fp32 math
+    for half dtypes as the ops do."""
+    Hq, Hkv = q.shape[2], k.shape[2]
+    dt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v = (x.transpose(1, 2).to(dt) for x in (q, k, v))                         # [R, H, T, D]
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(1, 2)
