@@ -1,9 +1,9 @@
 """Offline throughput inside vLLM: vLLM's own CPU backend vs tinyattn dense vs tinyattn sparse (issue 11).
 
 Several concurrent requests with long prompts on a random LLaMA-shaped model (float32), greedy, ``ignore_eos``;
-TTFT and TPOT as vLLM's per-request stats report them (engine-core timestamps; TPOT includes the steps in
-which other requests prefill), the batch's wall time, and the decode step time of the batch alone: (wall of the
-batch - wall of the same prompts with 1 output token) / (output tokens - 1), prefix caching off.
+TTFT and TPOT as vLLM's per-request stats report them (engine-core timestamps) and the batch's wall time. All
+prompts fit in one scheduler step (``max_num_batched_tokens`` = requests x prompt length), so every request
+prefills in the first step and then all decode together: TPOT is the decode step time of the whole batch.
 Each backend runs in its own subprocess (the ``TINYATTN_*`` settings are read when vLLM starts). Needs the
 vLLM venv of ``.ci/vllm.sh``::
 
@@ -59,7 +59,6 @@ def worker(cfg: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=cfg["model"], dtype="float32", block_size=cfg["block_size"], enforce_eager=True,
               skip_tokenizer_init=True, seed=0, disable_log_stats=False, max_model_len=cfg["max_model_len"],
-              enable_prefix_caching=False,                    # the prefill-only run must not warm the second
               max_num_seqs=cfg["num_requests"], max_num_batched_tokens=cfg["max_num_batched_tokens"])
     start_s = time.perf_counter() - t0
     rng = random.Random(0)
@@ -68,9 +67,6 @@ def worker(cfg: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False),
                  use_tqdm=False)                                                 # warm-up
-    t1 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, detokenize=False), use_tqdm=False)
-    prefill_wall = time.perf_counter() - t1                                     # the same prompts, 1 token each
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t1
@@ -82,8 +78,7 @@ def worker(cfg: dict) -> dict:
             if m.num_generation_tokens > 1:
                 tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine_start_s": start_s, "wall_s": wall, "prefill_wall_s": prefill_wall,
-            "decode_step_s": (wall - prefill_wall) / max(cfg["output_len"] - 1, 1), "output_tokens": n_out,
+    return {"engine_start_s": start_s, "wall_s": wall, "output_tokens": n_out,
             "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_out + cfg["prompt_len"] * len(outs)) / wall,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
@@ -123,7 +118,7 @@ def main(argv=None) -> int:
             cfg = dict(model=str(model), block_size=args.block_size, prompt_len=args.prompt_len,
                        output_len=args.output_len, num_requests=args.num_requests, vocab=args.vocab,
                        max_model_len=args.prompt_len + args.output_len + 8,
-                       max_num_batched_tokens=max(8192, args.prompt_len + 8), result=str(Path(tmp) / "r.json"))
+                       max_num_batched_tokens=max(8192, args.num_requests * (args.prompt_len + 8)), result=str(Path(tmp) / "r.json"))
             (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
             r = subprocess.run([sys.executable, __file__, "--worker", str(Path(tmp) / "cfg.json")], env=env,
                                capture_output=True, text=True)
@@ -137,16 +132,14 @@ def main(argv=None) -> int:
              f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, head_dim "
              f"{args.head_dim}, float32, block size {args.block_size}, sparse budget {args.page_budget} pages "
              f"({args.page_budget * args.block_size} tokens)", "",
-             "| backend | wall s | output tok/s | mean TTFT s | mean TPOT ms | prefill-only wall s | decode step ms "
-             "(batch, from the difference) | same greedy tokens as CPU_ATTN |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| backend | wall s | output tok/s | mean TTFT s | mean TPOT ms | same greedy tokens as CPU_ATTN |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
         same = "-" if base is None or r is base else \
             f"{sum(a == b for x, y in zip(r['tokens'], base['tokens']) for a, b in zip(x, y))}/{r['output_tokens']}"
         tpot = f"{1e3 * r['mean_tpot_s']:.0f}" if r["mean_tpot_s"] is not None else "-"
         ttft = f"{r['mean_ttft_s']:.1f}" if r["mean_ttft_s"] is not None else "-"
-        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['output_tok_per_s']:.2f} | {ttft} | {tpot} | "
-                     f"{r['prefill_wall_s']:.1f} | {1e3 * r['decode_step_s']:.0f} | {same} |")
+        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['output_tok_per_s']:.2f} | {ttft} | {tpot} | {same} |")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,23 +52,24 @@ def test_register_is_inert_without_the_switch(monkeypatch):
 
 
 # ---- pages over vLLM's blocks ---------------------------------------------------------------------------
-def vllm_cache(num_blocks, H, N, D, order="LBHNC"):
-    """A per-layer cache as vLLM 0.32 makes it: logical [num_blocks, H, N, 2D] over block-compact memory."""
+def vllm_cache(num_blocks, H, page_size, D, order="LBHNC"):
+    """A per-layer cache as vLLM 0.32 makes it: logical [num_blocks, H, page_size, 2D] over block-compact memory
+    (vLLM's [B, H, N, C] with N = page_size tokens)."""
     if order == "LBHNC":
-        return torch.zeros(num_blocks, H, N, 2 * D)
-    return torch.zeros(num_blocks, N, H, 2 * D).permute(0, 2, 1, 3)        # LBNHC: [B, N, H, C] in memory
+        return torch.zeros(num_blocks, H, page_size, 2 * D)
+    return torch.zeros(num_blocks, page_size, H, 2 * D).permute(0, 2, 1, 3)  # LBNHC: [B, N, H, C] in memory
 
 
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
 def test_pages_live_inside_their_block(order):
-    B, H, N, D = 5, 2, 4, 3
-    kv = vllm_cache(B, H, N, D, order)
-    k_cache, v_cache = block_pools(kv, H, D, N)
-    assert k_cache.shape == v_cache.shape == (2 * B - 1, N, H, D)
+    B, H, page_size, D = 5, 2, 4, 3
+    kv = vllm_cache(B, H, page_size, D, order)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    assert k_cache.shape == v_cache.shape == (2 * B - 1, page_size, H, D)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     k_cache[6].fill_(1.0)            # keys of block 3
     v_cache[6].fill_(2.0)            # values of block 3 (tinyattn page 6 of v_cache)
-    assert kv[3].sum() == N * H * D * 3 and kv.sum() == N * H * D * 3
+    assert kv[3].sum() == page_size * H * D * 3 and kv.sum() == page_size * H * D * 3
     kv[3].zero_()                    # what vLLM does to a new block: only block 3's pages change
     assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
 
@@ -117,11 +118,11 @@ class FakeVllm:
 
 
 def test_writes_and_boxes_match_the_reference_through_block_reuse():
-    B, H, N, D = 12, 2, 4, 8
-    kv = vllm_cache(B, H, N, D, "LBNHC")
-    k_cache, v_cache = block_pools(kv, H, D, N)
+    B, H, page_size, D = 12, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D, "LBNHC")
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
     boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
-    vl = FakeVllm(B, N)
+    vl = FakeVllm(B, page_size)
     keys: dict = {}
 
     def step(plan):
@@ -133,7 +134,7 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
             slots.append(vl.schedule(req, n)), ks.append(k), vs.append(v)
         slots = torch.cat(slots + [torch.tensor([-1])])
         write_kv(k_cache, v_cache, boxes, torch.cat(ks + [torch.full((1, H, D), 1e9)]),
-                 torch.cat(vs + [torch.full((1, H, D), 1e9)]), slots, N)
+                 torch.cat(vs + [torch.full((1, H, D), 1e9)]), slots, page_size)
 
     def check(reqs):
         bt, sl = vl.tables(reqs)
@@ -144,9 +145,9 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
             want_k = torch.cat([k for k, _ in keys[r]])
             want_v = torch.cat([v for _, v in keys[r]])
             for t in range(int(sl[i])):
-                page, slot = 2 * int(bt[i, t // N]), t % N
+                page, slot = 2 * int(bt[i, t // page_size]), t % page_size
                 assert torch.equal(k_cache[page, slot], want_k[t]) and torch.equal(v_cache[page, slot], want_v[t])
-            pages = 2 * bt[i, : -(-int(sl[i]) // N)].long()
+            pages = 2 * bt[i, : -(-int(sl[i]) // page_size)].long()
             assert torch.equal(k_min[pages], ref_min[pages]) and torch.equal(k_max[pages], ref_max[pages])
 
     step([(0, 7), (1, 3)])                 # two prefills
@@ -166,23 +167,23 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
     three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
     decode), the fresh prefills (causal SDPA on the step's keys) included."""
     torch.manual_seed(1)
-    B, Hq, H, N, D = 40, 4, 2, 4, 8
-    kv = vllm_cache(B, H, N, D)
-    k_cache, v_cache = block_pools(kv, H, D, N)
+    B, Hq, H, page_size, D = 40, 4, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
     boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
-    vl = FakeVllm(B, N)
+    vl = FakeVllm(B, page_size)
     contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0, 5: 6}      # tokens already in the cache
     query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5, 5: 5}     # 2 decodes, fresh prefills of 5, chunks of 3 and 5
     for r, n in contexts.items():
         if n:
-            write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), N)
+            write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
         else:
             vl.blocks[r], vl.lens[r] = [], 0
     reqs = list(query_lens)
     slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs])
     T = slots.shape[0]
     step_k, step_v = torch.randn(T, H, D), torch.randn(T, H, D)
-    write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, N)
+    write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, page_size)
     bt, sl = vl.tables(reqs)
     qsl = torch.tensor([0] + [query_lens[r] for r in reqs]).cumsum(0)
     sparsity = SparsityConfig(page_budget=page_budget)
@@ -192,7 +193,7 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
         return made.setdefault(tq, PagedAttention(sparsity, backend="torch"))
 
     groups = plan_groups(qsl, bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
-                         page_size=N, scale=D ** -0.5)
+                         page_size=page_size, scale=D ** -0.5)
     assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
         [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
     assert isinstance(groups[0].tokens, slice) and not isinstance(groups[3].tokens, slice)
