@@ -42,7 +42,10 @@ def run_one(cfg: dict) -> dict:
             result["prompt_logprobs"] = [[entry[tok].logprob for tok, entry in zip(p[1:], o.prompt_logprobs[1:])]
                                          for p, o in zip(cfg["prompts"], outs)]
         if cfg.get("alone"):
-            alone = [llm.generate([pr], params, use_tqdm=False)[0] for pr in prompts]
+            # no prompt logprobs here: vLLM does not read its prefix cache for requests that ask for them
+            alone_params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True,
+                                          detokenize=False)
+            alone = [llm.generate([pr], alone_params, use_tqdm=False)[0] for pr in prompts]
             result["alone_tokens"] = [list(o.outputs[0].token_ids) for o in alone]
             result["alone_cached_tokens"] = [o.num_cached_tokens or 0 for o in alone]   # prefix-cache hits
         result["seconds"] = time.perf_counter() - t0

@@ -138,6 +138,9 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
                                           f"unset TINYATTN_VLLM to use vLLM's own backend")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"tinyattn vLLM backend: only decoder attention, got {attn_type}")
+        if kv_sharing_target_layer_name is not None:        # its page boxes would be another layer's
+            raise NotImplementedError(f"tinyattn vLLM backend: KV cache sharing between layers is not supported "
+                                      f"(layer shares {kv_sharing_target_layer_name!r})")
         if kv_cache_dtype != "auto":
             raise NotImplementedError(f"tinyattn vLLM backend: kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
         self.num_heads = num_heads
