@@ -274,3 +274,17 @@ def test_vllm_serve_answers_a_completion(stories_dir, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+# ---- the throughput benchmark runs (tiny sizes, one backend) ------------------------------------------------
+def test_throughput_bench_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(HERE.parents[1] / "bench" / "vllm_throughput.py"), "--backends",
+                        "tinyattn sparse", "--prompt-len", "200", "--num-requests", "2", "--output-len", "4",
+                        "--page-budget", "2", "--hidden", "128", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                        "--head-dim", "32", "--vocab", "256", "--out", str(out)],
+                       capture_output=True, text=True, env=engine_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]["tinyattn sparse"]
+    assert result["output_tokens"] == 8 and result["mean_tpot_s"] > 0
+    assert "| tinyattn sparse |" in r.stdout

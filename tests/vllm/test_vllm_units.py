@@ -213,3 +213,16 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
             want = ref.paged_attention(q, k_cache, v_cache, row_bt, row_sl)
         got = output[int(qsl[i]): int(qsl[i + 1])]
         torch.testing.assert_close(got, want.reshape(got.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_throughput_bench_has_a_help():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "vllm_throughput.py"
+    spec = importlib.util.spec_from_file_location("bench_vllm_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)                # imports no vLLM at module level
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
