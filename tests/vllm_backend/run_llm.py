@@ -2,7 +2,7 @@
 generated as JSON. The vLLM tests start it in a subprocess: the ``TINYATTN_*`` settings are read when vLLM
 starts its engine processes, so each configuration sets its environment before its ``LLM`` is made.
 
-    python tests/vllm/run_llm.py RUNS.json OUT.json
+    python tests/vllm_backend/run_llm.py RUNS.json OUT.json
 
 RUNS: a list of dicts with ``model`` (a directory), ``prompts`` (lists of token ids), ``max_tokens``,
 ``block_size`` (default 32), ``prompt_logprobs`` (0 = none), ``llm`` (extra ``LLM`` keyword arguments),
