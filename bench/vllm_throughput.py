@@ -1,9 +1,10 @@
 """Offline throughput inside vLLM: vLLM's own CPU backend vs tinyattn dense vs tinyattn sparse (issue 11).
 
 Several concurrent requests with long prompts on a random LLaMA-shaped model (float32), greedy, ``ignore_eos``;
-TTFT and TPOT as vLLM's per-request stats report them (engine-core timestamps) and the batch's wall time. All
-prompts fit in one scheduler step (``max_num_batched_tokens`` = requests x prompt length), so every request
-prefills in the first step and then all decode together: TPOT is the decode step time of the whole batch.
+TTFT and TPOT as vLLM's per-request stats report them (engine-core timestamps) and the batch's wall time. The
+scheduler may admit all prompts in one step (``max_num_batched_tokens`` = requests x prompt length) or spread
+them over several, and then the TPOT of the early requests includes the later ones' prefills; the column
+"decode step" is the TPOT of the request whose first token came last (only decode steps follow it).
 Each backend runs in its own subprocess (the ``TINYATTN_*`` settings are read when vLLM starts). Needs the
 vLLM venv of ``.ci/vllm.sh``::
 
@@ -70,18 +71,21 @@ def worker(cfg: dict) -> dict:
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t1
-    ttft, tpot = [], []
+    ttft, tpot, last = [], [], None
     for o in outs:
         m = o.metrics
         if m is not None and m.first_token_ts:
             ttft.append(m.first_token_ts - m.scheduled_ts)
             if m.num_generation_tokens > 1:
                 tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+                if last is None or m.first_token_ts > last[0]:
+                    last = (m.first_token_ts, tpot[-1])
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"engine_start_s": start_s, "wall_s": wall, "output_tokens": n_out,
             "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_out + cfg["prompt_len"] * len(outs)) / wall,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
+            "decode_step_s": last[1] if last else None,
             "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
@@ -133,14 +137,16 @@ def main(argv=None) -> int:
              f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, head_dim "
              f"{args.head_dim}, float32, block size {args.block_size}, sparse budget {args.page_budget} pages "
              f"({args.page_budget * args.block_size} tokens)", "",
-             "| backend | wall s | output tok/s | mean TTFT s | mean TPOT ms | same greedy tokens as CPU_ATTN |",
-             "|---|---|---|---|---|---|"]
+             "| backend | wall s | output tok/s | mean TTFT s | mean TPOT ms | decode step ms | same greedy tokens "
+             "as CPU_ATTN |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         same = "-" if base is None or r is base else \
             f"{sum(a == b for x, y in zip(r['tokens'], base['tokens']) for a, b in zip(x, y))}/{r['output_tokens']}"
         tpot = f"{1e3 * r['mean_tpot_s']:.0f}" if r["mean_tpot_s"] is not None else "-"
         ttft = f"{r['mean_ttft_s']:.1f}" if r["mean_ttft_s"] is not None else "-"
-        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['output_tok_per_s']:.2f} | {ttft} | {tpot} | {same} |")
+        step = f"{1e3 * r['decode_step_s']:.0f}" if r.get("decode_step_s") is not None else "-"
+        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['output_tok_per_s']:.2f} | {ttft} | {tpot} | {step} "
+                     f"| {same} |")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
