@@ -3,8 +3,10 @@
 - :mod:`tinyattn.integrations.hf`: Hugging Face ``transformers``. Importing it registers the attention
   implementation ``"tinyattn"`` and provides :class:`~tinyattn.integrations.hf.TinyAttnCache`
   (needs the ``hf`` extra: ``pip install "tinyattn[hf]"``).
+- :mod:`tinyattn.integrations.vllm`: an attention backend for vLLM's v1 engine, registered through vLLM's
+  ``vllm.general_plugins`` entry point and active only with ``TINYATTN_VLLM=1`` (``docs/vllm.md``).
 - :mod:`tinyattn.integrations.convert`: llama2.c checkpoint -> Hugging Face Llama checkpoint
   (``python -m tinyattn.integrations.convert --help``).
 
-Nothing is imported here, so ``import tinyattn.integrations`` never needs ``transformers``.
+Nothing is imported here, so ``import tinyattn.integrations`` never needs ``transformers`` or ``vllm``.
 """

@@ -1,0 +1,228 @@
+"""The vLLM backend's pieces that need no vLLM (they run in the main suite too): settings from the environment,
+tinyattn pages over vLLM's blocks, K/V writes with incremental page boxes, and per-step planning of mixed
+prefill/decode batches, each against ``tinyattn.reference``."""
+
+import pytest
+import torch
+
+import tinyattn.reference as ref
+from tinyattn.integrations.vllm import enabled, settings_from_env
+from tinyattn.integrations.vllm.paging import (attend_groups, block_pools, box_views, make_boxes, plan_groups,
+                                               write_kv)
+from tinyattn.layer import PagedAttention, SparsityConfig
+
+
+# ---- settings -------------------------------------------------------------------------------------------
+def test_settings_default_dense_and_parsed():
+    s = settings_from_env({})
+    assert s.page_budget is None and s.num_sink_pages == 0 and s.num_recent_pages == 1 and s.dense_layers == 0
+    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "0"}).page_budget is None
+    s = settings_from_env({"TINYATTN_PAGE_BUDGET": " 64 ", "TINYATTN_SINK_PAGES": "1", "TINYATTN_RECENT_PAGES": "2",
+                           "TINYATTN_DENSE_LAYERS": "2"})
+    assert (s.page_budget, s.num_sink_pages, s.num_recent_pages, s.dense_layers) == (64, 1, 2, 2)
+
+
+@pytest.mark.parametrize("name", ["TINYATTN_PAGE_BUDGET", "TINYATTN_SINK_PAGES", "TINYATTN_RECENT_PAGES",
+                                  "TINYATTN_DENSE_LAYERS"])
+@pytest.mark.parametrize("bad", ["abc", "-1", "1.5"])
+def test_bad_setting_names_the_variable_and_the_allowed_values(name, bad):
+    with pytest.raises(ValueError, match=rf"^{name}: expected an integer >= 0 .*got '{bad}'"):
+        settings_from_env({"TINYATTN_PAGE_BUDGET": "8", name: bad})
+
+
+def test_budget_too_small_for_the_kept_pages():
+    with pytest.raises(ValueError, match=r"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES \+ "
+                                         r"max\(TINYATTN_RECENT_PAGES, 1\) = 2 \+ 2 = 4 .*got 3"):
+        settings_from_env({"TINYATTN_PAGE_BUDGET": "3", "TINYATTN_SINK_PAGES": "2", "TINYATTN_RECENT_PAGES": "2"})
+
+
+def test_switch():
+    assert not enabled({}) and not enabled({"TINYATTN_VLLM": "0"}) and not enabled({"TINYATTN_VLLM": ""})
+    assert enabled({"TINYATTN_VLLM": "1"})
+    with pytest.raises(ValueError, match=r"TINYATTN_VLLM: expected 1 .* or 0 / unset .*got 'yes'"):
+        enabled({"TINYATTN_VLLM": "yes"})
+
+
+def test_register_is_inert_without_the_switch(monkeypatch):
+    from tinyattn.integrations.vllm import register
+
+    monkeypatch.delenv("TINYATTN_VLLM", raising=False)
+    monkeypatch.setenv("TINYATTN_PAGE_BUDGET", "not read")     # settings are not even parsed
+    assert register() is False
+
+
+# ---- pages over vLLM's blocks ---------------------------------------------------------------------------
+def vllm_cache(num_blocks, H, page_size, D, order="LBHNC"):
+    """A per-layer cache as vLLM 0.32 makes it: logical [num_blocks, H, page_size, 2D] over block-compact memory
+    (vLLM's [B, H, N, C] with N = page_size tokens)."""
+    if order == "LBHNC":
+        return torch.zeros(num_blocks, H, page_size, 2 * D)
+    return torch.zeros(num_blocks, page_size, H, 2 * D).permute(0, 2, 1, 3)  # LBNHC: [B, N, H, C] in memory
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+def test_pages_live_inside_their_block(order):
+    B, H, page_size, D = 5, 2, 4, 3
+    kv = vllm_cache(B, H, page_size, D, order)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    assert k_cache.shape == v_cache.shape == (2 * B - 1, page_size, H, D)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    k_cache[6].fill_(1.0)            # keys of block 3
+    v_cache[6].fill_(2.0)            # values of block 3 (tinyattn page 6 of v_cache)
+    assert kv[3].sum() == page_size * H * D * 3 and kv.sum() == page_size * H * D * 3
+    kv[3].zero_()                    # what vLLM does to a new block: only block 3's pages change
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
+
+
+def test_padded_or_interleaved_blocks_are_refused():
+    padded = torch.zeros(4, 2, 4, 2 * 3 + 1)[..., :6]
+    with pytest.raises(ValueError, match="kv_cache: expected blocks stored as one dense, unpadded run"):
+        block_pools(padded, 2, 3, 4)
+    block_outer = torch.zeros(4, 2, 2, 4, 6).select(1, 0)            # blocks of two layers interleaved
+    with pytest.raises(ValueError, match="one dense, unpadded run"):
+        block_pools(block_outer, 2, 3, 4)
+
+
+# ---- writes and boxes -----------------------------------------------------------------------------------
+class FakeVllm:
+    """vLLM's block bookkeeping in miniature: a free list (reused blocks first), block tables, slot mappings."""
+
+    def __init__(self, num_blocks, block_size):
+        self.free = list(range(num_blocks))
+        torch.manual_seed(0)
+        self.free = [self.free[i] for i in torch.randperm(num_blocks).tolist()]
+        self.block_size = block_size
+        self.blocks, self.lens = {}, {}
+
+    def schedule(self, req, n):
+        """Slots of ``n`` new tokens of ``req`` (allocating blocks)."""
+        blocks, start = self.blocks.setdefault(req, []), self.lens.get(req, 0)
+        slots = []
+        for t in range(start, start + n):
+            if t // self.block_size >= len(blocks):
+                blocks.append(self.free.pop(0))
+            slots.append(blocks[t // self.block_size] * self.block_size + t % self.block_size)
+        self.lens[req] = start + n
+        return torch.tensor(slots)
+
+    def release(self, req):
+        self.free = self.blocks.pop(req) + self.free
+        self.lens.pop(req)
+
+    def tables(self, reqs):
+        width = max(len(self.blocks[r]) for r in reqs)
+        bt = torch.zeros(len(reqs), width, dtype=torch.int32)        # vLLM pads with 0, not -1
+        for i, r in enumerate(reqs):
+            bt[i, : len(self.blocks[r])] = torch.tensor(self.blocks[r])
+        return bt, torch.tensor([self.lens[r] for r in reqs], dtype=torch.int32)
+
+
+def test_writes_and_boxes_match_the_reference_through_block_reuse():
+    B, H, page_size, D = 12, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D, "LBNHC")
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    vl = FakeVllm(B, page_size)
+    keys: dict = {}
+
+    def step(plan):
+        """plan: [(req, n_tokens)]; one write of all of them (with a padding slot), as one vLLM step."""
+        slots, ks, vs = [], [], []
+        for req, n in plan:
+            k, v = torch.randn(n, H, D) * (1 + req), torch.randn(n, H, D)
+            keys.setdefault(req, []).append((k, v))
+            slots.append(vl.schedule(req, n)), ks.append(k), vs.append(v)
+        slots = torch.cat(slots + [torch.tensor([-1])])
+        write_kv(k_cache, v_cache, boxes, torch.cat(ks + [torch.full((1, H, D), 1e9)]),
+                 torch.cat(vs + [torch.full((1, H, D), 1e9)]), slots, page_size)
+
+    def check(reqs):
+        bt, sl = vl.tables(reqs)
+        k_min, k_max = box_views(boxes)
+        ref_min, ref_max = torch.full_like(k_min, float("inf")), torch.full_like(k_max, float("-inf"))
+        ref.update_page_metadata(k_cache, bt * 2, sl, ref_min, ref_max)
+        for i, r in enumerate(reqs):
+            want_k = torch.cat([k for k, _ in keys[r]])
+            want_v = torch.cat([v for _, v in keys[r]])
+            for t in range(int(sl[i])):
+                page, slot = 2 * int(bt[i, t // page_size]), t % page_size
+                assert torch.equal(k_cache[page, slot], want_k[t]) and torch.equal(v_cache[page, slot], want_v[t])
+            pages = 2 * bt[i, : -(-int(sl[i]) // page_size)].long()
+            assert torch.equal(k_min[pages], ref_min[pages]) and torch.equal(k_max[pages], ref_max[pages])
+
+    step([(0, 7), (1, 3)])                 # two prefills
+    step([(0, 1), (1, 1), (2, 9)])         # decodes + a prefill
+    check([0, 1, 2])
+    vl.release(0)                          # request 0 done: its blocks go back, and are reused first
+    keys.pop(0)
+    step([(3, 6), (1, 1), (2, 1)])
+    step([(3, 1)])
+    check([1, 2, 3])
+
+
+# ---- planning a mixed step ------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_budget", [None, 2])
+def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
+    """Rows in vLLM's order (decodes first, then prefills: fresh ones and ones with cached context, one length
+    three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
+    decode), the fresh prefills (causal SDPA on the step's keys) included."""
+    torch.manual_seed(1)
+    B, Hq, H, page_size, D = 40, 4, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    vl = FakeVllm(B, page_size)
+    contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0, 5: 6}      # tokens already in the cache
+    query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5, 5: 5}     # 2 decodes, fresh prefills of 5, chunks of 3 and 5
+    for r, n in contexts.items():
+        if n:
+            write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
+        else:
+            vl.blocks[r], vl.lens[r] = [], 0
+    reqs = list(query_lens)
+    slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs])
+    T = slots.shape[0]
+    step_k, step_v = torch.randn(T, H, D), torch.randn(T, H, D)
+    write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, page_size)
+    bt, sl = vl.tables(reqs)
+    qsl = torch.tensor([0] + [query_lens[r] for r in reqs]).cumsum(0)
+    sparsity = SparsityConfig(page_budget=page_budget)
+    made = {}
+
+    def make(tq):
+        return made.setdefault(tq, PagedAttention(sparsity, backend="torch"))
+
+    groups = plan_groups(qsl, bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
+                         page_size=page_size, scale=D ** -0.5)
+    assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
+        [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
+    assert isinstance(groups[0].tokens, slice) and not isinstance(groups[3].tokens, slice)
+    query = torch.randn(T, Hq, D)
+    output = torch.full((T, Hq, D), float("nan"))
+    k_min, k_max = box_views(boxes)
+    attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
+    for i, r in enumerate(reqs):
+        tq = query_lens[r]
+        q = query[int(qsl[i]): int(qsl[i + 1])][None]
+        q = q[:, 0] if tq == 1 else q
+        row_bt, row_sl = bt[i: i + 1] * 2, sl[i: i + 1]
+        if tq == 1 and page_budget:
+            want = ref.sparse_paged_attention(q, k_cache, v_cache, row_bt, row_sl, k_min=k_min, k_max=k_max,
+                                              page_budget=page_budget)
+        else:
+            want = ref.paged_attention(q, k_cache, v_cache, row_bt, row_sl)
+        got = output[int(qsl[i]): int(qsl[i + 1])]
+        torch.testing.assert_close(got, want.reshape(got.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_throughput_bench_has_a_help():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "vllm_throughput.py"
+    spec = importlib.util.spec_from_file_location("bench_vllm_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)                # imports no vLLM at module level
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0

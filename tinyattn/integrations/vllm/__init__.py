@@ -1,0 +1,120 @@
+"""vLLM integration: tinyattn as an attention backend of vLLM's v1 engine (opt-in plug-in).
+
+Installed with tinyattn, the plug-in is announced to vLLM through the entry point group
+``vllm.general_plugins`` (``pyproject.toml``); vLLM calls :func:`register` in every process it starts.
+Nothing changes unless ``TINYATTN_VLLM=1``. Then :func:`register`:
+
+- reads the settings (:func:`settings_from_env`): ``TINYATTN_PAGE_BUDGET`` (pages kept per request and KV
+  head at each decode step; unset or 0 = dense), ``TINYATTN_SINK_PAGES`` (default 0),
+  ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0); a bad
+  value stops start-up with a ``ValueError`` naming the variable and the allowed values;
+- registers :class:`tinyattn.integrations.vllm.backend.TinyAttnBackend` as vLLM's ``CUSTOM`` attention
+  backend (``--attention-backend CUSTOM`` on CUDA) and, on vLLM's CPU platform, which always picks its own
+  ``CPU_ATTN`` backend, in place of that one;
+- logs one INFO line naming tinyattn and its settings.
+
+This module imports neither vLLM nor the backend until :func:`register` runs with ``TINYATTN_VLLM=1``.
+See ``docs/vllm.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["register", "settings_from_env", "ENV_VARS", "BACKEND_PATH"]
+
+BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
+
+#: variable -> (meaning, default); all are ints >= 0
+ENV_VARS = {
+    "TINYATTN_PAGE_BUDGET": ("pages kept per request and KV head at each decode step; 0 or unset = dense", 0),
+    "TINYATTN_SINK_PAGES": ("leading pages always kept", 0),
+    "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
+    "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
+}
+
+_logger = logging.getLogger("tinyattn.vllm")
+_registered = False
+
+
+def _int_setting(name: str, environ) -> int:
+    meaning, default = ENV_VARS[name]
+    raw = environ.get(name, "").strip()
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0 ({meaning}), got {raw!r}")
+    return value
+
+
+def settings_from_env(environ=None):
+    """The :class:`tinyattn.layer.SparsityConfig` the environment asks for.
+
+    Raises:
+        ValueError naming the variable and its allowed values, e.g. ``TINYATTN_PAGE_BUDGET: expected an
+        integer >= 0 ...``, or a budget too small for the always-kept pages (``num_sink_pages +
+        max(num_recent_pages, 1) <= page_budget``).
+    """
+    from tinyattn.layer import SparsityConfig
+
+    environ = os.environ if environ is None else environ
+    budget, sinks, recent, dense = (_int_setting(n, environ) for n in ENV_VARS)
+    if budget and sinks + max(recent, 1) > budget:
+        raise ValueError(f"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES + max(TINYATTN_RECENT_PAGES, 1) "
+                         f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
+                         f"dense, got {budget}")
+    return SparsityConfig(page_budget=budget or None, num_sink_pages=sinks, num_recent_pages=recent,
+                          dense_layers=dense)
+
+
+def describe(sparsity) -> str:
+    if sparsity.page_budget is None:
+        return "dense"
+    return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
+            f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}")
+
+
+def enabled(environ=None) -> bool:
+    """``TINYATTN_VLLM``: ``1`` on, unset / empty / ``0`` off, anything else a ``ValueError``."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TINYATTN_VLLM", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"TINYATTN_VLLM: expected 1 (use tinyattn) or 0 / unset (vLLM's own backend), got {raw!r}")
+    return raw == "1"
+
+
+def register() -> bool:
+    """vLLM's ``vllm.general_plugins`` entry point; returns whether tinyattn was registered."""
+    global _registered
+    if not enabled():
+        return False
+    sparsity = settings_from_env()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    on_cpu = current_platform.is_cpu()
+    if on_cpu:                        # the CPU platform always returns CPU_ATTN's path: take that one over
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    if not _registered:
+        from vllm.logger import init_logger
+
+        init_logger("vllm.tinyattn").info(
+            "tinyattn %s attention backend registered (%s; %s)", _version(),
+            "replaces CPU_ATTN" if on_cpu else "select it with --attention-backend CUSTOM", describe(sparsity))
+    _registered = True
+    return True
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tinyattn")
+    except Exception:  # pragma: no cover
+        return ""

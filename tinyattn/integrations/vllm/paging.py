@@ -1,0 +1,208 @@
+"""What the vLLM backend does to tensors, without importing vLLM (unit-tested in the main suite).
+
+vLLM hands each attention layer one cache tensor, a logical ``[num_blocks, Hkv, block_size, 2 * D]`` view
+(its ``[B, H, N, C]`` with ``C`` = K and V contents) whose blocks each occupy one contiguous run of
+``2 * block_size * Hkv * D`` elements (a block-compact layout without padding; vLLM zeroes a new block
+through that view). The backend reinterprets the bytes of block ``b`` as two tinyattn pages::
+
+    pool  : [2 * num_blocks, block_size, Hkv, D]   page 2b = keys of block b, page 2b + 1 = its values
+    k_cache = pool[:-1]     v_cache = pool[1:]     contiguous views of 2 * num_blocks - 1 pages, no copy
+    block_table (tinyattn) = 2 * block_table (vLLM)
+
+so that page ``2b`` of ``k_cache`` holds block ``b``'s keys and page ``2b`` of ``v_cache`` its values: the
+tinyattn ops read vLLM's memory directly in their own NHD layout (docs/layout.md), every page stays inside
+its vLLM block (zeroing, prefix caching and preemption see ordinary blocks), and the block table is the
+only thing translated. The page boxes follow the same trick in a small tensor of their own
+(``[2 * num_blocks, Hkv, D]``: row ``2b`` = ``k_min`` of block ``b``, row ``2b + 1`` = its ``k_max``;
+``k_min = boxes[:-1]``, ``k_max = boxes[1:]``: every pool and box view has the same number of pages).
+
+:func:`write_kv` stores a step's keys and values at vLLM's ``slot_mapping`` and maintains the boxes
+incrementally, like :meth:`tinyattn.cache.PagedKVCache.write`: a block whose slot 0 is written in this
+step starts from an empty box (vLLM reuses freed blocks, and a block is always filled from slot 0), every
+other touched block's box grows with ``amin`` / ``amax``.
+
+:func:`plan_groups` splits a step's requests by query length (vLLM's mixed prefill/decode batches): all
+decode rows (1 query token) form one group planned as a decode step (sparse in sparse layers), every other
+query length one dense, causal group with ``Tq`` equal to that length (through the paged op when the rows have
+cached context: chunked prefill, prefix-cache hits; with causal SDPA over the step's own keys and values when
+they have none, a *fresh* prefill: the same keys, without the paged op's ``[Tq x seq_len]`` mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "plan_groups", "attend_groups"]
+
+
+def _block_is_one_run(kv_cache: torch.Tensor) -> bool:
+    """Whether the inner dims of ``kv_cache`` (all but dim 0) cover one dense run of memory."""
+    dims = sorted((kv_cache.stride(i), kv_cache.shape[i]) for i in range(1, kv_cache.dim()) if kv_cache.shape[i] > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def block_pools(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int):
+    """``(k_cache, v_cache)``: tinyattn pools ``[2 * num_blocks - 1, block_size, Hkv, D]`` over vLLM's cache.
+
+    ``kv_cache``: vLLM's per-layer view ``[num_blocks, Hkv, block_size, 2 * D]`` (any block-compact
+    stride order). Raises ``ValueError`` when a block is not one unpadded run of memory.
+    """
+    num_blocks = kv_cache.shape[0]
+    page = block_size * num_kv_heads * head_dim
+    if kv_cache.numel() != num_blocks * 2 * page:
+        raise ValueError(f"kv_cache: expected {2 * page} elements per block (2 x block_size {block_size} x Hkv "
+                         f"{num_kv_heads} x D {head_dim}), got shape {tuple(kv_cache.shape)}")
+    if num_blocks > 1 and kv_cache.stride(0) != 2 * page or not _block_is_one_run(kv_cache):
+        raise ValueError(f"kv_cache: expected blocks stored as one dense, unpadded run each (block stride "
+                         f"{2 * page}), got strides {tuple(kv_cache.stride())}; use a block-compact "
+                         f"VLLM_KV_CACHE_LAYOUT such as LBHNC")
+    pool = torch.as_strided(kv_cache, (2 * num_blocks, block_size, num_kv_heads, head_dim),
+                            (page, num_kv_heads * head_dim, head_dim, 1), kv_cache.storage_offset())
+    return pool[:-1], pool[1:]
+
+
+def make_boxes(num_blocks: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> torch.Tensor:
+    """Empty page boxes of ``num_blocks`` blocks: ``[2 * num_blocks, Hkv, D]`` (+inf mins, -inf maxes)."""
+    boxes = torch.empty(num_blocks, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+    boxes[:, 0] = float("inf")
+    boxes[:, 1] = float("-inf")
+    return boxes.view(2 * num_blocks, num_kv_heads, head_dim)
+
+
+def box_views(boxes: torch.Tensor):
+    """``(k_min, k_max)`` as the ops take them, indexed by tinyattn page id ``2b`` (see the module doc)."""
+    return boxes[:-1], boxes[1:]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor | None, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """Store ``key``, ``value`` ``[N, Hkv, D]`` at vLLM slots ``slot_mapping`` ``[N]`` (``block * block_size +
+    offset``; negative = padding, skipped) and maintain the boxes of the touched blocks.
+
+    ``k_cache`` / ``v_cache``: from :func:`block_pools`; ``boxes``: from :func:`make_boxes` (or ``None``: dense
+    mode keeps no boxes).
+    """
+    n = min(slot_mapping.shape[0], key.shape[0])
+    if n == 0:
+        return
+    slots, key, value = slot_mapping[:n].to(torch.int64), key[:n], value[:n]
+    if bool((slots < 0).any()):                                   # padding tokens (one host sync)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    rows = 2 * blocks * block_size + offsets                      # rows of the [-1, Hkv, D] pool views
+    Hkv, D = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, Hkv, D).index_copy_(0, rows, key)
+    v_cache.view(-1, Hkv, D).index_copy_(0, rows, value)
+    if boxes is None:
+        return
+    # a block written from slot 0 is new (or reused): its box restarts empty before growing
+    started = 2 * blocks[offsets == 0]
+    boxes.index_fill_(0, started, float("inf"))
+    boxes.index_fill_(0, started + 1, float("-inf"))
+    key = key.to(boxes.dtype)
+    boxes.index_reduce_(0, 2 * blocks, key, "amin")
+    boxes.index_reduce_(0, 2 * blocks + 1, key, "amax")
+
+
+@dataclass
+class Group:
+    """Rows of one step with the same query length ``Tq``: ``tokens`` is a ``slice`` of the step's tokens when
+    they are contiguous (decodes first, as vLLM orders them), else an index tensor; ``attn`` is the planned
+    :class:`tinyattn.layer.PagedAttention`, or ``None`` for a *fresh* prefill group (rows with no cached
+    context: ``seq_len == Tq``), which attends causally over the step's own keys and values."""
+
+    num_query_tokens: int
+    num_rows: int
+    tokens: object
+    attn: object
+
+
+def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                make_attention, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                scale: float, seq_lens_cpu: torch.Tensor | None = None) -> list[Group]:
+    """Group a step's rows by query length and plan each group once (all layers of the step share it).
+
+    Decode rows (``Tq == 1``) form one group planned as a decode step. Prefill rows with cached context
+    (chunked prefill, prefix-cache hits) form one dense group per query length through the paged op with
+    ``Tq > 1``; prefill rows without cached context (``seq_len == Tq``) one *fresh* group per length, no plan.
+
+    Args:
+        query_start_loc_cpu: ``[R + 1]`` host tensor, row ``r``'s tokens are ``[q[r], q[r+1])``.
+        block_table: ``[R, max_blocks]`` vLLM block ids (device); seq_lens: ``[R]`` tokens incl. the queries.
+        make_attention: ``Tq -> PagedAttention`` (the builder keeps one per length to reuse its buffers).
+        seq_lens_cpu: ``seq_lens`` on the host, exact for prefill rows (default: ``seq_lens``, copied).
+    """
+    starts = query_start_loc_cpu.tolist()
+    lens = (seq_lens if seq_lens_cpu is None else seq_lens_cpu).tolist()
+    by_key: dict[tuple[int, bool], list[int]] = {}
+    for row, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        if b > a:
+            tq = b - a
+            by_key.setdefault((tq, tq > 1 and lens[row] == tq), []).append(row)
+    device = block_table.device
+    groups = []
+    for tq, fresh in sorted(by_key):
+        rows = by_key[(tq, fresh)]
+        first, last = rows[0], rows[-1]
+        if last - first + 1 == len(rows):                 # consecutive rows: consecutive tokens
+            tokens = slice(starts[first], starts[last + 1])
+            idx = slice(first, last + 1)
+        else:
+            tok = (torch.tensor([starts[r] for r in rows], dtype=torch.int64)[:, None] + torch.arange(tq)).reshape(-1)
+            tokens = tok.to(device)
+            idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        if fresh:
+            groups.append(Group(tq, len(rows), tokens, None))
+            continue
+        bt, sl = block_table[idx], seq_lens[idx]
+        attn = make_attention(tq)
+        attn.begin(bt * 2, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
+        groups.append(Group(tq, len(rows), tokens, attn))
+    return groups
+
+
+def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  output: torch.Tensor, k_cache, v_cache, k_min, k_max, scale: float) -> torch.Tensor:
+    """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
+
+    ``key`` / ``value`` ``[num_tokens, Hkv, D]``: the step's own (already written to the cache); fresh prefill
+    groups attend over them with causal SDPA (the same keys the paged op would gather, without the paged
+    op's ``[Tq x seq_len]`` mask). ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``.
+    """
+    Hq, D = query.shape[-2], query.shape[-1]
+    for g in groups:
+        tq = g.num_query_tokens
+        q = query[g.tokens]
+        if g.attn is None:
+            out = _causal_sdpa(q.view(g.num_rows, tq, Hq, D), key[g.tokens].view(g.num_rows, tq, -1, D),
+                               value[g.tokens].view(g.num_rows, tq, -1, D), scale)
+        else:
+            q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
+            out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale)
+        output[g.tokens] = out.reshape(-1, Hq, D)
+    return output
+
+
+def _causal_sdpa(q, k, v, scale):
+    """``[R, T, Hq, D]`` causal attention over ``[R, T, Hkv, D]`` keys/values (GQA by repeating K/V heads), fp32 math
+    for half dtypes as the ops do."""
+    Hq, Hkv = q.shape[2], k.shape[2]
+    dt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    q, k, v = (x.transpose(1, 2).to(dt) for x in (q, k, v))                         # [R, H, T, D]
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.transpose(1, 2)
