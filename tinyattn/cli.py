@@ -300,10 +300,17 @@ def _cmd_generate(args) -> int:
             f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
             f"policy={s.policy.name}")
         print("---")
-        print(f"attention:          page_size={args.page_size}, {mode}, backend={args.backend or 'auto'}"
+        from .ops.plan import resolve_backend
+
+        backend = resolve_backend(args.backend, model.device)
+        print(f"attention:          page_size={args.page_size}, {mode}, backend={backend}"
               + ("" if args.kv_cache_dtype == "auto" else f", kv_cache_dtype={args.kv_cache_dtype}"))
         print(out.stats.format())
     longest = max(len(p) + len(n) for p, n in zip(prompts, out.tokens))
+    budget = runtime.sparsity.page_budget
+    if budget is not None and not args.no_stats and budget * args.page_size >= longest:
+        print(f"note: the budget ({budget} pages = {budget * args.page_size} tokens) covers every row's whole "
+              f"context ({longest} tokens at most): every step attended densely")
     _warn_past_context(longest, model.config.max_seq_len)
     print_cli_report(prof, args.profile)
     return 0

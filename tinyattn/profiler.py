@@ -42,6 +42,7 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -402,6 +403,8 @@ def cli_profile(value):
     if value is None:
         yield None
         return
+    if value:                                   # like the other output options: missing folders are created
+        Path(value).parent.mkdir(parents=True, exist_ok=True)
     with profile(trace=value or None) as prof:
         yield prof
 

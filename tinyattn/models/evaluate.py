@@ -488,6 +488,8 @@ def plot_eval(result: EvalResult, out_dir: str | os.PathLike,
     for metric in metrics:
         label, _ = _METRICS[metric]
         dv = getattr(result.dense, metric)
+        if math.isnan(dv) and all(math.isnan(getattr(r, metric)) for r in result.rows[1:]):
+            continue                    # nothing measured (no long-range token, repeat probe off): no empty PNG
         excess = metric in ("nll", "long_range_nll", "repeat_nll", "kl") and not math.isnan(dv)
         n_rows = 2 if excess else 1
         fig, axes = plt.subplots(n_rows, len(result.page_sizes), figsize=(5.2 * len(result.page_sizes), 3.6 * n_rows),
@@ -525,7 +527,8 @@ def plot_eval(result: EvalResult, out_dir: str | os.PathLike,
         axes[0][0].set_ylabel(label)
         if excess:
             axes[1][0].set_ylabel("NLL - dense NLL (symlog)")
-        axes[0][-1].legend(fontsize=8)
+        if axes[0][-1].get_legend_handles_labels()[0]:
+            axes[0][-1].legend(fontsize=8)
         fig.suptitle(f"{label} vs budget: {result.num_stories} stories, {result.num_tokens} target tokens",
                      fontsize=11)
         fig.tight_layout()
