@@ -109,16 +109,10 @@ class LlamaBlock(nn.Module):
         """
         ws = (self.wq.weight, self.wk.weight, self.wv.weight, self.w1.weight, self.w3.weight, self.wo.weight,
               self.w2.weight, self.attention_norm.weight, self.ffn_norm.weight)
-        # inference tensors keep no version counter: then the stack is rebuilt at every call (never stale)
-        key = None if any(w.is_inference() for w in ws) else tuple((w._version, w.data_ptr()) for w in ws)
-        if key is None or getattr(self, "_fused_key", None) != key:
-            with torch.no_grad():
-                self._fused = FusedWeights(
-                    qkv=_folded(torch.cat(ws[:3]), self.attention_norm.weight),
-                    w13=_folded(torch.cat(ws[3:5]), self.ffn_norm.weight),
-                    wo=self.wo.weight.t().contiguous(), w2=self.w2.weight.t().contiguous())
-            self._fused_key = key
-        return self._fused
+        return _derived(self, "_fused", ws, lambda: FusedWeights(
+            qkv=_folded(torch.cat(ws[:3]), self.attention_norm.weight),
+            w13=_folded(torch.cat(ws[3:5]), self.ffn_norm.weight),
+            wo=self.wo.weight.t().contiguous(), w2=self.w2.weight.t().contiguous()))
 
 
 @dataclass(frozen=True)
@@ -146,6 +140,19 @@ class ForwardStep:
     cis: torch.Tensor
     pools: list
     scales: list
+
+
+def _derived(owner, name: str, weights, build):
+    """``build()``, kept on ``owner`` as ``name`` and rebuilt whenever one of ``weights`` changes (its version
+    counter or storage). Inference tensors keep no version counter: then it is rebuilt at every call (never
+    stale)."""
+    key = None if any(w.is_inference() for w in weights) else tuple((w._version, w.data_ptr()) for w in weights)
+    cached = getattr(owner, name + "_cache", None)
+    if key is None or cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, build())
+        setattr(owner, name + "_cache", cached)
+    return cached[1]
 
 
 def _folded(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -322,12 +329,7 @@ class LlamaModel(nn.Module):
     def _folded_output(self) -> torch.Tensor:
         """The classifier ``[dim, V]`` with the final RMSNorm weight folded in (as :meth:`LlamaBlock.fused_weights`)."""
         ws = (self.output.weight, self.norm.weight)
-        key = None if any(w.is_inference() for w in ws) else tuple((w._version, w.data_ptr()) for w in ws)
-        if key is None or getattr(self, "_output_key", None) != key:
-            with torch.no_grad():
-                self._output_folded = _folded(self.output.weight, self.norm.weight)
-            self._output_key = key
-        return self._output_folded
+        return _derived(self, "_output_folded", ws, lambda: _folded(self.output.weight, self.norm.weight))
 
     def _rope_cis(self, positions: torch.Tensor, need: int) -> torch.Tensor:
         """``cos + i sin`` at absolute ``positions`` ``[B, T]``: complex ``[B, T, 1, D/2]`` (llama2.c's

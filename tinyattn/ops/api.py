@@ -117,9 +117,7 @@ def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
         V.check_kv_backend(k_cache, backend)
-    result = _Checked(shapes, scale, backend, {})
-    # remembered only when the value checks ran: a call under value_checks(False) proves nothing about its tables
-    return V.remember("dense", sig, tables, result) if V.value_checks_active() else result
+    return V.remember("dense", sig, tables, _Checked(shapes, scale, backend, {}))
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
@@ -338,5 +336,4 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     if backend == "triton":
         V.check_kernel_page_size(shapes.page_size)
         V.check_kv_backend(k_cache, backend)
-    result = _Checked(shapes, scale, backend, selection)
-    return V.remember("sparse", sig, tables, result) if V.value_checks_active() else result
+    return V.remember("sparse", sig, tables, _Checked(shapes, scale, backend, selection))

@@ -58,14 +58,12 @@ def attend_chunked(qg: torch.Tensor, gather, rows: torch.Tensor, bias: torch.Ten
     maxes = qg.new_empty(n, R, M, 1)
     denoms = qg.new_empty(n, R, M, 1)
     outs = qg.new_empty(n, R, M, D)
-    if bias is not None:
-        bias = bias.expand(B, Hkv, M, L).reshape(R, M, L) if bias.shape[:3] != (B, Hkv, M) else bias.reshape(R, M, L)
     for i in range(n):
         c0, c1 = i * chunk, min((i + 1) * chunk, L)
         k, v = gather(rows[..., c0:c1].reshape(-1), c1 - c0)
         logits = torch.bmm(qs, k.view(R, c1 - c0, D).transpose(1, 2))               # [R, M, c], 3-D: no copy
-        if bias is not None:
-            logits += bias[..., c0:c1]
+        if bias is not None:                                                          # broadcast, no copy
+            logits.view(B, Hkv, M, c1 - c0).add_(bias[..., c0:c1])
         m = torch.amax(logits, -1, keepdim=True, out=maxes[i])                        # -inf: nothing visible
         p = logits.sub_(torch.where(torch.isfinite(m), m, 0.0)).exp_()
         torch.sum(p, -1, keepdim=True, out=denoms[i])

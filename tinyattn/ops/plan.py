@@ -185,7 +185,7 @@ class PagedAttentionPlan:
         if not trusted:
             self._check_values(num_pages)
         elif page_budget is not None and num_query_tokens > 1 and self._lens is not None:
-            self._check_query_pages(self._lens)     # host lengths at hand: this check costs no sync
+            V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
         self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
@@ -210,14 +210,6 @@ class PagedAttentionPlan:
             self._max_page_id = V.check_table_values(self.block_table, self.seq_lens, self.page_size, num_pages)
             if self.page_budget is not None:
                 V.check_query_pages_fit(self.seq_lens, self.num_query_tokens, self.page_size, self.page_budget)
-
-    def _check_query_pages(self, lens: list[int]) -> None:
-        """Every page holding one of the ``Tq`` queries must fit the budget (the error of the public ops)."""
-        S, Tq = self.page_size, self.num_query_tokens
-        needed = max((core.cdiv_pages(n, S) - max(n - Tq, 0) // S for n in lens), default=0)
-        if needed > self.page_budget:
-            raise ValueError(f"page_budget: expected at least {needed} (the pages holding the Tq={Tq} query "
-                             f"tokens), got {self.page_budget}")
 
     @property
     def selects(self) -> bool:

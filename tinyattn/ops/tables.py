@@ -28,6 +28,17 @@ _SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed in
 __all__ = ["dense_tables", "sparse_tables", "FLT_MAX"]
 
 
+def _kept(memo: dict | None, key, build):
+    """``memo[key]``, or ``build()`` kept there as the only entry (a step's tables replace the last step's)."""
+    if memo is not None and key in memo:
+        return memo[key]
+    value = build()
+    if memo is not None:
+        memo.clear()
+        memo[key] = value
+    return value
+
+
 def _page_rows(table: np.ndarray, nonempty: np.ndarray, P: int, S: int, Hkv: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat pool rows ``[B, Hkv, P, S]`` of every slot of the first ``P`` logical pages, and each row's filler
     ``[B, Hkv, 1, 1]``: its own first key; an empty row borrows another row's (a valid key is finite, an unused
@@ -77,12 +88,7 @@ def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_
     P = -(-L // S)
     nonempty = lens > 0
     key = (table[:, :P].tobytes(), B, nonempty.tobytes(), S, Hkv)
-    pages = None if memo is None else memo.get(key)
-    if pages is None:
-        pages = _page_rows(table, nonempty, P, S, Hkv)
-        if memo is not None:
-            memo.clear()
-            memo[key] = pages
+    pages = _kept(memo, key, lambda: _page_rows(table, nonempty, P, S, Hkv))
     rows, key_ok = _with_fillers(*pages, lens, P, S)
     rows = rows.reshape(B, Hkv, P * S)[:, :, :L]
     bias = None
@@ -113,12 +119,7 @@ def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv
     recent = np.maximum(n - np.maximum(lens - Tq, 0) // S, max(num_recent_pages, 1))  # query pages, >= 1
     settings = (num_kv_heads, group, Tq, page_budget, num_sink_pages, S, device)
     key = (table[:, :Pv].tobytes(), table.shape[0], n.tobytes(), recent.tobytes(), settings)
-    pages = None if memo is None else memo.get(key)
-    if pages is None:
-        pages = _sparse_page_tables(table[:, :Pv], n, recent, Pv, *settings)
-        if memo is not None:
-            memo.clear()
-            memo[key] = pages
+    pages = _kept(memo, key, lambda: _sparse_page_tables(table[:, :Pv], n, recent, Pv, *settings))
     B, K = table.shape[0], pages["K"]
     rows, key_ok = _with_fillers(pages["base_rows"], pages["filler"], lens, Pv, S)
     visible = _visible(key_ok, lens, Tq).reshape(B, Tq, Pv, S)                        # [B, Tq, Pv, S]

@@ -92,8 +92,9 @@ def recall(op: str, sig: tuple, tables: tuple):
 
 
 def remember(op: str, sig: tuple, tables: tuple, result):
-    """Keep ``result`` of a call that passed every check (see :func:`recall`); returns ``result``."""
-    saved = None if torch.compiler.is_compiling() else keep_tables(tables)
+    """Keep ``result`` of a call that passed every check (see :func:`recall`); returns ``result``. A call made
+    while the value checks were off (or traced) proves nothing about its tables and is not kept."""
+    saved = keep_tables(tables) if value_checks_active() else None
     if saved is not None:
         setattr(_memo, op, (sig, saved, result))
     return result
@@ -342,9 +343,14 @@ def check_query_pages_fit(seq_lens, num_query_tokens: int, page_size: int, page_
     """With Tq > 1 every page holding a query must be kept: the budget has to cover them."""
     if num_query_tokens <= 1 or not value_checks_active() or seq_lens.numel() == 0:
         return
-    lens = seq_lens.to(torch.int64)
-    first = (lens - num_query_tokens).clamp(min=0) // page_size
-    needed = int(((lens + page_size - 1) // page_size - first).max())
+    check_query_pages_fit_host(seq_lens.tolist(), num_query_tokens, page_size, page_budget)   # one host sync
+
+
+def check_query_pages_fit_host(lens: list[int], num_query_tokens: int, page_size: int, page_budget: int) -> None:
+    """:func:`check_query_pages_fit` on lengths already on the host (no sync)."""
+    if num_query_tokens <= 1:
+        return
+    needed = max((-(-n // page_size) - max(n - num_query_tokens, 0) // page_size for n in lens), default=0)
     if needed > page_budget:
         raise ValueError(f"page_budget: expected at least {needed} (the pages holding the Tq={num_query_tokens} "
                          f"query tokens), got {page_budget}")
