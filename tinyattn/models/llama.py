@@ -177,6 +177,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        if config.layer_types is not None and any(map(config.is_sliding, range(config.n_layers))) \
+                or config.nope_layers:  # until the runtime honours them: refuse rather than run them wrong
+            raise NotImplementedError("LlamaModel: sliding_attention layers and nope_layers are not supported yet")
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
