@@ -177,9 +177,6 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        if config.layer_types is not None and any(map(config.is_sliding, range(config.n_layers))) \
-                or config.nope_layers:  # until the runtime honours them: refuse rather than run them wrong
-            raise NotImplementedError("LlamaModel: sliding_attention layers and nope_layers are not supported yet")
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
@@ -275,6 +272,10 @@ class LlamaModel(nn.Module):
         """Extend the rows by ``tokens`` ``[B, T]`` (validated ids), plan ``attention`` for the step, and take
         the RoPE factors of the new positions. ``decode``: sparse layers select (else dense, a prefill)."""
         cfg = self.config
+        if any(map(cfg.is_sliding, range(cfg.n_layers))) or cfg.nope_layers:
+            # until the paged forward honours them: refuse rather than run them wrong
+            raise NotImplementedError("LlamaModel: sliding_attention layers and nope_layers are not supported yet "
+                                      "by the paged forward")
         B, T = tokens.shape
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         start = [cache.length(s) for s in seq_ids]                                   # before extend
