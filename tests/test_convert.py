@@ -168,6 +168,10 @@ def test_hybrid_hf_logits_equal_an_independent_reference(tmp_path, attn):
         got = hf_model(tokens[None]).logits[0].double()
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 1e-5 * scale
+    # and tinyattn's own paged runtime on the same model
+    cache = model.new_cache(page_size=4, num_pages=8)
+    runtime = model(tokens[None], cache, [cache.add_sequence()], backend="torch")[0].double()
+    assert (runtime - want).abs().max().item() < 1e-5 * scale
     # the test can tell: the same model without its window, or with RoPE in every layer, is far off
     from tinyattn.models import LlamaConfig
 
@@ -206,6 +210,8 @@ def test_cli_per_layer_options(tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["model_type"], cfg["layer_types"], cfg["sliding_window"], cfg["no_rope_layers"]) == \
         ("smollm3", types.split(","), 8, [1, 0, 1, 1, 0])
+    # --check: the converted SmolLM3 against tinyattn's runtime running the same hybrid config (33 tokens > 8)
+    assert C.check(CKPT, out) < 1e-4
     assert C.main(["--model", str(CKPT), "--out", str(out), "--layer-types", "sliding_attention"]) == 2
     assert "layer_types: expected 5 entries (n_layers), got 1" in capsys.readouterr().err
     assert C.main(["--model", str(CKPT), "--out", str(out), "--layer-types", types]) == 2
