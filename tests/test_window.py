@@ -281,3 +281,17 @@ def test_sliding_layer_ignores_the_page_budget(backend):
         want = reference.paged_attention(q, *args(p)[1:], window_left=9)
         torch.testing.assert_close(sliding, want, atol=2e-5, rtol=1e-5)
         assert not torch.allclose(full, reference.paged_attention(q, *args(p)[1:]), atol=1e-3)
+
+
+def test_profiler_counts_the_pages_of_the_window():
+    """A windowed dense call reads the pages from the one holding the window's first key: lens 70 and 33, pages of
+    8, window_left 20 -> first keys 49 and 12 -> pages 6..8 (3) and 1..4 (4), 2 KV heads."""
+    import tinyattn.profiler as tp
+
+    p = make_problem(0, batch=2, seq_lens=[70, 33], page_size=8, num_kv_heads=2, group=2, head_dim=16)
+    with tp.profile(oracle=False) as prof:
+        tinyattn.paged_attention(p.q[:, 0], *args(p)[1:], window_left=20, backend="torch")
+        tinyattn.paged_attention(p.q[:, 0], *args(p)[1:], backend="torch")
+    windowed, full = prof.records
+    assert windowed.pages == (3 + 4) * 2 and full.pages == (9 + 5) * 2
+    assert windowed.bytes < full.bytes
