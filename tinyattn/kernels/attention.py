@@ -35,7 +35,7 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the same constant, readable inside
 NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window (no ==1 / %16 variants)
 def _attn_fwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]

@@ -34,7 +34,7 @@ from . import needs_upcast, pad_head_dim
 from .attention import _LOG2E, LOG2E, _window_first_token, _window_start, attention_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window
 def _attn_bwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]

@@ -65,7 +65,7 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
         out, lse = _restore_q_shape(q, *_empty_attention(q4, k_cache, v_cache))
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
-              page_indices=page_indices, scale=scale, selection=selection):
+              page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
         out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend,
                                             window_left)
     out, lse = _restore_q_shape(q, out, lse)

@@ -314,7 +314,7 @@ class PagedAttentionPlan:
             selection = dict(page_budget=page_indices.shape[-1], num_sink_pages=self.num_sink_pages,
                              num_recent_pages=self.num_recent_pages)
         with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
-                  page_indices=page_indices, scale=self.scale, selection=selection):
+                  page_indices=page_indices, scale=self.scale, selection=selection, window_left=window_left):
             if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
                 result = self._differentiable(q4, k_cache, v_cache, page_indices, window_left)
             elif self.backend == "triton" and q4.dtype != torch.float64:
