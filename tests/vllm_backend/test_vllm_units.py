@@ -168,9 +168,9 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_lef
     three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
     decode), the fresh prefills (causal SDPA on the step's keys) included.
 
-    A sliding layer (``window_left`` 4: 5 tokens) is dense over its window whatever the budget, and its block table
-    has the blocks wholly before the window replaced by vLLM's null block (block 0, poisoned with NaN here), as
-    vLLM's sliding-window KV manager does once it frees them: they must not be read."""
+    A sliding layer (``window_left`` 4: 5 tokens) is dense over its window whatever the budget, and the entries of
+    its block table wholly before the window point at a block poisoned with NaN: vLLM's sliding-window KV manager
+    frees those blocks and reuses them while the table still lists their old ids, so they must not be read."""
     torch.manual_seed(1)
     B, Hq, H, page_size, D = 40, 4, 2, 4, 8
     kv = vllm_cache(B, H, page_size, D)

@@ -184,8 +184,8 @@ def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: tor
     op's ``[Tq x seq_len]`` mask). ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``.
     ``window_left``: the layer's sliding window (a query at position ``p`` sees keys ``[p - window_left, p]``;
     ``-1`` = none). A sliding layer attends densely over its window in every group and never selects, so it
-    reads no page before the window: vLLM's sliding-window KV manager frees those blocks (its block table then
-    points them at the null block).
+    reads no page wholly before the window: vLLM's sliding-window KV manager frees those blocks and reuses them
+    while the step's block table still lists them (stale ids).
     """
     Hq, D = query.shape[-2], query.shape[-1]
     for g in groups:
