@@ -221,10 +221,10 @@ def _add_finetune_command(sub, prog: str) -> None:
 
 
 def _add_convert_command(sub, prog: str) -> None:
-    """``convert``: llama2.c -> Hugging Face Llama checkpoint (needs the ``hf`` extra only when run)."""
+    """``convert``: llama2.c -> Hugging Face checkpoint (needs the ``hf`` extra only when run)."""
     from .integrations import convert
 
-    c = sub.add_parser("convert", help="llama2.c checkpoint -> Hugging Face Llama checkpoint",
+    c = sub.add_parser("convert", help="llama2.c checkpoint -> Hugging Face checkpoint (Llama, or SmolLM3 for hybrid models)",
                        description=convert.DESCRIPTION, epilog=convert.EPILOG.replace("python -m tinyattn", prog),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_arguments(c)

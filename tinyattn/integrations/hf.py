@@ -348,6 +348,8 @@ class TinyAttnCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
+        # every layer keeps every token (a sliding layer reads only its window): transformers then sizes every
+        # mask, the sliding ones too, to the whole row, which is what the left-padding check reads
         return [False] * self.num_layers
 
     @property
