@@ -192,9 +192,9 @@ def llama_config_from_hf(config):
         raise ValueError(f"config: head_dim must be hidden_size / num_attention_heads = {dim // n_heads}, "
                          f"got {c['head_dim']}")
     layers = c["num_hidden_layers"]
+    # layer_types decides, as in transformers' masks (eager / SDPA) and vLLM; SmolLM3's use_sliding_window only
+    # reaches its flash-attention path
     layer_types = tuple(c.get("layer_types") or ()) or None
-    if kind == "smollm3" and not c.get("use_sliding_window"):
-        layer_types = None                 # SmolLM3 then gives no layer its window (its attention modules)
     if layer_types is not None and "sliding_attention" not in layer_types:
         layer_types = None
     nope = tuple(i for i, flag in enumerate(c.get("no_rope_layers") or [1] * layers) if not flag and i < layers)
