@@ -414,6 +414,21 @@ def test_triton_backend_short():
     assert max_logit_diff(out, ref) < TOL
 
 
+def test_triton_backend_hybrid_short():
+    """A hybrid's sliding layers (window 5) and sparse NoPE layer through the Triton kernels (interpreter on CPU):
+    the torch backend's tokens and logits."""
+    pytest.importorskip("triton")
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
+    tiny, _ = hybrid_models()
+    ids = prompt(10, 12)
+    ref = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="torch"))
+    out = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="triton"))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < TOL
+
+
 def test_reusing_a_cache_for_a_smaller_batch_raises_a_clear_error():
     """Issue 15: generate() with a cache of a bigger batch used to fail inside transformers (a reshape of 0 new
     tokens); direct forward calls raise the documented batch-size error."""
