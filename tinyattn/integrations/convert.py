@@ -363,8 +363,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "does (default: fp32, the checkpoint's own precision)")
     p.add_argument("--check", action="store_true",
                    help="after writing, load the result with transformers and compare its logits on 33 tokens "
-                        "with tinyattn's llama2.c runtime (same weights, fp32 math); exit with status 1 if they "
-                        "differ by more than 1e-4")
+                        "(2 x --sliding-window + 1 if more, within the context length) with tinyattn's runtime "
+                        "(same weights and per-layer options, fp32 math); exit with status 1 if they differ by more "
+                        "than 1e-4")
     p.add_argument("--layer-types", type=_name_list, default=None, metavar="T,T,...",
                    help="per-layer attention of a hybrid model stored in the llama2.c format (its header has no "
                         "such field): one of full_attention, sliding_attention per layer, comma-separated "
