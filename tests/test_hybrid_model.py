@@ -169,3 +169,14 @@ def test_triton_backend_prefill_and_decode_equal_the_plain_forward(model):
     for t in seq[10:]:
         got.append(model(torch.tensor([[t]]), cache, [sid], sparse=True, backend="triton", last_only=True)[0])
     torch.testing.assert_close(torch.stack(got).double(), plain_forward(model, seq), atol=2e-4, rtol=1e-4)
+
+
+def test_long_prefill_in_query_blocks_equals_the_plain_forward(model):
+    """A 560-token prompt (the torch plan cuts sliding layers' queries into blocks) and two decode steps."""
+    seq = torch.randint(0, 61, (562,), generator=torch.Generator().manual_seed(9)).tolist()
+    cache = model.new_cache(page_size=4, num_pages=141)
+    sid = cache.add_sequence()
+    got = list(model(torch.tensor([seq[:560]]), cache, [sid], backend="torch")[0])
+    for t in seq[560:]:
+        got.append(model(torch.tensor([[t]]), cache, [sid], sparse=True, backend="torch", last_only=True)[0])
+    torch.testing.assert_close(torch.stack(got).double(), plain_forward(model, seq), atol=5e-4, rtol=1e-4)
