@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from .tokenizer import CharTokenizer, normalize_text
 
-__all__ = ["TASKS", "Sample", "make_sample", "NAMES", "filler_text"]
+__all__ = ["TASKS", "Sample", "make_sample", "min_context_tokens", "NAMES", "filler_text"]
 
 TASKS = ("passkey", "multikey", "multihop", "decoy")
 
@@ -146,6 +146,18 @@ def _word_boundary(filler: str, index: int) -> int:
     return min(index, len(filler))
 
 
+def min_context_tokens(task: str) -> int:
+    """The shortest ``context_tokens`` :func:`make_sample` accepts for ``task``: BOS, the needles (and
+    distractors), the question, and no filler; the same for every seed."""
+    if task not in TASKS:
+        raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+    return _needed(*_layout(task, random.Random(0))[:4])
+
+
+def _needed(asked: str, others: list, extras: list, question: str) -> int:
+    return 1 + sum(len(t) + 1 for t in [asked] + others + extras) + 1 + len(question)   # BOS ... "\n" question
+
+
 def make_sample(task: str, *, context_tokens: int, depth: float, seed: int, tokenizer=None) -> Sample:
     """A prompt of ``task`` with exactly ``context_tokens`` tokens and its asked needle at ``depth``.
 
@@ -178,7 +190,7 @@ def make_sample(task: str, *, context_tokens: int, depth: float, seed: int, toke
     rng = random.Random(f"{task}:{seed}")
     asked, others, extras, question, answer = _layout(task, rng)
     pieces = [asked + " "] + [t + " " for t in others + extras]
-    need = 1 + sum(map(len, pieces)) + 1 + len(question)          # BOS, needles, "\n" before the question
+    need = _needed(asked, others, extras, question)
     if context_tokens < need:
         raise ValueError(f"context_tokens: the {task} task needs at least {need} tokens (BOS, needles and "
                          f"question with no filler), got {context_tokens}")

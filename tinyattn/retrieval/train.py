@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
-from .tasks import TASKS, make_sample
+from .tasks import TASKS, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
 __all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch"]
@@ -64,7 +64,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     lm_weight: float = 0.1
     tasks: tuple = TASKS
-    threads: int = 2
+    threads: int = 1
     eval_lengths: tuple = (2048, 4096, 8192)
     eval_samples: int = 16
     model: dict = field(default_factory=dict)    # keyword arguments of default_model_config
@@ -102,7 +102,7 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 def _schedule(cfg: TrainConfig, rng: random.Random):
     """The length of every step's batch, from the curriculum."""
-    lo = cfg.curriculum[0][0] // 2
+    lo = max(cfg.curriculum[0][0] // 2, max(map(min_context_tokens, cfg.tasks)))
     for hi, steps in cfg.curriculum:
         for _ in range(steps):
             yield rng.randint(lo, hi)
