@@ -196,6 +196,7 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     _add_convert_command(sub, prog)
     _add_finetune_command(sub, prog)
     _add_serve_bench_command(sub, prog)
+    _add_train_retrieval_command(sub, prog)
     return parser
 
 
@@ -223,6 +224,18 @@ def _add_finetune_command(sub, prog: str) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     finetune.add_arguments(ft)
     ft.set_defaults(func=finetune.run)
+
+
+def _add_train_retrieval_command(sub, prog: str) -> None:
+    """``train-retrieval``: train the small retrieval model (tinyattn.retrieval) from scratch."""
+    from .retrieval import command
+
+    tr = sub.add_parser("train-retrieval", help="train the small retrieval model (passkey, multikey, multihop, "
+                                                "decoy) from scratch on the CPU",
+                        description=command.DESCRIPTION, epilog=command.EPILOG.replace("python -m tinyattn", prog),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(tr)
+    tr.set_defaults(func=command.run)
 
 
 def _add_convert_command(sub, prog: str) -> None:
