@@ -88,6 +88,7 @@ class SequenceStats:
 
     nll_sum: float = 0.0            # nats, summed over target tokens
     num_tokens: int = 0
+    num_correct: int = 0            # counted targets the logits' argmax predicts (teacher forcing)
     peak_kv_bytes: int = 0          # K/V held by the memory at its fullest
     pool_bytes: int = 0             # K/V pools as allocated
     peak_chunk_bytes: int = 0       # max over chunks: saved activations + pool-shaped gradients
@@ -96,6 +97,11 @@ class SequenceStats:
     @property
     def nll(self) -> float:
         return self.nll_sum / max(self.num_tokens, 1)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of counted targets predicted by the argmax (teacher forcing)."""
+        return self.num_correct / max(self.num_tokens, 1)
 
 
 def run_sequences(model, tokens: torch.Tensor, policy: RetentionPolicy, *, chunk_size: int, page_size: int,
@@ -153,6 +159,8 @@ def run_sequences(model, tokens: torch.Tensor, policy: RetentionPolicy, *, chunk
         memory.commit()
         stats.nll_sum += float(nll_sum.detach())
         stats.num_tokens += int(mask.sum())
+        hits = logits.detach().argmax(-1).reshape(-1) == tokens[:, start + 1:start + n + 1].reshape(-1)
+        stats.num_correct += int((hits & mask).sum())
         stats.peak_chunk_bytes = max(stats.peak_chunk_bytes, meter.bytes + grad_bytes)
     stats.peak_kv_bytes = memory.peak_kv_bytes
     stats.pool_bytes = memory.pool_bytes
