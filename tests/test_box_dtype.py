@@ -178,3 +178,19 @@ def test_runtime_decodes_with_bf16_boxes_and_counts_their_bytes(model, tok):
     saved = sum(-(-n // 4) for n in lens) * 2 * cfg.head_dim * 2 * cfg.n_kv_heads * cfg.n_layers
     got = runs["auto"].stats.kv_bytes_read - runs["bf16"].stats.kv_bytes_read
     assert got == saved
+
+
+def test_engine_and_hf_cache_take_box_dtype(model):
+    from tinyattn.engine import Engine
+    from tinyattn.integrations.hf import TinyAttnCache
+
+    engine = Engine(model, page_size=4, num_pages=8, page_budget=2, backend="torch", box_dtype="bf16")
+    assert engine.cache.k_min[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="box_dtype: expected one of"):
+        Engine(model, page_size=4, num_pages=8, box_dtype="half")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=32)
+    with pytest.raises(ValueError, match="box_dtype: expected one of"):
+        TinyAttnCache(cfg, box_dtype="int8")
+    assert TinyAttnCache(cfg, box_dtype="fp16").box_dtype == "fp16"
