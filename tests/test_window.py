@@ -332,3 +332,21 @@ def test_opcheck_custom_ops_with_a_window(backend, dtype):
                                      backend, 2)
     torch.library.opcheck(A.paged_attention_bwd, (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(),
                                                   p.block_table, p.seq_lens, pi, out, lse, 0.5, backend, 2))
+
+
+def test_long_windowed_prefill_runs_in_query_blocks_and_matches_reference():
+    """Torch backend, Tq far above the window: the plan cuts the queries into blocks (each reads only its window);
+    ragged rows (one shorter than Tq: its first queries see nothing), with and without lse, and a second layer
+    with another window under the same plan."""
+    p = make_problem(10, batch=2, seq_lens=[700, 450], page_size=4, num_kv_heads=2, group=2, head_dim=8,
+                     num_query_tokens=600)
+    plan = tinyattn.PagedAttentionPlan(backend="torch")
+    plan.plan(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
+              num_query_tokens=600)
+    for w in (20, 7):
+        ref_out, ref_lse = reference.paged_attention(*args(p), window_left=w, return_lse=True)
+        out, lse = plan.run(p.q, p.k_cache, p.v_cache, window_left=w, return_lse=True)
+        assert len(plan._window_blocks[w]) == 3                                  # 600 queries in blocks of 256
+        assert_close_to_reference(out, lse, ref_out, ref_lse)
+        torch.testing.assert_close(plan.run(p.q, p.k_cache, p.v_cache, window_left=w), ref_out, atol=2e-5,
+                                   rtol=1e-5)

@@ -249,7 +249,9 @@ class LlamaModel(nn.Module):
         Every layer attends through the one attention layer (:mod:`tinyattn.layer`), planned once for the
         step: dense prefill, and at decode Quest's fused selection, another policy's selection, or dense
         layers, as ``sparsity`` says. Each new token is rotated at its absolute position (the sequence
-        length before this call plus its offset), and attends to every earlier token of its row and to itself.
+        length before this call plus its offset; not in ``config.nope_layers``), and attends to every earlier
+        token of its row and to itself (in a ``"sliding_attention"`` layer, to the last ``sliding_window`` of them,
+        itself included, densely at every step).
         """
         cfg = self.config
         if tokens.dim() != 2 or tokens.shape[0] != len(seq_ids):

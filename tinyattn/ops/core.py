@@ -134,7 +134,7 @@ def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_
     query (its last key ``(j + 1) * page_size - 1`` precedes ``seq_len - Tq - window_left``), in place.
 
     Such a page cannot contribute to any query of the row: a windowed selection ranks it below every page that
-    overlaps the window (DESIGN: docs/api.md, ``window_left``). No-op for ``window_left = -1``."""
+    overlaps the window (docs/api.md, ``window_left``). No-op for ``window_left = -1``."""
     if window_left < 0:
         return scores
     j = torch.arange(scores.shape[-1], device=scores.device)

@@ -62,6 +62,7 @@ _SINK_KEY = _FLT_MAX             # forced keys: recent pages (+inf) > sink pages
 _SCORE_CAP = 3.0e38              # real +inf bounds are capped below the sink key
 _WORKSPACE_MAX_BYTES = 512 * 2**20       # gathers above this size are not kept between calls
 _WORKSPACE_MIN_BYTES = 256 * 2**10       # ... nor those below (no page faults to save)
+_WINDOW_QUERY_BLOCK = 256                # a windowed prefill runs in query blocks of max(this, window) tokens
 _POOL_SCORES_BYTES = 64 * 2**20          # pool-wide scoring while its [Hkv, B*M, num_pages] bounds fit this
 _EXACT = (torch.float32, torch.float64)   # dtypes the torch path computes in directly (others: fp32)
 
@@ -120,6 +121,7 @@ class PagedAttentionPlan:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         self._backend_arg = backend
         self._buffers: dict[str, torch.Tensor] = {}
+        self._block_plans: list = []      # sub-plans of long windowed prefills (their buffers reused across steps)
         # the page-level tables of the last step (tables.sparse_tables / dense_tables): reused while pages stand
         self._page_memo: dict = {}
         self._dense_memo: dict = {}       # window_left -> that window's page-level memo
@@ -193,6 +195,7 @@ class PagedAttentionPlan:
             V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
         self._sparse = self._last_selection = None   # torch-backend tables, built on first use
         self._dense: dict = {}                       # window_left -> dense tables of the step (torch backend)
+        self._window_blocks: dict = {}               # window_left -> [(t0, t1, plan)] of a long windowed prefill
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
         self._selects = self.selects
@@ -293,6 +296,9 @@ class PagedAttentionPlan:
                 scales = None
         else:
             scales = None
+        blocks = self._query_blocks(window_left, q, k_cache, v_cache, k_min, page_indices, windowed_selection)
+        if blocks is not None:
+            return self._run_query_blocks(blocks, q, k_cache, v_cache, window_left, return_lse, out, k_scale, v_scale)
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
@@ -353,6 +359,49 @@ class PagedAttentionPlan:
                     raise ValueError(f"{name}: expected shape {box} [num_pages, Hkv, D], got {tuple(x.shape)}")
         if out is not None and out.shape != q.shape:
             raise ValueError(f"out: expected shape {tuple(q.shape)} (that of q), got {tuple(out.shape)}")
+
+    def _query_blocks(self, window_left, q, k_cache, v_cache, k_min, page_indices, windowed_selection):
+        """The query blocks of a long windowed dense prefill on the torch backend (CPU), or ``None``.
+
+        A sliding layer's query ``t`` only needs the keys ``[p - window_left, p]``; one gather for all ``Tq``
+        queries would read (and mask) ``Tq x L`` logits. Cut into blocks of ``Qb = max(256, window_left + 1)``
+        queries, each block is planned as its own step whose rows end at its last query (``seq_lens - (Tq -
+        t1)``: the same positions, so the same mask), and reads at most ``window_left + Qb`` keys: ``O(Tq · W)``.
+        Planned once per step and window; the grad, compile and Triton paths keep the one-call form."""
+        Tq = self.num_query_tokens
+        if (window_left < 0 or self.backend != "torch" or self.device.type != "cpu" or page_indices is not None
+                or windowed_selection or (k_min is not None and self._selects) or self._nothing
+                or Tq <= 2 * max(_WINDOW_QUERY_BLOCK, window_left + 1)
+                or needs_grad(q, k_cache, v_cache) or torch.compiler.is_compiling()):
+            return None
+        if window_left not in self._window_blocks:
+            Qb = max(_WINDOW_QUERY_BLOCK, window_left + 1)
+            blocks = []
+            for i, t0 in enumerate(range(0, Tq, Qb)):
+                t1 = min(t0 + Qb, Tq)
+                sub = self._block_plans[i] if i < len(self._block_plans) else None
+                if sub is None:
+                    sub = PagedAttentionPlan(backend="torch")
+                    self._block_plans.append(sub)
+                lens = (self.seq_lens.to(torch.int64) - (Tq - t1)).clamp(min=0)
+                sub.plan(self.block_table, lens, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                         head_dim=self.head_dim, page_size=self.page_size, num_query_tokens=t1 - t0,
+                         scale=self.scale, trusted=True)
+                blocks.append((t0, t1, sub))
+            self._window_blocks[window_left] = blocks
+        return self._window_blocks[window_left]
+
+    def _run_query_blocks(self, blocks, q, k_cache, v_cache, window_left, return_lse, out, k_scale, v_scale):
+        """:meth:`run` of each query block (:meth:`_query_blocks`), outputs (and lse) concatenated over ``Tq``."""
+        outs, lses = [], []
+        for t0, t1, sub in blocks:
+            sub.scale = self.scale                     # a per-layer scale given to run()
+            r = sub.run(q[:, t0:t1], k_cache, v_cache, window_left=window_left, return_lse=return_lse,
+                        k_scale=k_scale, v_scale=v_scale)
+            outs.append(r[0] if return_lse else r)
+            if return_lse:
+                lses.append(r[1])
+        return self._finish(q, torch.cat(outs, 1), torch.cat(lses, 1) if return_lse else None, return_lse, out)
 
     def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max, scales=None, window_left=-1):
         """Torch backend, no lse, no grad, no profiler: the fewest PyTorch calls (see the module docstring)."""

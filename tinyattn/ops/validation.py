@@ -457,12 +457,12 @@ def check_window_left(window_left) -> int:
     """``window_left`` (FlashInfer's convention): keys a query sees before its own position; ``-1`` = no limit.
 
     Raises ``TypeError`` for a non-int (bool included), ``ValueError`` below ``-1``."""
-    if isinstance(window_left, bool) or not isinstance(window_left, int):
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):   # NumPy ints too
         raise TypeError(f"window_left: expected an int (-1 = no window, W - 1 for a sliding window of W tokens), "
                         f"got {type(window_left).__name__}")
     if window_left < -1:
         raise ValueError(f"window_left: expected an int >= -1 (-1 = no window), got {window_left}")
-    return window_left
+    return int(window_left)
 
 
 def check_window_selection(window_left: int, num_sink_pages: int) -> None:
