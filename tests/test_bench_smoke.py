@@ -75,3 +75,28 @@ def test_sliding_window_quick_run(tmp_path, capsys, keep_threads):
     assert [r["method"] for r in rows] == ["full", "sparse", "sliding 128"]
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[2]["ideal"]) == 8.0      # 1024 / 128 keys
     assert "|---" in capsys.readouterr().out
+
+
+def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
+    """bench/retention_recall.py on a tiny random retrieval checkpoint: every (seed, policy) run, summary, PNG."""
+    import json
+
+    from tinyattn.models import LlamaConfig, LlamaModel
+    from tinyattn.retrieval import CharTokenizer, save_retrieval_model
+
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    cfg = LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size,
+                      layer_types=("sliding_attention", "full_attention"), sliding_window=32, nope_layers=(1,))
+    ckpt = save_retrieval_model(LlamaModel(cfg), tok, tmp_path / "ckpt")
+    rc = _load("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "1", "--steps", "1", "--seq-len", "400",
+                                         "--num-keys", "2", "--num-questions", "2", "--kv-budget-pages", "12",
+                                         "--chunk-size", "32", "--eval-sequences", "2", "--no-progress",
+                                         "--out", str(tmp_path / "out")])
+    assert rc == 0
+    result = json.loads((tmp_path / "out" / "retention_recall.json").read_text())
+    assert len(result["runs"]) == 6 and [s["seeds"] for s in result["summary"]] == [2, 2, 2]
+    kv = {s["retention"]: s["peak_kv_bytes"] for s in result["summary"]}
+    assert kv["recency"] == kv["gradient"] < kv["full"]                 # equal memory for the two evicting ones
+    assert (tmp_path / "out" / "retention_recall.png").stat().st_size > 0
+    assert "| gradient | 2 |" in capsys.readouterr().out

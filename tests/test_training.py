@@ -300,6 +300,38 @@ def test_run_sequences_trains_and_holds_the_budget(name):
     assert (stats.evicted_pages > 0) == (name != "full")
 
 
+def test_loss_mask_counts_only_the_masked_targets_and_their_gradient():
+    """Full retention: the masked NLL is the mean NLL over the masked targets of the independent dense reference
+    run chunk by chunk (earlier chunks' K/V detached, as the memory holds them), and so is its weight gradient."""
+    model = tiny_model()
+    tokens = torch.randint(0, 40, (2, 33), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[0, 30:] = True                       # the last chunk only in row 0
+    mask[1, [3, 17]] = True                   # two chunks of row 1; chunk 8..15 counts nothing
+    model.requires_grad_(True)
+    total, memory_kv = 0.0, None
+    for start in range(0, 32, 8):
+        logits, kvs = reference_forward(model, tokens[:, start:start + 8], memory_kv)
+        nll = F.cross_entropy(logits.reshape(-1, 40), tokens[:, start + 1:start + 9].reshape(-1), reduction="none")
+        total = total + nll[mask[:, start:start + 8].reshape(-1)].sum()
+        kvs = [(k.detach(), v.detach()) for k, v in kvs]
+        memory_kv = kvs if memory_kv is None else [(torch.cat([a, k], 1), torch.cat([b, v], 1))
+                                                   for (a, b), (k, v) in zip(memory_kv, kvs)]
+    want = total / 4
+    want.backward()
+    want_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    stats = run_sequences(model, tokens, make_policy("full"), chunk_size=8, page_size=4, capacity=None,
+                          train=True, backend="torch", loss_mask=mask)
+    assert stats.num_tokens == 4
+    assert stats.nll == pytest.approx(float(want.detach()), rel=1e-5)
+    for p, g in zip(model.parameters(), want_grad):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="loss_mask: expected a bool tensor of shape"):
+        run_sequences(model, tokens, make_policy("full"), chunk_size=8, page_size=4, capacity=None, train=False,
+                      loss_mask=mask.float())
+
+
 # ---- the command -----------------------------------------------------------------------------------------
 def test_finetune_command_writes_the_json(tmp_path):
     from conftest import CKPT, VALID as data

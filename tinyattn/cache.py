@@ -49,7 +49,7 @@ import torch
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
-from .ops import quant
+from .ops import boxes, quant
 from .ops.spans import span
 
 
@@ -73,9 +73,13 @@ class PagedKVCache:
             fp32 boxes. See the module docstring for how a page's scale grows.
         page_boxes: keep the per-page ``k_min``/``k_max`` (default); ``False`` for a plain paged K/V store
             that never scores pages (chunked training's memory): ``k_min``/``k_max`` are then empty lists.
+        box_dtype: dtype of the boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8: exact), ``"fp32"``,
+            ``"bf16"`` or ``"fp16"``. A box narrower than the keys is rounded outward (``k_min`` down, ``k_max``
+            up; :mod:`tinyattn.ops.boxes`), so Quest's bound stays an upper bound while scoring reads half the
+            bytes (bf16 keeps fp32's range; fp16 boxes of keys beyond 65504 become infinite).
 
     Memory: ``2 * num_layers * num_pages * page_size * Hkv * D`` elements for K/V, plus
-    ``2 * num_layers * num_pages * Hkv * D`` for the boxes, plus ``2 * num_layers * num_pages * Hkv`` fp32
+    ``2 * num_layers * num_pages * Hkv * D`` for the boxes (of ``box_dtype``), plus ``2 * num_layers * num_pages * Hkv`` fp32
     scales for int8 / fp8 (see :attr:`kv_bytes`).
 
     Pages are owned here: besides :meth:`extend` / :meth:`free`, :meth:`fork` (copy a sequence, beam search),
@@ -83,13 +87,13 @@ class PagedKVCache:
     :meth:`drop_pages` (evict pages, positions kept) and :meth:`copy_pages`.
 
     Raises:
-        ValueError for sizes below 1 or a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES`
-        (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
+        ValueError for sizes below 1, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
+        ``box_dtype`` not in :data:`tinyattn.ops.boxes.BOX_DTYPES` (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_boxes: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +106,7 @@ class PagedKVCache:
         self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)
-        box_dtype = torch.float32 if self.quantized else storage
+        self.box_dtype = box_dtype = boxes.box_dtype_for(box_dtype, storage, self.quantized)
         self.k_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
         scale_layers = num_layers if self.quantized else 0
@@ -398,8 +402,7 @@ class PagedKVCache:
             keys = k_cache[page, :valid]                                   # [valid, Hkv, D]
             if self.quantized:                                             # the keys attention reads
                 keys = quant.dequantize(keys[None], self.k_scale[layer][page][None])[0]
-            k_min[page] = keys.amin(0)
-            k_max[page] = keys.amax(0)
+            boxes.store_box(k_min, k_max, page, keys.amin(0), keys.amax(0))
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -444,8 +447,15 @@ class PagedKVCache:
         # index_reduce_ rather than scatter_reduce_: same boxes (repeated pages reduce together), and no
         # OpenMP parallel region for a few elements (each one costs a time slice when a core is busy)
         with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
-            self.k_min[layer].index_reduce_(0, pages, k, "amin")
-            self.k_max[layer].index_reduce_(0, pages, k, "amax")
+            self._grow_boxes(layer, pages, k)
+
+    def _grow_boxes(self, layer: int, pages: torch.Tensor, k: torch.Tensor) -> None:
+        """Grow the boxes of ``pages`` by the keys ``k`` (rounded outward first when the boxes are narrower:
+        one-directional rounding is monotone, so reducing the rounded keys gives the rounded min / max)."""
+        box = self.box_dtype
+        lo, hi = (k, k) if k.dtype == box else (boxes.round_down(k, box), boxes.round_up(k, box))
+        self.k_min[layer].index_reduce_(0, pages, lo, "amin")
+        self.k_max[layer].index_reduce_(0, pages, hi, "amax")
 
     def _write_quantized(self, layer: int, slots: torch.Tensor, pages: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor) -> None:
@@ -491,15 +501,14 @@ class PagedKVCache:
                 return
             if not refit:                   # no stored key changed: the boxes grow by the new keys, as in fp32
                 k_read = xq[0].float() * token_scale[0]     # what attention reads of the new keys
-                self.k_min[layer].index_reduce_(0, pages, k_read, "amin")
-                self.k_max[layer].index_reduce_(0, pages, k_read, "amax")
+                self._grow_boxes(layer, pages, k_read)
                 return
             keys = quant.dequantize(self.k_cache[layer].index_select(0, touched),
                                     self.k_scale[layer].index_select(0, touched))  # [U, page_size, Hkv, D] fp32
             valid = (torch.arange(page_size, device=self.device)[None, :] < fill[:, None])[:, :, None, None]
             inf = torch.tensor(float("inf"), device=self.device)
-            self.k_min[layer].index_copy_(0, touched, torch.where(valid, keys, inf).amin(1))
-            self.k_max[layer].index_copy_(0, touched, torch.where(valid, keys, -inf).amax(1))
+            boxes.store_box(self.k_min[layer], self.k_max[layer], touched,
+                            torch.where(valid, keys, inf).amin(1), torch.where(valid, keys, -inf).amax(1))
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

@@ -89,6 +89,7 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: by device: triton on CUDA, torch on CPU); "
                         "'triton' on a CPU-only machine runs the Triton interpreter (slow)")
+    from .ops.boxes import BOX_DTYPES
     from .ops.quant import KV_CACHE_DTYPES
 
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -97,6 +98,10 @@ def _add_attention_options(p: argparse.ArgumentParser, *, budgets: bool) -> None
                         "fp32's bytes; fp8_e4m3 on the triton backend needs an sm_89+ GPU)" + (
                             "; eval: the sparse passes use it, the dense reference keeps the model dtype"
                             if budgets else "") + " (default: auto)")
+    g.add_argument("--box-dtype", choices=sorted(BOX_DTYPES), default="auto",
+                   help="dtype of the per-page key bounding boxes that Quest scores: auto = the cache's dtype (fp32 "
+                        "for int8 / fp8), exact; bf16 / fp16 halve the bytes scoring reads and are rounded outward "
+                        "(k_min down, k_max up) so the score stays an upper bound (default: auto)")
     from .profiler import add_cli_option
 
     add_cli_option(g)
@@ -191,6 +196,7 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     _add_convert_command(sub, prog)
     _add_finetune_command(sub, prog)
     _add_serve_bench_command(sub, prog)
+    _add_train_retrieval_command(sub, prog)
     return parser
 
 
@@ -218,6 +224,18 @@ def _add_finetune_command(sub, prog: str) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     finetune.add_arguments(ft)
     ft.set_defaults(func=finetune.run)
+
+
+def _add_train_retrieval_command(sub, prog: str) -> None:
+    """``train-retrieval``: train the small retrieval model (tinyattn.retrieval) from scratch."""
+    from .retrieval import command
+
+    tr = sub.add_parser("train-retrieval", help="train the small retrieval model (passkey, multikey, multihop, "
+                                                "decoy) from scratch on the CPU",
+                        description=command.DESCRIPTION, epilog=command.EPILOG.replace("python -m tinyattn", prog),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(tr)
+    tr.set_defaults(func=command.run)
 
 
 def _add_convert_command(sub, prog: str) -> None:
@@ -279,7 +297,8 @@ def _cmd_generate(args) -> int:
     runtime = LlamaRuntime(model, page_size=args.page_size, page_budget=args.page_budget,
                            num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                            dense_layers=args.dense_layers, backend=args.backend, policy=args.policy,
-                           selection_metrics=args.selection_metrics, kv_cache_dtype=args.kv_cache_dtype)
+                           selection_metrics=args.selection_metrics, kv_cache_dtype=args.kv_cache_dtype,
+                           box_dtype=args.box_dtype)
     texts = args.prompt if args.prompt else [""]
     prompts = [tokenizer.encode(t, bos=True) for t in texts]
     from .profiler import cli_profile, print_cli_report
@@ -367,7 +386,7 @@ def _cmd_eval(args) -> int:
                           dense_layers=args.dense_layers, backend=args.backend, max_context=max_context,
                           long_range_window=args.long_range_window, repeat_probe=not args.no_repeat_probe,
                           selection_metrics=not args.no_selection_metrics, progress=not args.no_progress,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, box_dtype=args.box_dtype)
     print(f"data: {data if args.data is not None else data.name + ' (shipped with tinyattn)'}")
     print(format_eval_table(result))
     _warn_past_context(result.max_sequence_tokens, model.config.max_seq_len)

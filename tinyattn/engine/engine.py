@@ -54,6 +54,8 @@ class Engine:
         clock: the time source of the timings (seconds).
         kv_cache_dtype: the pool's storage format (``"auto"`` = the model dtype, ``"fp16"``, ``"bf16"``, ``"int8"``,
             ``"fp8_e4m3"``; see :class:`tinyattn.PagedKVCache`); ``ValueError`` naming the supported set otherwise.
+        box_dtype: dtype of the page boxes (``"auto"``, exact; ``"fp32"``, ``"bf16"``, ``"fp16"`` rounded outward;
+            see :mod:`tinyattn.ops.boxes`).
 
     Example::
 
@@ -65,7 +67,7 @@ class Engine:
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -88,7 +90,8 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.plugins = plugins
         self.clock = clock
-        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype)
+        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
+                                     box_dtype=box_dtype)
         self.runner = ModelRunner(model, self.cache, self.sparsity, backend=backend, plugins=plugins)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, recompute=recompute, on_release=self._on_release)

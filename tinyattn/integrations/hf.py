@@ -75,7 +75,7 @@ import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig
 from tinyattn.ops.validation import check_selection_options
-from tinyattn.ops import quant
+from tinyattn.ops import boxes, quant
 
 __all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
 
@@ -200,6 +200,8 @@ class TinyAttnCache(Cache):
             ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (per-(page, KV head) scales, see
             :class:`tinyattn.PagedKVCache`). The first prefill into an empty cache attends over the new states as
             the model computed them (stock SDPA); every later step reads the stored format.
+        box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8; exact), ``"fp32"``,
+            ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.boxes`).
 
     The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
     (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
@@ -218,7 +220,7 @@ class TinyAttnCache(Cache):
 
     def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int = 0,
                  num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
-                 backend: str | None = None, policy="quest", kv_cache_dtype: str = "auto"):
+                 backend: str | None = None, policy="quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         for name, value, low in (("page_size", page_size, 1), ("num_sink_pages", num_sink_pages, 0),
                                  ("num_recent_pages", num_recent_pages, 0), ("dense_layers", dense_layers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -231,7 +233,8 @@ class TinyAttnCache(Cache):
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
         quant.storage_dtype(kv_cache_dtype, torch.float32)       # ValueError naming the supported formats
-        self.kv_cache_dtype = kv_cache_dtype
+        boxes.box_dtype_for(box_dtype, torch.float32, False)      # ValueError naming the box dtypes
+        self.kv_cache_dtype, self.box_dtype = kv_cache_dtype, box_dtype
         if config is None or not hasattr(config, "get_text_config"):
             raise ValueError(f"config: expected the model's transformers config (model.config), got {config!r}")
         text_config = config.get_text_config(decoder=True)
@@ -444,7 +447,8 @@ class TinyAttnCache(Cache):
         per_row = -(-T // self.page_size) + 4
         num_pages = self.num_pages or max(B * per_row, 1)
         self._pool = PagedKVCache(self.num_layers, Hkv, D, page_size=self.page_size, num_pages=num_pages,
-                                  dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype)
+                                  dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype,
+                                  box_dtype=self.box_dtype)
         self._seq_ids = [self._pool.add_sequence() for _ in range(B)]
         self._real = torch.zeros(B, 0, dtype=torch.bool)
 

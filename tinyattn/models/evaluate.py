@@ -220,7 +220,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
              token_budgets: list[int] | None = None, num_sink_pages: int = 0, num_recent_pages: int = 1,
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
-             progress: bool = True, kv_cache_dtype: str = "auto") -> EvalResult:
+             progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto") -> EvalResult:
     """Teacher-forced NLL, perplexity, agreement, KL, hit rate and the long-range probes, per configuration.
 
     Args:
@@ -243,6 +243,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
             ``"fp8_e4m3"``); the dense reference keeps the model dtype, so NLL, agreement and KL compare each
             format's sparse decode with the full-precision dense one. ``options["kv_bytes_per_token"]`` records the
             format's cache bytes per token (pools, boxes and scales, all layers).
+        box_dtype: dtype of the page boxes of the sparse passes (``"auto"``, ``"fp32"``, ``"bf16"``, ``"fp16"``;
+            narrower boxes are rounded outward), as :class:`LlamaRuntime`.
     """
     from tqdm.auto import tqdm
 
@@ -257,7 +259,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     cfg = model.config
     probe = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
                          page_size=page_sizes[0] if page_sizes else page_size, num_pages=1, dtype=model.dtype,
-                         kv_cache_dtype=kv_cache_dtype)                         # ValueError: an unknown format
+                         kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)    # ValueError: an unknown format
     kv_bytes_per_token = probe.kv_bytes / probe.page_size
     del probe
     LlamaRuntime(model, backend=backend, kv_cache_dtype=kv_cache_dtype)   # a format the backend cannot run: now
@@ -331,7 +333,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         t0 = time.perf_counter()
         rt = LlamaRuntime(model, page_size=ps, page_budget=budget, num_sink_pages=num_sink_pages,
                           num_recent_pages=num_recent_pages, dense_layers=dense_layers, backend=backend,
-                          policy=get_policy(pol) if not isinstance(pol, str) else pol, kv_cache_dtype=kv_cache_dtype)
+                          policy=get_policy(pol) if not isinstance(pol, str) else pol, kv_cache_dtype=kv_cache_dtype,
+                          box_dtype=box_dtype)
         rt.sparsity.policy.reset()
         metrics = SelectionMetrics() if selection_metrics else None
         stats = GenerationStats()
@@ -351,7 +354,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
                       options=dict(num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
                                    repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets,
-                                   kv_cache_dtype=kv_cache_dtype, kv_bytes_per_token=kv_bytes_per_token))
+                                   kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,
+                                   kv_bytes_per_token=kv_bytes_per_token))
 
 
 def _teacher_forced(rt: LlamaRuntime, seqs, dense_logp, dense_top, stats, metrics, progress, desc) -> _Rows:
@@ -412,7 +416,8 @@ def format_eval_table(result: EvalResult) -> str:
             f"num_recent_pages={o.get('num_recent_pages')}, dense_layers={o.get('dense_layers')}"
             + ("" if o.get("kv_cache_dtype", "auto") == "auto" else
                f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
-               f"the dense row keeps the model dtype)"),
+               f"the dense row keeps the model dtype)")
+            + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}"),
             "",
             "| page_budget | token budget | mean NLL | ppl | top-1 agreement | KL(dense‖sparse) | pages read "
             "| hit rate | captured mass | long-range NLL | repeat NLL |",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyattn import metrics, selection
-from tinyattn.ops import quant
+from tinyattn.ops import boxes, quant
 from tinyattn.ops.validation import kv_formats_supported
 from tinyattn.ops.spans import layer as profile_layer
 from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
@@ -212,16 +212,17 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto"):
+    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model.
 
         ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"``
-        (per-(page, KV head) scales); ``ValueError`` naming the supported set otherwise."""
+        (per-(page, KV head) scales); ``box_dtype``: ``"auto"`` (exact boxes), ``"fp32"``, ``"bf16"`` or ``"fp16"``
+        (rounded outward); ``ValueError`` naming the supported set otherwise."""
         from tinyattn.cache import PagedKVCache
 
         cfg = self.config
         return PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, num_pages=num_pages,
-                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
+                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
@@ -481,6 +482,9 @@ class LlamaRuntime:
         kv_cache_dtype: KV storage format of the caches it makes: ``"auto"`` (the model dtype), ``"fp16"``,
             ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (see :class:`tinyattn.PagedKVCache`); fp8 on the Triton
             backend needs sm_89+ (else ``ValueError``).
+        box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8), ``"fp32"``,
+            ``"bf16"`` or ``"fp16"`` (narrower boxes are rounded outward, so Quest's bound stays a bound; see
+            :mod:`tinyattn.ops.boxes`).
 
     Example::
 
@@ -493,7 +497,7 @@ class LlamaRuntime:
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
@@ -505,6 +509,10 @@ class LlamaRuntime:
             raise ValueError(f"kv_cache_dtype: the {runs_on} backend on {model.device} supports {supported}, got "
                              f"{kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
+        self.box_dtype = box_dtype
+        self._box_bytes = boxes.box_dtype_for(box_dtype, quant.storage_dtype(kv_cache_dtype, model.dtype),
+                                              quant.is_quantized(quant.storage_dtype(kv_cache_dtype, model.dtype))
+                                              ).itemsize                   # ValueError naming the box dtypes
         self.model = model
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
@@ -521,13 +529,14 @@ class LlamaRuntime:
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
                 f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r}, "
-                f"kv_cache_dtype={self.kv_cache_dtype!r})")
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, box_dtype={self.box_dtype!r})")
 
     # -------------------------------------------------------------- building blocks
     def new_cache(self, max_tokens: list[int]):
         """A cache with exactly enough pages for sequences of the given maximum lengths."""
         num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens)
-        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype)
+        return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype,
+                                    box_dtype=self.box_dtype)
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
@@ -581,9 +590,8 @@ class LlamaRuntime:
         if n_sparse:
             budget = self.sparsity.page_budget
             stats.pages_read += sum(metrics.pages_read(n, page_size, budget) for n in lens) * Hkv * n_sparse
-            box_elem = 4 if quant.is_quantized(quant.storage_dtype(self.kv_cache_dtype, self.model.dtype)) else elem
-            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem, box_elem)
-                                       for n in lens) * Hkv * n_sparse    # int8 / fp8: fp32 boxes
+            stats.kv_bytes_read += sum(metrics.sparse_bytes(n, D, page_size, budget, elem, self._box_bytes)
+                                       for n in lens) * Hkv * n_sparse
         stats.decode_steps += 1
 
     # -------------------------------------------------------------- generation

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import core, quant
+from . import boxes, core, quant
 from . import torch_backend as T
 from .spans import span
 from . import library as L
@@ -196,7 +196,9 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
     Args:
         k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
         block_table, seq_lens: as in :func:`paged_attention`.
-        k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache`` or fp32; written in place.
+        k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache``, fp32, or bf16 / fp16 (then rounded outward,
+            ``k_min`` down and ``k_max`` up, so the Quest bound stays an upper bound; :mod:`tinyattn.ops.boxes`);
+            written in place.
         k_scale: ``[num_pages, Hkv]`` fp32 scales of an int8 / float8_e4m3fn ``k_cache`` (then ``k_min``/``k_max``
             are fp32 boxes of the dequantized keys ``code.float() * scale``, the values attention reads);
             ``None`` for a float pool.
@@ -213,9 +215,20 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
     with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
         if backend == "torch" or k_cache.dtype == torch.float64:
             T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
-        else:
+        elif _boxes_exact(k_cache, k_min, k_scale):
             _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max,
                                             k_scale=k_scale)
+        else:   # narrower boxes: the kernel's fp32 min / max, then rounded outward (tinyattn.ops.boxes)
+            lo, hi = k_min.float(), k_max.float()
+            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), lo, hi, k_scale=k_scale)
+            k_min.copy_(boxes.round_down(lo, k_min.dtype))
+            k_max.copy_(boxes.round_up(hi, k_max.dtype))
+
+
+def _boxes_exact(k_cache, k_min, k_scale) -> bool:
+    """Whether boxes of ``k_min``'s dtype hold every key value exactly (then the kernel stores them directly)."""
+    keys = torch.float32 if k_scale is not None else k_cache.dtype
+    return k_min.dtype == keys or k_min.dtype == torch.float32
 
 
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):

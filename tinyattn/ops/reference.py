@@ -111,8 +111,20 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
         for j in range(_cdiv(n_tokens, page_size)):
             phys = int(block_table[b, j])
             keys = k_cache[phys, : min(page_size, n_tokens - j * page_size)]     # [valid, Hkv, D]
-            k_min[phys] = keys.amin(0).to(k_min.dtype)
-            k_max[phys] = keys.amax(0).to(k_max.dtype)
+            k_min[phys] = _outward(keys.amin(0), k_min.dtype, -1)
+            k_max[phys] = _outward(keys.amax(0), k_max.dtype, +1)
+
+
+def _outward(x, dtype, direction: int):
+    """``x`` in ``dtype`` rounded toward ``direction * inf``, one value at a time (the loop twin of
+    :mod:`tinyattn.ops.boxes`): the representable neighbour on the right side when rounding moved it across."""
+    out = x.to(dtype).clone()
+    flat, src = out.view(-1), x.reshape(-1).double()
+    toward = torch.tensor(direction * float("inf"), dtype=dtype)
+    for i in range(flat.numel()):
+        if (flat[i].double() - src[i]) * direction < 0:                # rounded to the wrong side
+            flat[i] = torch.nextafter(flat[i], toward)
+    return out
 
 
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):

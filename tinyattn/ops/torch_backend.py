@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .boxes import store_box
 from .core import (canonical_page_indices, dense_page_indices, float_order_key, group_queries,  # noqa: F401
                    math_dtype, num_valid_pages)
 
@@ -121,5 +122,5 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=N
     n_tok = (seq_lens.to(torch.int64)[rows] - logical * S).clamp(max=S)                 # [N]
     slot_ok = (torch.arange(S, device=k_cache.device)[None, :] < n_tok[:, None])[:, :, None, None]
     inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-    k_min[phys] = torch.where(slot_ok, keys, inf).amin(1).to(k_min.dtype)
-    k_max[phys] = torch.where(slot_ok, keys, -inf).amax(1).to(k_max.dtype)
+    # a box narrower than the keys is rounded outward: still a bound (tinyattn.ops.boxes)
+    store_box(k_min, k_max, phys, torch.where(slot_ok, keys, inf).amin(1), torch.where(slot_ok, keys, -inf).amax(1))

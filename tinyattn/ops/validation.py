@@ -297,15 +297,16 @@ def box_dtype(q, k_cache) -> torch.dtype:
 
 def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim: int,
                       cache_dtype: torch.dtype, device: torch.device) -> None:
-    """k_min / k_max: [num_pages, Hkv, D], dtype of the cache or float32."""
+    """k_min / k_max: [num_pages, Hkv, D], dtype of the cache, float32, or (rounded outward) bfloat16 / float16."""
     for name, x in (("k_min", k_min), ("k_max", k_max)):
         expect_tensor(name, x)
         expect_shape(name, x, (num_pages, num_kv_heads, head_dim), "[num_pages, Hkv, D]")
-        allowed = (cache_dtype, torch.float32)
+        allowed = (cache_dtype, torch.float32, torch.bfloat16, torch.float16)
         if x.dtype not in allowed:
-            also = "" if cache_dtype == torch.float32 else " or float32"
-            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache){also}, "
-                            f"got {_dtype_name(x.dtype)}")
+            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache), float32, "
+                            f"bfloat16 or float16, got {_dtype_name(x.dtype)}")
+        if x.dtype != k_min.dtype:
+            raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), got {_dtype_name(x.dtype)}")
         expect_device(name, x, device, "q")
 
 

@@ -9,7 +9,6 @@ commit; it is used both for training (weight gradients accumulate over the chunk
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -89,6 +88,7 @@ class SequenceStats:
 
     nll_sum: float = 0.0            # nats, summed over target tokens
     num_tokens: int = 0
+    num_correct: int = 0            # counted targets the logits' argmax predicts (teacher forcing)
     peak_kv_bytes: int = 0          # K/V held by the memory at its fullest
     pool_bytes: int = 0             # K/V pools as allocated
     peak_chunk_bytes: int = 0       # max over chunks: saved activations + pool-shaped gradients
@@ -98,16 +98,27 @@ class SequenceStats:
     def nll(self) -> float:
         return self.nll_sum / max(self.num_tokens, 1)
 
+    @property
+    def accuracy(self) -> float:
+        """Fraction of counted targets predicted by the argmax (teacher forcing)."""
+        return self.num_correct / max(self.num_tokens, 1)
+
 
 def run_sequences(model, tokens: torch.Tensor, policy: RetentionPolicy, *, chunk_size: int, page_size: int,
                   capacity: int | None, num_sink_pages: int = 1, num_recent_pages: int | None = None,
-                  train: bool, backend: str | None = None) -> SequenceStats:
+                  train: bool, backend: str | None = None, loss_mask: torch.Tensor | None = None) -> SequenceStats:
     """Run ``tokens`` ``[B, L + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) chunk by chunk.
 
-    ``train``: each chunk's mean loss, divided by the number of chunks, is back-propagated (weight gradients
+    ``train``: each chunk's loss, divided by the number of chunks, is back-propagated (weight gradients
     accumulate; the caller steps the optimizer). Otherwise only the gradient policy runs a backward (its
     page scores need the pages' gradients; no weight gradient is computed), and the others run under
     ``torch.no_grad()``.
+
+    ``loss_mask``: bool ``[B, L]``, the targets that count (e.g. the answers of a retrieval task); default
+    all. A chunk's loss is the sum of its counted targets' NLL over the number counted in the whole batch,
+    so every counted token weighs the same whatever chunk it falls in; a chunk with none runs forward only
+    (no backward, so the gradient policy observes nothing for it). ``SequenceStats`` sums the counted
+    targets only.
     """
     cfg = model.config
     B, L1 = tokens.shape
@@ -121,25 +132,35 @@ def run_sequences(model, tokens: torch.Tensor, policy: RetentionPolicy, *, chunk
     track = policy.needs_gradients
     backward = train or track
     stats = SequenceStats()
-    num_chunks = math.ceil(L / chunk_size)
+    if loss_mask is None:
+        loss_mask = torch.ones(B, L, dtype=torch.bool, device=tokens.device)
+    elif tuple(loss_mask.shape) != (B, L) or loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask: expected a bool tensor of shape [B, L] = {(B, L)}, got "
+                         f"{loss_mask.dtype} {tuple(loss_mask.shape)}")
+    counted = max(int(loss_mask.sum()), 1)
     for start in range(0, L, chunk_size):
         n = min(chunk_size, L - start)
         memory.begin_chunk(n)
         meter = SavedTensorMeter()
+        mask = loss_mask[:, start:start + n].reshape(-1)
         with meter.hooks(), (nullcontext() if backward else torch.no_grad()):
             logits = chunk_forward(model, tokens[:, start:start + n], memory, backend=backend,
                                    track_gradients=track, rope=rope)
-            loss = F.cross_entropy(logits.reshape(B * n, -1), tokens[:, start + 1:start + n + 1].reshape(-1))
+            nll = F.cross_entropy(logits.reshape(B * n, -1), tokens[:, start + 1:start + n + 1].reshape(-1),
+                                  reduction="none")
+            nll_sum = (nll * mask).sum()
         grad_bytes = 0
-        if backward:
-            (loss / num_chunks if train else loss).backward()
+        if backward and bool(mask.any()):
+            (nll_sum / counted).backward()
             if track:
                 grad_bytes = sum(p.grad.numel() * p.grad.element_size()
                                  for pools in memory._pools if pools is not None for p in pools if p.grad is not None)
                 memory.observe_gradients()
         memory.commit()
-        stats.nll_sum += float(loss.detach()) * B * n
-        stats.num_tokens += B * n
+        stats.nll_sum += float(nll_sum.detach())
+        stats.num_tokens += int(mask.sum())
+        hits = logits.detach().argmax(-1).reshape(-1) == tokens[:, start + 1:start + n + 1].reshape(-1)
+        stats.num_correct += int((hits & mask).sum())
         stats.peak_chunk_bytes = max(stats.peak_chunk_bytes, meter.bytes + grad_bytes)
     stats.peak_kv_bytes = memory.peak_kv_bytes
     stats.pool_bytes = memory.pool_bytes

@@ -55,17 +55,30 @@ def _decay(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``finetune`` options (used by ``python -m tinyattn finetune`` and by this module's ``main``)."""
     g = parser.add_argument_group("model and data")
+    g.add_argument("--task", choices=["text", "recall"], default="text",
+                   help="text: language modelling on --data (every target counts); recall: generated sequences with "
+                        "pass keys early and questions late, only the answer digits count (the retrieval model; "
+                        "see docs/training.md) (default: text)")
     g.add_argument("--model", type=Path, default=None,
-                   help="llama2.c checkpoint (legacy format); default: the stories260K model shipped with tinyattn")
+                   help="llama2.c checkpoint (legacy format); default: the stories260K model shipped with tinyattn. "
+                        "With --task recall: a retrieval checkpoint directory (config.json + model.safetensors), "
+                        "default: the retrieval model shipped with tinyattn")
     g.add_argument("--tokenizer", type=Path, default=None,
                    help="llama2.c tokenizer .bin; default: the shipped stories260K's tok512.bin")
     g.add_argument("--data", type=Path, default=None,
                    help="UTF-8 text to fine-tune on; its last --eval-sequences sequences are held out for evaluation "
                         "(default: about 254 TinyStories stories shipped with tinyattn, 195 sequences of 512 tokens)")
-    g.add_argument("--seq-len", type=positive_int, default=512,
-                   help="tokens per sequence (default: 512, stories260K's context)")
+    g.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per sequence (default: 512, stories260K's context; 1024 with --task recall)")
     g.add_argument("--eval-sequences", type=positive_int, default=16,
-                   help="held-out sequences at the end of --data for evaluation (default: 16)")
+                   help="held-out sequences at the end of --data for evaluation (default: 16); with --task recall, "
+                        "sequences of seeds never trained on")
+    g.add_argument("--num-keys", type=positive_int, default=4, help="--task recall: pass keys per sequence (default: 4)")
+    g.add_argument("--num-questions", type=positive_int, default=4,
+                   help="--task recall: questions per sequence, spread from --first-question to the end (default: 4)")
+    g.add_argument("--first-question", type=float, default=0.3,
+                   help="--task recall: where the first question starts, a fraction of the sequence; the keys lie "
+                        "in its first 10%% (default: 0.3)")
 
     g = parser.add_argument_group("chunked KV memory and retention")
     g.add_argument("--chunk-size", type=positive_int, required=True,
@@ -94,7 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=positive_float, default=5e-4, help="AdamW learning rate (default: 5e-4)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
     g.add_argument("--grad-clip", type=positive_float, default=1.0, help="gradient-norm clip (default: 1.0)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data order (default: 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the data order; with --task recall also of the generated training sequences "
+                        "(the evaluation sequences stay the same) (default: 0)")
 
     g = parser.add_argument_group("run")
     g.add_argument("--json", type=Path, default=None, help="also write the results there (JSON)")
@@ -145,8 +160,9 @@ def _param_bytes(model) -> int:
 
 
 def evaluate_chunked(model, sequences, *, retention: str, batch_size: int, progress: bool = False, desc="eval",
-                     **options) -> dict:
-    """Mean NLL of ``sequences`` run chunk by chunk under ``retention`` (weights untouched)."""
+                     loss_mask=None, **options) -> dict:
+    """Mean NLL and argmax accuracy of ``sequences`` (of the targets ``loss_mask`` counts, default all) run chunk
+    by chunk under ``retention`` (weights untouched)."""
     from tqdm.auto import tqdm
 
     from .chunked import run_sequences
@@ -154,28 +170,33 @@ def evaluate_chunked(model, sequences, *, retention: str, batch_size: int, progr
 
     was = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
-    nll_sum, tokens, peak_kv = 0.0, 0, 0
+    nll_sum, tokens, correct, peak_kv = 0.0, 0, 0, 0
     try:
         for i in tqdm(range(0, len(sequences), batch_size), desc=desc, disable=None if progress else True, leave=False):
             policy = make_policy(retention, decay=options.get("ema_decay", 0.5),
                                  recent_pages=options.get("gradient_recent_pages", 0))
             st = run_sequences(model, sequences[i:i + batch_size], policy, train=False,
+                               loss_mask=None if loss_mask is None else loss_mask[i:i + batch_size],
                                **{k: v for k, v in options.items() if k not in ("ema_decay", "gradient_recent_pages")})
             nll_sum += st.nll_sum
             tokens += st.num_tokens
+            correct += st.num_correct
             peak_kv = max(peak_kv, st.peak_kv_bytes)
     finally:
         for p, w in zip(model.parameters(), was):
             p.requires_grad_(w)
-    return dict(nll=nll_sum / max(tokens, 1), tokens=tokens, peak_kv_bytes=peak_kv)
+    return dict(nll=nll_sum / max(tokens, 1), accuracy=correct / max(tokens, 1), tokens=tokens, peak_kv_bytes=peak_kv)
 
 
 def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_size: int, chunk_size: int,
              page_size: int, capacity, num_sink_pages: int, num_recent_pages, ema_decay: float, lr: float,
              gradient_recent_pages: int = 0,
              weight_decay: float = 0.0, grad_clip: float = 1.0, seed: int = 0, backend=None, eval_before=False,
-             progress: bool = True) -> dict:
-    """Fine-tune ``model`` in place; returns the result dict written by the CLI."""
+             progress: bool = True, train_mask=None, eval_mask=None) -> dict:
+    """Fine-tune ``model`` in place; returns the result dict written by the CLI.
+
+    ``train_mask`` / ``eval_mask``: bool ``[N, L]`` loss masks of the sequences (see
+    :func:`tinyattn.training.chunked.run_sequences`); default: every target counts."""
     import torch
     from tqdm.auto import tqdm
 
@@ -186,10 +207,10 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
                    num_recent_pages=num_recent_pages, backend=backend)
     result: dict = dict(retention=retention)
     if eval_before:
-        result["eval_nll_before"] = evaluate_chunked(model, eval_seqs, retention=retention, batch_size=batch_size,
-                                                     progress=progress, desc="eval (before)", ema_decay=ema_decay,
-                                                     gradient_recent_pages=gradient_recent_pages,
-                                                     **options)["nll"]
+        before = evaluate_chunked(model, eval_seqs, retention=retention, batch_size=batch_size,
+                                  progress=progress, desc="eval (before)", ema_decay=ema_decay,
+                                  gradient_recent_pages=gradient_recent_pages, loss_mask=eval_mask, **options)
+        result["eval_nll_before"], result["eval_accuracy_before"] = before["nll"], before["accuracy"]
     model.requires_grad_(True).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(seed)
@@ -201,10 +222,11 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     for _ in bar:
         if cursor + batch_size > len(order):
             order, cursor = torch.randperm(len(train_seqs), generator=gen), 0
-        batch = train_seqs[order[cursor:cursor + batch_size]]
+        rows = order[cursor:cursor + batch_size]
         cursor += batch_size
         policy = make_policy(retention, decay=ema_decay, recent_pages=gradient_recent_pages)
-        st = run_sequences(model, batch, policy, train=True, **options)
+        st = run_sequences(model, train_seqs[rows], policy, train=True,
+                           loss_mask=None if train_mask is None else train_mask[rows], **options)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
@@ -217,9 +239,10 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
     model.requires_grad_(False).eval()
     tail = max(1, steps // 4)
     ev = evaluate_chunked(model, eval_seqs, retention=retention, batch_size=batch_size, progress=progress,
-                          ema_decay=ema_decay, gradient_recent_pages=gradient_recent_pages, **options)
+                          ema_decay=ema_decay, gradient_recent_pages=gradient_recent_pages, loss_mask=eval_mask,
+                          **options)
     ev_full = evaluate_chunked(model, eval_seqs, retention="full", batch_size=batch_size, progress=progress,
-                               desc="eval (full context)", **options)
+                               desc="eval (full context)", loss_mask=eval_mask, **options)
     # weights + gradients + AdamW's two moments, plus the largest chunk: KV pools, saved activations,
     # pool-shaped page gradients (see SequenceStats)
     peak_memory = 4 * _param_bytes(model) + pool_bytes + peak_chunk
@@ -229,6 +252,8 @@ def finetune(model, train_seqs, eval_seqs, *, retention: str, steps: int, batch_
         train_loss=sum(losses[-tail:]) / tail,
         eval_nll=ev["nll"],
         eval_nll_full_retention=ev_full["nll"],
+        eval_accuracy=ev["accuracy"],
+        eval_accuracy_full_retention=ev_full["accuracy"],
         eval_peak_kv_bytes=ev["peak_kv_bytes"],
         first_train_loss=losses[0],
         kv_budget_pages=capacity,
@@ -273,12 +298,8 @@ def run(args) -> int:
             print("note: no CUDA device; the Triton kernels run in the interpreter (slow)", file=sys.stderr)
     import torch
 
-    from .. import assets
-    from ..models import LlamaModel, Tokenizer
-
-    args.model = assets.resolve_file(args.model, "--model", assets.default_model_path)
-    args.tokenizer = assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path)
-    args.data = assets.resolve_file(args.data, "--data", assets.default_finetune_text_path)
+    if args.seq_len is None:
+        args.seq_len = 1024 if args.task == "recall" else 512
     if args.chunk_size % args.page_size:
         raise ValueError(f"--chunk-size ({args.chunk_size}) must be a multiple of --page-size ({args.page_size})")
     if args.retention != "full" and args.kv_budget_pages is None:
@@ -286,6 +307,44 @@ def run(args) -> int:
     check_budget(args)
     torch.set_num_threads(args.threads or 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.task == "recall":
+        model, data = _recall_data(args, device)
+    else:
+        model, data = _text_data(args, device)
+    train_seqs, train_mask, eval_seqs, eval_mask = data
+    capacity = None if args.retention == "full" else args.kv_budget_pages
+    result = finetune(model, train_seqs, eval_seqs, retention=args.retention, steps=args.steps,
+                      batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size,
+                      capacity=capacity, num_sink_pages=args.sink_pages, num_recent_pages=args.recent_pages,
+                      ema_decay=args.ema_decay, gradient_recent_pages=args.gradient_recent_pages, lr=args.lr,
+                      weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      seed=args.seed, backend=args.backend, eval_before=args.eval_before,
+                      progress=not args.no_progress, train_mask=train_mask, eval_mask=eval_mask)
+    result["task"] = args.task
+    full_pages = math.ceil(args.seq_len / args.page_size)
+    result["full_kv_pages"] = full_pages
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.save is not None:
+        torch.save(model.state_dict(), args.save)
+    if args.task == "recall":
+        print(f"{args.retention}: answer-digit accuracy {result['eval_accuracy']:.1%} (full retention "
+              f"{result['eval_accuracy_full_retention']:.1%})")
+    print(f"{args.retention}: train_loss {result['train_loss']:.4f}  eval_nll {result['eval_nll']:.4f}  "
+          f"(full-retention eval {result['eval_nll_full_retention']:.4f})  peak_kv_bytes {result['peak_kv_bytes']:,}  "
+          f"peak_memory_bytes {result['peak_memory_bytes']:,}" + (f"  -> {args.json}" if args.json else ""))
+    return 0
+
+
+def _text_data(args, device):
+    """The llama2.c model and consecutive windows of ``--data`` (no loss mask); the last ones held out."""
+    from .. import assets
+    from ..models import LlamaModel, Tokenizer
+
+    args.model = assets.resolve_file(args.model, "--model", assets.default_model_path)
+    args.tokenizer = assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path)
+    args.data = assets.resolve_file(args.data, "--data", assets.default_finetune_text_path)
     model = LlamaModel.from_llama2c(args.model, device=device)
     tokenizer = Tokenizer(args.tokenizer)
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -298,26 +357,28 @@ def run(args) -> int:
     if len(seqs) <= args.eval_sequences:
         raise ValueError(f"--eval-sequences ({args.eval_sequences}) leaves no training sequence: {args.data} gives "
                          f"{len(seqs)} sequences of {args.seq_len} tokens")
-    train_seqs, eval_seqs = seqs[: -args.eval_sequences], seqs[-args.eval_sequences:]
-    capacity = None if args.retention == "full" else args.kv_budget_pages
-    result = finetune(model, train_seqs, eval_seqs, retention=args.retention, steps=args.steps,
-                      batch_size=args.batch_size, chunk_size=args.chunk_size, page_size=args.page_size,
-                      capacity=capacity, num_sink_pages=args.sink_pages, num_recent_pages=args.recent_pages,
-                      ema_decay=args.ema_decay, gradient_recent_pages=args.gradient_recent_pages, lr=args.lr,
-                      weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      seed=args.seed, backend=args.backend, eval_before=args.eval_before,
-                      progress=not args.no_progress)
-    full_pages = math.ceil(args.seq_len / args.page_size)
-    result["full_kv_pages"] = full_pages
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.save is not None:
-        torch.save(model.state_dict(), args.save)
-    print(f"{args.retention}: train_loss {result['train_loss']:.4f}  eval_nll {result['eval_nll']:.4f}  "
-          f"(full-retention eval {result['eval_nll_full_retention']:.4f})  peak_kv_bytes {result['peak_kv_bytes']:,}  "
-          f"peak_memory_bytes {result['peak_memory_bytes']:,}" + (f"  -> {args.json}" if args.json else ""))
-    return 0
+    return model, (seqs[: -args.eval_sequences], None, seqs[-args.eval_sequences:], None)
+
+
+_EVAL_SEED = 10 ** 6      # recall evaluation seeds start here; training uses 0, 1, ...
+
+
+def _recall_data(args, device):
+    """The retrieval model and generated recall sequences with their answer masks (one per training step and
+    row: ``steps * batch_size`` seeds from ``--seed * 100000``; evaluation seeds from 10**6, never trained on)."""
+    from ..retrieval import load_retrieval_model
+    from ..retrieval.recall import recall_batch
+
+    if args.data is not None or args.tokenizer is not None:
+        raise ValueError("--data and --tokenizer do not apply to --task recall (the sequences are generated with the "
+                         "retrieval model's character tokenizer)")
+    model, _ = load_retrieval_model(args.model)
+    model = model.to(device)
+    options = dict(seq_len=args.seq_len, num_keys=args.num_keys, num_questions=args.num_questions,
+                   first_question=args.first_question)
+    train, train_mask = recall_batch(args.steps * args.batch_size, first_seed=args.seed * 100_000, **options)
+    evals, eval_mask = recall_batch(args.eval_sequences, first_seed=_EVAL_SEED, **options)
+    return model, (train.to(device), train_mask.to(device), evals.to(device), eval_mask.to(device))
 
 
 def main(argv=None) -> int:
