@@ -224,3 +224,27 @@ def test_llama_config_from_hf_refuses_what_the_runtime_does_not_model():
         C.llama_config_from_hf({**cfg, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="attention_bias must be False"):
         C.llama_config_from_hf({**cfg, "attention_bias": True})
+
+
+def test_retrieval_checkpoint_converts_with_its_character_tokenizer(tmp_path, capsys):
+    """A train-retrieval checkpoint directory (hybrid config inside, character tokenizer): convert --check writes
+    SmolLM3 + a Hugging Face tokenizer that encodes and decodes like the CharTokenizer."""
+    from tinyattn.retrieval.model import save_retrieval_model
+    from tinyattn.retrieval.tokenizer import CharTokenizer
+
+    ct = CharTokenizer(unknown="unk")
+    model = hybrid_model(vocab_size=ct.vocab_size)
+    ckpt = save_retrieval_model(model, CharTokenizer(), tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    assert C.main(["--model", str(ckpt), "--out", str(out), "--check"]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    assert C.load_hf(out)[0] == model.config
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["The pass key is 7f3a.\n  What is the pass key? 7f3a", "naïve <s> é", " x"]:
+        ids = tok(text)["input_ids"]
+        assert ids == ct.encode(text)
+        assert tok.decode(ids, skip_special_tokens=True) == ct.decode(ids)
+    assert C.main(["--model", str(ckpt), "--out", str(out), "--nope-layers", "0"]) == 2
+    assert "--nope-layers: not used with a retrieval checkpoint" in capsys.readouterr().err
+    assert C.main(["--model", str(tmp_path), "--out", str(out)]) == 2
+    assert "is a directory but not a tinyattn retrieval checkpoint" in capsys.readouterr().err

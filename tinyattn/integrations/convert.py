@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["permute_rope", "unpermute_rope", "llama2c_to_hf_state_dict", "hf_to_llama2c_state_dict",
-           "hf_config_dict", "llama_config_from_hf", "is_hybrid", "convert", "save_pretrained", "load_hf",
-           "write_tokenizer", "check", "add_arguments", "run", "main"]
+           "hf_config_dict", "llama_config_from_hf", "is_hybrid", "convert", "convert_retrieval", "save_pretrained",
+           "load_hf", "write_tokenizer", "write_char_tokenizer", "check", "add_arguments", "run", "main"]
 
 
 def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -254,6 +254,65 @@ def write_tokenizer(tokenizer_path: str | os.PathLike, out_dir: str | os.PathLik
     fast.save_pretrained(str(out_dir))
 
 
+def write_char_tokenizer(out_dir: str | os.PathLike, model_max_length: int) -> None:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json``: :class:`tinyattn.retrieval.CharTokenizer` (one id per
+    character, ``<unk>`` / ``<s>`` / ``</s>`` = 0 / 1 / 2, BOS added, characters outside the vocabulary -> ``<unk>``)
+    as a ``tokenizers`` BPE with no merges, left padding with ``<unk>``. Literal ``"<s>"`` in a text is encoded
+    character by character, as the CharTokenizer does (``split_special_tokens``)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tinyattn.retrieval.tokenizer import CharTokenizer
+
+    chars = CharTokenizer.CHARS
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()                        # characters join with nothing between them
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<unk>", model_max_length=model_max_length, padding_side="left",
+                                   split_special_tokens=True)
+    fast.save_pretrained(str(out_dir))
+
+
+def _retrieval_checkpoint(path) -> bool:
+    """Whether ``path`` is a directory written by :func:`tinyattn.retrieval.save_retrieval_model`."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("format") == "tinyattn-retrieval"
+    except (ValueError, AttributeError):
+        return False
+
+
+def convert_retrieval(path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+                      ) -> Path:
+    """Write a tinyattn retrieval checkpoint (a directory from :func:`tinyattn.retrieval.save_retrieval_model`: its
+    config holds the per-layer options) as a Hugging Face checkpoint with its character tokenizer
+    (:func:`write_char_tokenizer`); returns ``out_dir``. Raises the loader's ``ValueError`` / ``FileNotFoundError``
+    for a directory that is not one."""
+    from tinyattn.retrieval.model import load_retrieval_model
+
+    model, _ = load_retrieval_model(path)
+    out = save_pretrained(model, out_dir, dtype=dtype)
+    write_char_tokenizer(out, model.config.max_seq_len)
+    return out
+
+
+def _reference_weights(model_path) -> dict[str, torch.Tensor]:
+    """The tinyattn state dict of a llama2.c file or a retrieval checkpoint directory (what :func:`check` reads)."""
+    if _retrieval_checkpoint(model_path):
+        from tinyattn.retrieval.model import load_retrieval_model
+
+        return load_retrieval_model(model_path)[0].state_dict()
+    from tinyattn.models import load_llama2c
+
+    return load_llama2c(model_path)[1]
+
+
 def convert(model_path: str | os.PathLike, out_dir: str | os.PathLike, tokenizer_path=None, *,
             dtype: torch.dtype = torch.float32, layer_types=None, sliding_window: int | None = None,
             nope_layers=()) -> Path:
@@ -348,8 +407,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the converter's options to ``p`` (a parser or a ``convert`` sub-parser of the tinyattn CLI)."""
     p.add_argument("--model", default=None, metavar="PATH",
                    help="llama2.c checkpoint in the legacy format written by llama2.c export.py (7 int32 header "
-                        "fields, then fp32 tensors), e.g. stories260K.bin (default: the stories260K model shipped "
-                        "with tinyattn)")
+                        "fields, then fp32 tensors), e.g. stories260K.bin, or a tinyattn retrieval checkpoint "
+                        "directory (config.json + model.safetensors from train-retrieval: its per-layer options "
+                        "and character tokenizer come along) (default: the stories260K model shipped with "
+                        "tinyattn)")
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="llama2.c tokenizer file (tokenizer.bin / tok512.bin). When given, a Hugging Face "
                         "tokenizer that encodes and decodes like llama2.c (left padding) is written next to the "
@@ -403,16 +464,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def check(model_path, out_dir, atol: float = 1e-4, dtype: torch.dtype = torch.float32) -> float:
     """Max |logit difference| between the converted model in ``out_dir`` (transformers, SDPA, loaded in fp32) and
-    :class:`tinyattn.models.LlamaModel` with the llama2.c weights of ``model_path`` (rounded to ``dtype``) and the
+    :class:`tinyattn.models.LlamaModel` with the weights of ``model_path`` (a llama2.c file or a retrieval
+    checkpoint directory, rounded to ``dtype``) and the
     converted config (its per-layer options included), on ``max(33, 2 * sliding_window + 1)`` tokens (capped by
     the context length) so that a window is crossed; raises ``AssertionError`` above ``atol``."""
     from transformers import AutoModelForCausalLM
 
-    from tinyattn.models import LlamaModel, load_llama2c
+    from tinyattn.models import LlamaModel
 
     cfg = llama_config_from_hf(json.loads((Path(out_dir) / "config.json").read_text()))
     ref = LlamaModel(cfg)
-    ref.load_state_dict(load_llama2c(model_path)[1], strict=True)
+    ref.load_state_dict(_reference_weights(model_path), strict=True)
     ref.eval().requires_grad_(False)
     for param in ref.parameters():             # the weights as saved (rounded to dtype), math in fp32 on both sides
         param.data = param.data.to(dtype).float()
@@ -442,18 +504,22 @@ def run(args: argparse.Namespace) -> int:
                          f"install it with: pip install -e '.[hf]'")
     from tinyattn import assets
 
-    if args.model is None and args.tokenizer is None:
-        args.tokenizer = str(assets.default_tokenizer_path())
-    args.model = str(assets.resolve_file(args.model, "--model", assets.default_model_path))
-    if args.tokenizer is not None:
-        args.tokenizer = str(assets.resolve_file(args.tokenizer, "--tokenizer"))
-    if args.out is None:
-        args.out = str(Path("out") / f"{Path(args.model).stem}-hf")
     dtype = getattr(torch, _TORCH_NAMES.get(args.dtype, args.dtype))
-    out = convert(args.model, args.out, args.tokenizer, dtype=dtype, layer_types=args.layer_types,
-                  sliding_window=args.sliding_window, nope_layers=args.nope_layers)
+    retrieval = args.model is not None and Path(args.model).is_dir()
+    if retrieval:
+        out = _run_retrieval(args, dtype)
+    else:
+        if args.model is None and args.tokenizer is None:
+            args.tokenizer = str(assets.default_tokenizer_path())
+        args.model = str(assets.resolve_file(args.model, "--model", assets.default_model_path))
+        if args.tokenizer is not None:
+            args.tokenizer = str(assets.resolve_file(args.tokenizer, "--tokenizer"))
+        if args.out is None:
+            args.out = str(Path("out") / f"{Path(args.model).stem}-hf")
+        out = convert(args.model, args.out, args.tokenizer, dtype=dtype, layer_types=args.layer_types,
+                      sliding_window=args.sliding_window, nope_layers=args.nope_layers)
     print(f"wrote {out}/config.json, model.safetensors, generation_config.json"
-          + (", tokenizer.json, tokenizer_config.json" if args.tokenizer else ""))
+          + (", tokenizer.json, tokenizer_config.json" if args.tokenizer or retrieval else ""))
     if args.check:
         try:
             diff = check(args.model, out, dtype=dtype)
@@ -462,6 +528,24 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"check: max |logit difference| vs tinyattn runtime = {diff:.2e}")
     return 0
+
+
+def _run_retrieval(args: argparse.Namespace, dtype: torch.dtype) -> Path:
+    """``--model DIR``: a retrieval checkpoint, whose config already holds the per-layer options and whose
+    tokenizer is the character tokenizer."""
+    if not _retrieval_checkpoint(args.model):
+        raise ValueError(f"--model: {args.model!r} is a directory but not a tinyattn retrieval checkpoint "
+                         f"(config.json with format 'tinyattn-retrieval' + model.safetensors); pass a llama2.c "
+                         f".bin file or such a directory")
+    given = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--layer-types", args.layer_types),
+                                      ("--sliding-window", args.sliding_window), ("--nope-layers", args.nope_layers))
+             if value]
+    if given:
+        raise ValueError(f"{given[0]}: not used with a retrieval checkpoint (its config.json holds the per-layer "
+                         f"options, and its tokenizer is the character tokenizer)")
+    if args.out is None:
+        args.out = str(Path("out") / f"{Path(args.model).resolve().name}-hf")
+    return convert_retrieval(args.model, args.out, dtype=dtype)
 
 
 def main(argv=None) -> int:
