@@ -16,7 +16,7 @@ from tinyattn import selection as S
 from paged_problems import make_problem
 
 TORCH = "torch"
-POLICY_NAMES = ["quest", "meanstd", "oracle", "streaming", "h2o", "random"]
+POLICY_NAMES = ["quest", "questmass", "meanstd", "oracle", "streaming", "h2o", "random"]
 
 
 def problem(seed=0, lens=(37, 5, 64, 0, 16), page_size=4, Hkv=2, G=2, D=8, Tq=1):
