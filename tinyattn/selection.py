@@ -65,6 +65,7 @@ __all__ = [
     "get_policy",
     "page_attention_mass",
     "page_mean_std",
+    "box_logit_estimates",
     "box_page_log_mass",
     "attend",
     "observe_prefill",
@@ -150,63 +151,95 @@ def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     return mean, var.sqrt()
 
 
+def _check_gamma(gamma) -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+        raise ValueError(f"gamma: expected a number in [0, 1], got {gamma!r}")
+    return float(gamma)
+
+
+def box_logit_estimates(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, *, page_size: int, gamma: float = 1.0,
+                        backend: str | None = None) -> torch.Tensor:
+    """Per query head, an estimate of ``q·k`` on each page from its key bounding box (unscaled)::
+
+        est(q, j) = q·c_j + gamma · Σ_i |q_i|·r_ji        c = (k_min + k_max) / 2,  r = (k_max - k_min) / 2
+
+    ``gamma = 1`` is Quest's bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` (Quest §3.2, TinyServe eq. 2) of one
+    query head, an **upper bound** of ``q·k`` for every key of the page; ``gamma = 0`` the logit of the box
+    centre; in between a heuristic (not a bound) that lies between the smallest and largest ``q·k`` the box
+    allows, ``est = (1+gamma)/2 · ub(q) - (1-gamma)/2 · ub(-q)``. That identity is how it is computed: one
+    :func:`tinyattn.page_scores` call (either backend) over ``2·B·Tq·Hq`` rows of a single query head each.
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; query ``t`` sees the first ``seq_len - Tq + 1 + t`` tokens
+            (bottom-right causal), and pages past those score ``-inf``. k_min, k_max: ``[num_pages, Hkv, D]``.
+        block_table, seq_lens, page_size: as :func:`tinyattn.page_scores`.
+        gamma: share of the box half-width added to the centre's logit, a number in ``[0, 1]``.
+        backend: ``None``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        fp32 ``[B, Tq, Hq, max_pages]`` (query head ``h·G + g`` reads KV head ``h``).
+
+    Raises:
+        ValueError: ``gamma`` outside ``[0, 1]``, or the inputs :func:`tinyattn.page_scores` rejects.
+    """
+    gamma = _check_gamma(gamma)
+    q4, page_size = _validation.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
+    B, Tq, Hq, D = q4.shape
+    Hkv, P = k_min.shape[1], block_table.shape[1]
+    G = Hq // Hkv
+    N = B * Tq * G
+    # one row per (b, t, g) holding a group of one query head per KV head, so page_scores bounds each head
+    # alone; the rows of -q give ub(-q) = -(min of q·k over the box)
+    q_rows = q4.reshape(B, Tq, Hkv, G, D).permute(0, 1, 3, 2, 4).reshape(N, 1, Hkv, D)
+    lens = seq_lens.to(device=q4.device, dtype=torch.int64)
+    ahead = Tq - 1 - torch.arange(Tq, device=q4.device)                                  # later tokens of the step
+    row_lens = (lens[:, None] - ahead[None, :]).clamp(min=0)[:, :, None].expand(B, Tq, G).reshape(N)
+    tables = block_table.repeat_interleave(Tq * G, dim=0)
+    ub = _api.page_scores(torch.cat([q_rows, -q_rows]), k_min, k_max, tables.repeat(2, 1),
+                          row_lens.repeat(2).to(torch.int32), page_size=page_size, backend=backend)  # [2N, Hkv, P]
+    hi, neg_lo = ub[:N], ub[N:]
+    # 0 * -inf is NaN: mask the pages past the row's end explicitly (gamma = 1 gives hi exactly)
+    est = torch.where(hi > NEG_INF, 0.5 * (1 + gamma) * hi - 0.5 * (1 - gamma) * neg_lo, NEG_INF)
+    return est.view(B, Tq, G, Hkv, P).transpose(2, 3).reshape(B, Tq, Hq, P)
+
+
 def box_page_log_mass(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, *, page_size: int, gamma: float = 0.75, scale: float | None = None,
                       backend: str | None = None) -> torch.Tensor:
     """Log of each page's share of the group's attention, estimated from Quest's per-page key boxes.
 
-    A heuristic, not a bound (except the ``gamma = 1`` logits below). For every query (token ``t``, query head
-    ``g`` of KV head ``h``'s group) and every logical page ``j`` it sees::
+    A heuristic (the ``questmass`` policy): each query (token ``t``, query head ``g`` of KV head ``h``'s group)
+    turns its :func:`box_logit_estimates` into a distribution over the pages it sees, as its attention would::
 
-        est(q, j) = q·c_j + gamma · Σ_i |q_i|·r_ji        c = (k_min + k_max) / 2,  r = (k_max - k_min) / 2
-        p(q, j)   = softmax over the query's pages of  scale · est(q, ·)
-        score(j)  = log Σ_{t, g} p(q_tg, j)
+        p(q, j)  = softmax over the query's pages of  scale · est(q, ·)
+        score(j) = log Σ_{t, g} p(q_tg, j)
 
-    ``gamma = 1`` makes ``est`` Quest's upper bound of ``q·k`` over the box (Quest §3.2, TinyServe eq. 2), ``gamma
-    = 0`` the logit of the box centre; in between it lies between the smallest and largest ``q·k`` the box allows:
-    ``est = (1+gamma)/2 · ub(q) - (1-gamma)/2 · ub(-q)`` with ``ub`` = :func:`tinyattn.page_scores` of one query
-    head, which is how it is computed (on either backend). Quest's own score takes the max of ``ub`` over the
-    group, so a head with large logits everywhere decides for all; the sum of per-head distributions weighs every
-    head alike, as the oracle's true attention mass (:meth:`SelectionContext.true_page_mass`) does. The last page
-    may be partial; its token count is left out (the recent-page rule keeps it anyway).
+    Quest's score instead takes the max of the bounds over the group, so a head whose logits are large
+    everywhere decides for all; the sum of per-head distributions weighs every head alike, as the oracle's true
+    attention mass (:meth:`SelectionContext.true_page_mass`) does. The last page may be partial; its token
+    count is left out (the recent-page rule keeps it anyway). The log (a ``logsumexp`` of log-softmaxes) keeps
+    the ranking of pages whose estimated mass underflows fp32.
 
     Args:
-        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; query ``t`` sees the first ``seq_len - Tq + 1 + t`` tokens
-            (bottom-right causal). k_min, k_max: ``[num_pages, Hkv, D]``. block_table, seq_lens, page_size: as
-            :func:`tinyattn.page_scores`.
-        gamma: share of the box half-width added to the centre's logit, a float in ``[0, 1]``.
-        scale: softmax scale (default ``D ** -0.5``). backend: ``None``, ``"torch"`` or ``"triton"``.
+        q, k_min, k_max, block_table, seq_lens, page_size, gamma, backend: as :func:`box_logit_estimates`.
+        scale: softmax scale (default ``D ** -0.5``).
 
     Returns:
         fp32 ``[B, Hkv, max_pages]``: ``log`` of the estimated mass (``exp`` of a (row, KV head) sums to the
         ``Tq * G`` queries that see a key), ``-inf`` past a row's end and for rows without tokens.
 
     Raises:
-        ValueError: ``gamma`` outside ``[0, 1]``, or the inputs :func:`tinyattn.page_scores` rejects.
+        ValueError: as :func:`box_logit_estimates`.
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
-        raise ValueError(f"gamma: expected a number in [0, 1], got {gamma!r}")
-    q4, page_size = _validation.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
-    B, Tq, Hq, D = q4.shape
+    est = box_logit_estimates(q, k_min, k_max, block_table, seq_lens, page_size=page_size, gamma=gamma,
+                              backend=backend)                                          # [B, Tq, Hq, P]
+    B, Tq, Hq, P = est.shape
     Hkv = k_min.shape[1]
-    G, P = Hq // Hkv, block_table.shape[1]
-    M = Tq * G
-    scale = D ** -0.5 if scale is None else scale
-    # one row per (b, t, g) and a group of one query head, so page_scores bounds each head alone; the rows of
-    # -q give -(min of q·k over the box)
-    q_rows = q4.reshape(B, Tq, Hkv, G, D).permute(0, 1, 3, 2, 4).reshape(B * M, 1, Hkv, D)
-    lens = seq_lens.to(device=q4.device, dtype=torch.int64)
-    ahead = Tq - 1 - torch.arange(Tq, device=q4.device)                                  # later tokens of the step
-    row_lens = (lens[:, None] - ahead[None, :]).clamp(min=0)[:, :, None].expand(B, Tq, G).reshape(B * M)
-    tables = block_table.repeat_interleave(M, dim=0)
-    ub = _api.page_scores(torch.cat([q_rows, -q_rows]), k_min, k_max, tables.repeat(2, 1),
-                          row_lens.repeat(2).to(torch.int32), page_size=page_size, backend=backend)  # [2BM, Hkv, P]
-    hi, neg_lo = ub[:B * M], ub[B * M:]
-    # 0 * -inf is NaN: mask pages past the row's end explicitly (gamma = 1 gives hi exactly)
-    est = torch.where(hi > NEG_INF, 0.5 * (1 + gamma) * hi - 0.5 * (1 - gamma) * neg_lo, NEG_INF)
-    log_p = torch.log_softmax(est * scale, dim=-1)                                        # [BM, Hkv, P]
-    log_mass = log_p.view(B, M, Hkv, P).logsumexp(1)                                      # [B, Hkv, P]
-    return log_mass.nan_to_num(nan=NEG_INF).float()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    log_p = torch.log_softmax(est * scale, dim=-1)                                        # NaN for a query with no key
+    log_mass = log_p.view(B, Tq, Hkv, Hq // Hkv, P).logsumexp((1, 3))                   # [B, Hkv, P]
+    return log_mass.masked_fill(log_mass.isnan(), NEG_INF)
 
 
 # ---------------------------------------------------------------------------------------------- context
@@ -334,8 +367,9 @@ class QuestMassPolicy(SelectionPolicy):
     """Quest's page boxes with a GQA-aware mass estimate: top-k of :func:`box_page_log_mass`.
 
     An extension of Quest (not in the paper; the default ``quest`` stays Quest's). It reads the same ``k_min`` /
-    ``k_max`` as ``quest`` and runs on both backends (two :func:`tinyattn.page_scores` calls per step over
-    ``2·Tq·G`` rows of one query head each, so the boxes are read ``2·Tq·G`` times instead of once).
+    ``k_max`` as ``quest`` and runs on both backends (one :func:`tinyattn.page_scores` call per step over
+    ``2·Tq·G`` rows of one query head each, so it reads the boxes ``2·Tq·G`` times where ``quest`` reads them
+    once; a fused kernel would read them once).
     ``gamma = 1`` differs from ``quest`` only in the GQA aggregation (sum of per-head softmaxes instead of the
     max of the bounds); with one query head per KV head and ``Tq = 1`` it selects exactly ``quest``'s pages.
 
@@ -348,9 +382,7 @@ class QuestMassPolicy(SelectionPolicy):
     name = "questmass"
 
     def __init__(self, gamma: float = 0.75):
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
-            raise ValueError(f"gamma: expected a number in [0, 1], got {gamma!r}")
-        self.gamma = float(gamma)
+        self.gamma = _check_gamma(gamma)
 
     def __repr__(self) -> str:
         return f"QuestMassPolicy(gamma={self.gamma})"
