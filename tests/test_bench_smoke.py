@@ -66,3 +66,14 @@ def test_quick_run_writes_csv_and_plot(name, tmp_path, capsys, keep_threads):
                                                               rel=1e-4)
             assert float(r["speedup_vs_sdpa"]) == pytest.approx(float(r["sdpa_us"]) / float(r["step_fused_us"]),
                                                                 rel=1e-3)
+
+
+def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):
+    out = tmp_path / "sweep.json"
+    _load("questmass_sweep").main(["--gammas", "0.5,1", "--page-sizes", "4", "--token-budgets", "8",
+                                   "--max-stories", "1", "--max-context", "24", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["gamma"]) for r in rows] == [("quest", None), ("questmass", 0.5), ("questmass", 1.0)]
+    assert all(0 <= r["hit_rate"] <= 1 and r["nll"] > 0 for r in rows)
+    assert "questmass gamma=0.5" in capsys.readouterr().out
