@@ -186,22 +186,22 @@ def box_logit_estimates(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     gamma = _check_gamma(gamma)
     q4, page_size = _validation.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
     B, Tq, Hq, D = q4.shape
-    Hkv, P = k_min.shape[1], block_table.shape[1]
+    Hkv, max_pages = k_min.shape[1], block_table.shape[1]
     G = Hq // Hkv
-    N = B * Tq * G
+    num_rows = B * Tq * G
     # one row per (b, t, g) holding a group of one query head per KV head, so page_scores bounds each head
     # alone; the rows of -q give ub(-q) = -(min of q·k over the box)
-    q_rows = q4.reshape(B, Tq, Hkv, G, D).permute(0, 1, 3, 2, 4).reshape(N, 1, Hkv, D)
+    q_rows = q4.reshape(B, Tq, Hkv, G, D).permute(0, 1, 3, 2, 4).reshape(num_rows, 1, Hkv, D)
     lens = seq_lens.to(device=q4.device, dtype=torch.int64)
     ahead = Tq - 1 - torch.arange(Tq, device=q4.device)                                  # later tokens of the step
-    row_lens = (lens[:, None] - ahead[None, :]).clamp(min=0)[:, :, None].expand(B, Tq, G).reshape(N)
+    row_lens = (lens[:, None] - ahead[None, :]).clamp(min=0)[:, :, None].expand(B, Tq, G).reshape(num_rows)
     tables = block_table.repeat_interleave(Tq * G, dim=0)
     ub = _api.page_scores(torch.cat([q_rows, -q_rows]), k_min, k_max, tables.repeat(2, 1),
-                          row_lens.repeat(2).to(torch.int32), page_size=page_size, backend=backend)  # [2N, Hkv, P]
-    hi, neg_lo = ub[:N], ub[N:]
+                          row_lens.repeat(2).to(torch.int32), page_size=page_size, backend=backend)
+    hi, neg_lo = ub[:num_rows], ub[num_rows:]                                  # [num_rows, Hkv, max_pages] each
     # 0 * -inf is NaN: mask the pages past the row's end explicitly (gamma = 1 gives hi exactly)
     est = torch.where(hi > NEG_INF, 0.5 * (1 + gamma) * hi - 0.5 * (1 - gamma) * neg_lo, NEG_INF)
-    return est.view(B, Tq, G, Hkv, P).transpose(2, 3).reshape(B, Tq, Hq, P)
+    return est.view(B, Tq, G, Hkv, max_pages).transpose(2, 3).reshape(B, Tq, Hq, max_pages)
 
 
 def box_page_log_mass(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
@@ -233,12 +233,12 @@ def box_page_log_mass(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
         ValueError: as :func:`box_logit_estimates`.
     """
     est = box_logit_estimates(q, k_min, k_max, block_table, seq_lens, page_size=page_size, gamma=gamma,
-                              backend=backend)                                          # [B, Tq, Hq, P]
-    B, Tq, Hq, P = est.shape
+                              backend=backend)                                    # [B, Tq, Hq, max_pages]
+    B, Tq, Hq, max_pages = est.shape
     Hkv = k_min.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     log_p = torch.log_softmax(est * scale, dim=-1)                                        # NaN for a query with no key
-    log_mass = log_p.view(B, Tq, Hkv, Hq // Hkv, P).logsumexp((1, 3))                   # [B, Hkv, P]
+    log_mass = log_p.view(B, Tq, Hkv, Hq // Hkv, max_pages).logsumexp((1, 3))      # [B, Hkv, max_pages]
     return log_mass.masked_fill(log_mass.isnan(), NEG_INF)
 
 
