@@ -168,7 +168,7 @@ def box_logit_estimates(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     query head, an **upper bound** of ``q·k`` for every key of the page; ``gamma = 0`` the logit of the box
     centre; in between a heuristic (not a bound) that lies between the smallest and largest ``q·k`` the box
     allows, ``est = (1+gamma)/2 · ub(q) - (1-gamma)/2 · ub(-q)``. That identity is how it is computed: one
-    :func:`tinyattn.page_scores` call (either backend) over ``2·B·Tq·Hq`` rows of a single query head each.
+    :func:`tinyattn.page_scores` call (either backend) over ``2·B·Tq·G`` rows holding one query head per KV head.
 
     Args:
         q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; query ``t`` sees the first ``seq_len - Tq + 1 + t`` tokens
