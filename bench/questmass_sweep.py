@@ -8,7 +8,8 @@ group); smaller values also move the estimate from the bound towards the box cen
 reports its output::
 
     python bench/questmass_sweep.py --gammas 0,0.25,0.5,0.75,1 --page-sizes 8,16 --token-budgets 128
-    python bench/questmass_sweep.py --gammas 0.75 --data tinyattn/data/tinystories_sample.txt --max-stories 7
+    python bench/questmass_sweep.py --gammas 0.75 --data tinyattn/data/tinystories_sample.txt \
+        --min-tokens 250 --max-stories 7 --token-budgets 64,128
 
 The text defaults to the 7 TinyStories validation stories of ``python -m tinyattn eval``; the second command
 is the held-out check (other stories than those ``gamma`` was picked on).
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-sizes", type=positive_int_list, default=[8, 16])
     p.add_argument("--token-budgets", type=positive_int_list, default=[128])
     p.add_argument("--data", type=Path, default=None, help="stories (default: the eval command's 7 stories)")
+    p.add_argument("--min-tokens", type=positive_int, default=1,
+                   help="keep only the stories of at least this many tokens (BOS included), before --max-stories")
     p.add_argument("--max-stories", type=positive_int, default=None)
     p.add_argument("--max-context", type=positive_int, default=None, help="tokens per story (default: 512)")
     p.add_argument("--no-quest", action="store_true", help="skip the quest rows")
@@ -60,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)                 # stories260K's ops are too small to split
     model = LlamaModel.from_llama2c(assets.default_model_path())
     tok = Tokenizer(assets.default_tokenizer_path())
-    stories = load_stories(args.data or assets.default_text_path())[:args.max_stories]
+    stories = [s for s in load_stories(args.data or assets.default_text_path())
+               if len(tok.encode(s, bos=True)) >= args.min_tokens][:args.max_stories]
+    if not stories:
+        raise SystemExit(f"no story of at least --min-tokens={args.min_tokens} tokens")
     rows = []
     for gamma in ([None] if not args.no_quest else []) + args.gammas:
         policy = "quest" if gamma is None else QuestMassPolicy(gamma=gamma)
