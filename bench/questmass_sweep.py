@@ -1,4 +1,4 @@
-"""The ``questmass`` policy's ``gamma`` against ``quest`` on real text: hit rate, captured mass, NLL.
+r"""The ``questmass`` policy's ``gamma`` against ``quest`` on real text: hit rate, captured mass, NLL.
 
 Runs :func:`tinyattn.models.evaluate` (teacher-forced sparse decode of the stories260K model shipped with
 tinyattn, hit rate and captured mass against the oracle, the long-range and repeat probes) for ``quest`` and
