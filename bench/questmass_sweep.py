@@ -1,4 +1,4 @@
-r"""The ``questmass`` policy's ``gamma`` against ``quest`` on real text: hit rate, captured mass, NLL.
+r"""The ``questmass`` policy's ``gamma`` against ``quest`` on real text: hit rate, captured mass, NLL, KL.
 
 Runs :func:`tinyattn.models.evaluate` (teacher-forced sparse decode of the stories260K model shipped with
 tinyattn, hit rate and captured mass against the oracle, the long-range and repeat probes) for ``quest`` and
@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> None:
                           progress=False)
         for r in result.rows[1:]:
             row = dict(policy=r.policy, gamma=gamma, page_size=r.page_size, token_budget=r.token_budget,
-                       nll=r.nll, dense_nll=result.dense.nll, hit_rate=r.hit_rate, captured_mass=r.captured_mass,
-                       long_range_nll=r.long_range_nll, repeat_nll=r.repeat_nll)
+                       nll=r.nll, dense_nll=result.dense.nll, kl=r.kl, top1_agreement=r.top1_agreement,
+                       hit_rate=r.hit_rate, captured_mass=r.captured_mass, long_range_nll=r.long_range_nll,
+                       repeat_nll=r.repeat_nll)
             rows.append(row)
             label = "quest" if gamma is None else f"questmass gamma={gamma:g}"
             print(f"{label:24s} page_size={r.page_size:<3d} tokens={r.token_budget:<4d} NLL {r.nll:.4f} "
-                  f"(dense {result.dense.nll:.4f})  hit rate {r.hit_rate:.1%}  captured mass {r.captured_mass:.1%}  "
+                  f"(dense {result.dense.nll:.4f})  KL {r.kl:.5f}  top-1 agreement {r.top1_agreement:.2%}  "
+                  f"hit rate {r.hit_rate:.2%}  captured mass {r.captured_mass:.1%}  "
                   f"long-range NLL {r.long_range_nll:.4f}  repeat NLL {r.repeat_nll:.4f}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
