@@ -100,3 +100,14 @@ def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     assert kv["recency"] == kv["gradient"] < kv["full"]                 # equal memory for the two evicting ones
     assert (tmp_path / "out" / "retention_recall.png").stat().st_size > 0
     assert "| gradient | 2 |" in capsys.readouterr().out
+
+
+def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):
+    out = tmp_path / "sweep.json"
+    _load("questmass_sweep").main(["--gammas", "0.5,1", "--page-sizes", "4", "--token-budgets", "8",
+                                   "--max-stories", "1", "--max-context", "24", "--json", str(out)])
+    import json
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["gamma"]) for r in rows] == [("quest", None), ("questmass", 0.5), ("questmass", 1.0)]
+    assert all(0 <= r["hit_rate"] <= 1 and r["nll"] > 0 for r in rows)
+    assert "questmass gamma=0.5" in capsys.readouterr().out

@@ -345,7 +345,7 @@ def test_generate_keeps_the_outputs_of_requests_queued_before(model, prompts):
     assert [o.request_id for o in outs] == [early] and outs[0].tokens == alone(model, prompts[:1], 3)[0]
 
 
-@pytest.mark.parametrize("policy", ["meanstd", "oracle"])
+@pytest.mark.parametrize("policy", ["questmass", "meanstd", "oracle"])
 def test_other_policies_equal_the_runtime_with_chunked_prefill(model, prompts, policy):
     ps = prompts[8:10]
     rt = LlamaRuntime(model, page_size=8, page_budget=2, policy=policy, backend="torch")

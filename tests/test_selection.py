@@ -10,13 +10,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tinyattn
 from tinyattn import selection as S
-from paged_problems import make_problem
+from paged_problems import make_problem, problems
 
 TORCH = "torch"
-POLICY_NAMES = ["quest", "meanstd", "oracle", "streaming", "h2o", "random"]
+POLICY_NAMES = ["quest", "questmass", "meanstd", "oracle", "streaming", "h2o", "random"]
 
 
 def problem(seed=0, lens=(37, 5, 64, 0, 16), page_size=4, Hkv=2, G=2, D=8, Tq=1):
@@ -193,6 +195,127 @@ def test_meanstd_scores_match_the_formula():
                 want = max(float(q @ mu + 1.5 * (q.abs() @ sd)) for q in pb.q[b, 0, h * G:(h + 1) * G].double())
                 assert got[b, h, j].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
     assert torch.equal(pol.select(ctx), ctx.select_top(got))
+
+
+# ------------------------------------------------------------------------------------ questmass
+def brute_box_estimates(pb, gamma):
+    """{(b, t, hq, page): est} from boxes built here over each page's valid keys, in fp64, per query head."""
+    B, Tq, Hq, D = pb.q.shape
+    Hkv = pb.num_kv_heads
+    G = Hq // Hkv
+    out = {}
+    for b in range(B):
+        n = int(pb.seq_lens[b])
+        for t in range(Tq):
+            seen = max(n - Tq + 1 + t, 0)                                        # keys query t sees
+            for j in range(n_pages(seen, pb.page_size)):
+                keys = pb.k_cache[int(pb.block_table[b, j]), : min(pb.page_size, n - j * pb.page_size)].double()
+                for hq in range(Hq):
+                    lo, hi = keys[:, hq // G].amin(0), keys[:, hq // G].amax(0)        # the page's box
+                    q = pb.q[b, t, hq].double()
+                    out[(b, t, hq, j)] = float(q @ ((lo + hi) / 2) + gamma * (q.abs() @ ((hi - lo) / 2)))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(max_query_tokens=3, page_sizes=(1, 2, 4, 8)), st.sampled_from([0.0, 0.3, 0.75, 1.0]))
+def test_box_logit_estimates_match_brute_force_and_bound_every_key_at_gamma_one(pb, gamma):
+    k_min, k_max = pb.bounds()
+    est = S.box_logit_estimates(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=pb.page_size,
+                                gamma=gamma, backend=TORCH)
+    B, Tq, Hq, D = pb.q.shape
+    want = brute_box_estimates(pb, gamma)
+    G = Hq // pb.num_kv_heads
+    for b in range(B):
+        n = int(pb.seq_lens[b])
+        for t in range(Tq):
+            for hq in range(Hq):
+                for j in range(est.shape[3]):
+                    got = est[b, t, hq, j].item()
+                    if (b, t, hq, j) not in want:
+                        assert got == float("-inf")                               # past what query t sees
+                        continue
+                    assert got == pytest.approx(want[(b, t, hq, j)], rel=1e-5, abs=1e-4)
+                    keys = pb.k_cache[int(pb.block_table[b, j]), : min(pb.page_size, n - j * pb.page_size)]
+                    logits = keys[:, hq // G].double() @ pb.q[b, t, hq].double()
+                    if gamma == 1.0:                                              # Quest's bound: an upper bound
+                        assert got >= logits.max().item() - 1e-4 * (1 + logits.abs().max().item())
+
+
+@settings(max_examples=12, deadline=None)
+@given(problems(max_query_tokens=2, page_sizes=(1, 2, 4, 8, 16)), st.sampled_from([0.0, 0.75, 1.0]))
+def test_box_page_log_mass_triton_matches_torch(pb, gamma):
+    """The Triton scoring kernel (interpreted) gives the torch backend's estimates."""
+    k_min, k_max = pb.bounds()
+    args = (pb.q, k_min, k_max, pb.block_table, pb.seq_lens)
+    ref = S.box_page_log_mass(*args, page_size=pb.page_size, gamma=gamma, backend=TORCH)
+    got = S.box_page_log_mass(*args, page_size=pb.page_size, gamma=gamma, backend="triton")
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_box_page_log_mass_is_the_group_sum_of_per_head_softmaxes(Tq):
+    pb = problem(seed=15, lens=(37, 5, 0, 17), G=3, Tq=Tq)
+    k_min, k_max = pb.bounds()
+    gamma, scale = 0.5, 0.3
+    got = S.box_page_log_mass(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=4, gamma=gamma,
+                              scale=scale, backend=TORCH)
+    est = brute_box_estimates(pb, gamma)
+    B, _, Hq, _ = pb.q.shape
+    for b in range(B):
+        for h in range(2):
+            mass = {}
+            for t in range(Tq):
+                for hq in range(h * 3, h * 3 + 3):
+                    row = {j: e for (bb, tt, qq, j), e in est.items() if (bb, tt, qq) == (b, t, hq)}
+                    if not row:
+                        continue
+                    m = max(row.values())
+                    z = sum(math.exp(scale * (e - m)) for e in row.values())
+                    for j, e in row.items():
+                        mass[j] = mass.get(j, 0.0) + math.exp(scale * (e - m)) / z
+            for j in range(got.shape[2]):
+                want = math.log(mass[j]) if j in mass else float("-inf")
+                assert got[b, h, j].item() == pytest.approx(want, abs=1e-5)
+        if int(pb.seq_lens[b]) >= Tq:                                             # every query sees a key
+            assert got[b].exp().sum(-1) == pytest.approx(torch.full((2,), 3.0 * Tq), abs=1e-4)
+
+
+def test_questmass_with_one_head_per_group_and_gamma_one_selects_quests_pages():
+    pb = problem(seed=16, G=1)
+    for budget, sinks in ((2, 0), (3, 1), (5, 0)):
+        ctx = context(pb, budget, sinks=sinks)
+        assert torch.equal(S.QuestMassPolicy(gamma=1.0).select(ctx), S.QuestPolicy().select(ctx))
+
+
+def test_questmass_selects_the_top_of_its_scores_and_weighs_every_head_of_the_group():
+    # two pages besides the forced last one; head 0's logits are large on both (its bound prefers page 0 by a
+    # little), head 1 puts nearly all its attention on page 1. quest (max over the group) keeps page 0;
+    # questmass (sum of the heads' shares) keeps page 1, where the group's attention mass is.
+    D, S_ = 2, 1
+    k_cache = torch.tensor([[[[10.0, 0.0]]], [[[9.0, 5.0]]], [[[0.0, 0.0]]]])       # [3 pages, 1 slot, Hkv=1, D]
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])                                    # [B=1, Hq=2, D]
+    table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    lens = torch.tensor([3], dtype=torch.int32)
+    k_min = k_max = k_cache[:, 0]
+    ctx = S.SelectionContext(layer=0, q=q, k_cache=k_cache, v_cache=k_cache, k_min=k_min, k_max=k_max,
+                             block_table=table, seq_lens=lens, page_budget=2, backend=TORCH)
+    assert S.QuestPolicy().select(ctx).tolist() == [[[0, 2]]]
+    pol = S.QuestMassPolicy()
+    assert pol.select(ctx).tolist() == [[[1, 2]]]
+    assert torch.equal(pol.select(ctx), ctx.select_top(pol.scores(ctx)))
+    oracle = S.OraclePolicy().select(ctx)
+    assert oracle.tolist() == [[[1, 2]]]
+
+
+@pytest.mark.parametrize("gamma", [-0.1, 1.5, float("nan"), "1", True])
+def test_questmass_rejects_a_bad_gamma(gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        S.QuestMassPolicy(gamma=gamma)
+    pb = problem(seed=17)
+    k_min, k_max = pb.bounds()
+    with pytest.raises(ValueError, match="gamma"):
+        S.box_page_log_mass(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=4, gamma=gamma)
 
 
 def test_h2o_running_score_and_eviction_against_brute_force():

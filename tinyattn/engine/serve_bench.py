@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["add_arguments", "run", "BenchRow", "FIELDS", "parse_config", "make_workload", "bench_config"]
 
-POLICY_NAMES = ("quest", "meanstd", "oracle", "streaming", "h2o", "random")
+POLICY_NAMES = ("quest", "questmass", "meanstd", "oracle", "streaming", "h2o", "random")
 MODIFIERS = ("exit", "approx")
 FIELDS = ("config", "completed", "num_requests", "duration_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
           "tpot_p99_ms", "output_throughput_tok_s", "output_tokens", "peak_kv_pages", "num_pages", "preemptions",

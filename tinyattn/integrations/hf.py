@@ -194,8 +194,8 @@ class TinyAttnCache(Cache):
         backend: ``None`` (by device: Triton on CUDA or under ``TRITON_INTERPRET=1``, else PyTorch),
             ``"torch"`` or ``"triton"``, passed to every tinyattn op.
         policy: page-selection policy of the sparse layers, as :class:`tinyattn.models.LlamaRuntime`'s:
-            ``"quest"`` (default), ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"`` or a
-            :class:`tinyattn.selection.SelectionPolicy`.
+            ``"quest"`` (default), ``"questmass"``, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``,
+            ``"random"`` or a :class:`tinyattn.selection.SelectionPolicy`.
         kv_cache_dtype: storage format of the pool (vLLM's option): ``"auto"`` (the model's dtype), ``"fp16"``,
             ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"`` (per-(page, KV head) scales, see
             :class:`tinyattn.PagedKVCache`). The first prefill into an empty cache attends over the new states as

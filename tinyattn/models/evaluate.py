@@ -488,7 +488,7 @@ def plot_eval(result: EvalResult, out_dir: str | os.PathLike,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    styles = {"quest": ("C0", "o"), "meanstd": ("C9", "s"), "oracle": ("k", "*"), "streaming": ("C1", "v"),
+    styles = {"quest": ("C0", "o"), "questmass": ("C2", "D"), "meanstd": ("C9", "s"), "oracle": ("k", "*"), "streaming": ("C1", "v"),
               "h2o": ("C3", "^"), "random": ("C7", "x")}
     for metric in metrics:
         label, _ = _METRICS[metric]

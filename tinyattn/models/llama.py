@@ -475,8 +475,8 @@ class LlamaRuntime:
         num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence.
         dense_layers: leading layers that stay dense during decode (Quest keeps 2).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
-        policy: page-selection policy, a name (``"quest"``, the default, ``"meanstd"``, ``"oracle"``,
-            ``"streaming"``, ``"h2o"``, ``"random"``) or a :class:`tinyattn.selection.SelectionPolicy`.
+        policy: page-selection policy, a name (``"quest"``, the default, ``"questmass"``, ``"meanstd"``,
+            ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a :class:`tinyattn.selection.SelectionPolicy`.
         selection_metrics: measure each sparse step against the oracle selection (hit rate, captured
             attention mass; in ``GenerationStats.selection``); costs a dense attention pass per sparse layer.
         kv_cache_dtype: KV storage format of the caches it makes: ``"auto"`` (the model dtype), ``"fp16"``,
