@@ -89,3 +89,162 @@ def test_known_good_greedy_text_stock_and_tinyattn(converted):
     small = tiny.generate(bos, cache=hf.TinyAttnCache(tiny.config, page_size=16, page_budget=4, backend="torch"), **kw)
     text = tok.decode(small[0], skip_special_tokens=True)
     assert small.shape == ref.shape and text.startswith(known_good(model_dir)[:150])
+
+
+# ---------------------------------------------------------------------------- hybrid models (sliding + NoPE layers)
+HYBRID = dict(dim=32, hidden_dim=48, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64,
+              layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+              sliding_window=5, nope_layers=(1,))
+
+
+def hybrid_model(**overrides):
+    """A random tiny hybrid LlamaModel; weights of std 0.3 so that attention is peaked and a window matters."""
+    from tinyattn.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**{**HYBRID, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def reference_logits(cfg, sd, tokens):
+    """Independent plain-torch forward of a LLaMA with per-layer options, fp64, in llama2.c's layout: interleaved
+    RoPE pairs (2i, 2i+1) at positions 0..T-1 except in ``nope_layers``, GQA, and in sliding layers query t sees
+    keys j with t - sliding_window < j <= t."""
+    sd = {k: v.double() for k, v in sd.items()}
+    T, H, Hkv, D = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def rope(x):                                             # [T, heads, D] -> rotated pairs, as complex numbers
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * cfg.rope_theta ** (-torch.arange(0, D, 2) / D)
+        z = torch.view_as_complex(x.reshape(T, -1, D // 2, 2).contiguous())
+        return torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)[:, None]).reshape(x.shape)
+
+    t = torch.arange(T)
+    x = sd["tok_embeddings.weight"][tokens]
+    for i in range(cfg.n_layers):
+        w = {k.split(".", 2)[2]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}
+        h = rms(x, w["attention_norm.weight"])
+        q, k, v = (h @ w[n + ".weight"].T for n in ("wq", "wk", "wv"))
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if i not in cfg.nope_layers:
+            q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        visible = t[None, :] <= t[:, None]
+        if cfg.is_sliding(i):
+            visible &= t[None, :] > t[:, None] - cfg.sliding_window
+        s = torch.einsum("thd,jhd->htj", q, k) / D ** 0.5
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        x = x + torch.einsum("htj,jhd->thd", p, v).reshape(T, H * D) @ w["wo.weight"].T
+        h = rms(x, w["ffn_norm.weight"])
+        x = x + (torch.nn.functional.silu(h @ w["w1.weight"].T) * (h @ w["w3.weight"].T)) @ w["w2.weight"].T
+    return rms(x, sd["norm.weight"]) @ sd["output.weight"].T
+
+
+def test_hybrid_model_converts_to_smollm3_with_its_per_layer_options(tmp_path):
+    model = hybrid_model()
+    out = C.save_pretrained(model, tmp_path / "hf")
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    assert cfg.model_type == "smollm3" and cfg.architectures == ["SmolLM3ForCausalLM"]
+    assert cfg.layer_types == list(HYBRID["layer_types"]) and cfg.sliding_window == 5 and cfg.use_sliding_window
+    assert cfg.no_rope_layers == [1, 0, 1, 1]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert [layer.self_attn.sliding_window for layer in hf_model.model.layers] == [5, None, 5, 5]
+    assert [bool(layer.self_attn.use_rope) for layer in hf_model.model.layers] == [True, False, True, True]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hybrid_hf_logits_equal_an_independent_reference(tmp_path, attn):
+    model = hybrid_model()
+    out = C.save_pretrained(model, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation=attn).eval()
+    tokens = torch.randint(0, HYBRID["vocab_size"], (23,), generator=torch.Generator().manual_seed(1))
+    want = reference_logits(model.config, model.state_dict(), tokens)
+    with torch.no_grad():
+        got = hf_model(tokens[None]).logits[0].double()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-5 * scale
+    # and tinyattn's own paged runtime on the same model
+    cache = model.new_cache(page_size=4, num_pages=8)
+    runtime = model(tokens[None], cache, [cache.add_sequence()], backend="torch")[0].double()
+    assert (runtime - want).abs().max().item() < 1e-5 * scale
+    # the test can tell: the same model without its window, or with RoPE in every layer, is far off
+    from tinyattn.models import LlamaConfig
+
+    for change in (dict(layer_types=None, sliding_window=None), dict(nope_layers=())):
+        other = reference_logits(LlamaConfig(**{**HYBRID, **change}), model.state_dict(), tokens)
+        assert (other - want).abs().max().item() > 1e-2 * scale
+
+
+def test_hybrid_round_trip_config_and_weights(tmp_path):
+    model = hybrid_model(shared_classifier=False, rope_theta=500.0)
+    out = C.save_pretrained(model, tmp_path / "hf")
+    cfg, sd = C.load_hf(out)
+    assert cfg == model.config
+    want = model.state_dict()
+    assert set(sd) == set(want) and all(torch.equal(sd[k], want[k]) for k in want)
+    assert C.llama_config_from_hf(transformers.AutoConfig.from_pretrained(out)) == model.config
+    # a plain model stays a LlamaForCausalLM, and reads back as plain
+    plain = hybrid_model(layer_types=None, sliding_window=None, nope_layers=())
+    out = C.save_pretrained(plain, tmp_path / "plain")
+    assert transformers.AutoConfig.from_pretrained(out).model_type == "llama"
+    assert C.load_hf(out)[0] == plain.config
+
+
+def test_unpermute_rope_inverts_permute_rope():
+    w = torch.randn(3 * 8, 5)
+    assert torch.equal(C.unpermute_rope(C.permute_rope(w, 3), 3), w)
+
+
+def test_cli_per_layer_options(tmp_path, capsys):
+    from conftest import CKPT
+
+    out = tmp_path / "hyb"
+    types = "sliding_attention,full_attention,sliding_attention,sliding_attention,full_attention"
+    assert C.main(["--model", str(CKPT), "--out", str(out), "--layer-types", types, "--sliding-window", "8",
+                   "--nope-layers", "1,4"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["layer_types"], cfg["sliding_window"], cfg["no_rope_layers"]) == \
+        ("smollm3", types.split(","), 8, [1, 0, 1, 1, 0])
+    # --check: the converted SmolLM3 against tinyattn's runtime running the same hybrid config (33 tokens > 8)
+    assert C.check(CKPT, out) < 1e-4
+    assert C.main(["--model", str(CKPT), "--out", str(out), "--layer-types", "sliding_attention"]) == 2
+    assert "layer_types: expected 5 entries (n_layers), got 1" in capsys.readouterr().err
+    assert C.main(["--model", str(CKPT), "--out", str(out), "--layer-types", types]) == 2
+    assert "sliding_window: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_llama_config_from_hf_refuses_what_the_runtime_does_not_model():
+    cfg = C.hf_config_dict(hybrid_model().config)
+    with pytest.raises(ValueError, match="model_type 'llama' or 'smollm3', got 'gpt2'"):
+        C.llama_config_from_hf({**cfg, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="attention_bias must be False"):
+        C.llama_config_from_hf({**cfg, "attention_bias": True})
+
+
+def test_retrieval_checkpoint_converts_with_its_character_tokenizer(tmp_path, capsys):
+    """A train-retrieval checkpoint directory (hybrid config inside, character tokenizer): convert --check writes
+    SmolLM3 + a Hugging Face tokenizer that encodes and decodes like the CharTokenizer."""
+    from tinyattn.retrieval.model import save_retrieval_model
+    from tinyattn.retrieval.tokenizer import CharTokenizer
+
+    ct = CharTokenizer(unknown="unk")
+    model = hybrid_model(vocab_size=ct.vocab_size)
+    ckpt = save_retrieval_model(model, CharTokenizer(), tmp_path / "ckpt")
+    out = tmp_path / "hf"
+    assert C.main(["--model", str(ckpt), "--out", str(out), "--check"]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    assert C.load_hf(out)[0] == model.config
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["The pass key is 7f3a.\n  What is the pass key? 7f3a", "naïve <s> é", " x"]:
+        ids = tok(text)["input_ids"]
+        assert ids == ct.encode(text)
+        assert tok.decode(ids, skip_special_tokens=True) == ct.decode(ids)
+    assert C.main(["--model", str(ckpt), "--out", str(out), "--nope-layers", "0"]) == 2
+    assert "--nope-layers: not used with a retrieval checkpoint" in capsys.readouterr().err
+    assert C.main(["--model", str(tmp_path), "--out", str(out)]) == 2
+    assert "is a directory but not a tinyattn retrieval checkpoint" in capsys.readouterr().err

@@ -326,14 +326,78 @@ def test_past_key_values_alias_and_multi_turn_continuation():
     assert max_logit_diff(out, ref) < TOL
 
 
-def test_sliding_window_beyond_window_raises():
+def test_mistral_sliding_window_beyond_the_window_equals_stock():
+    """Every Mistral layer slides (window 8): rows past the window attend to its last 8 tokens, as stock."""
     cfg = _config("mistral")
     cfg.sliding_window = 8
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="tinyattn").eval()
-    generate(model, prompt(6, 1), max_new_tokens=2, cache=cache(model, page_budget=2))   # inside the window: fine
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        generate(model, prompt(6, 1), max_new_tokens=5, cache=cache(model, page_budget=2))
+    stock = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    tiny = copy.deepcopy(stock)
+    tiny.set_attn_implementation("tinyattn")
+    ids = prompt(11, 1)
+    ref = generate(stock, ids, max_new_tokens=9)
+    out = generate(tiny, ids, max_new_tokens=9, cache=cache(tiny))
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out, ref) < TOL
+
+
+# -------------------------------------------------------------------- hybrid models: sliding-window + NoPE layers
+def hybrid_models(layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"),
+                  no_rope_layers=(1, 0, 1, 1), window=5, attn="sdpa"):
+    """(tinyattn, stock) SmolLM3 models with identical weights: per-layer windows and NoPE layers, as
+    tinyattn.integrations.convert writes a hybrid tinyattn model."""
+    cfg = transformers.SmolLM3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=256, layer_types=list(layer_types),
+                                     use_sliding_window=True, sliding_window=window,
+                                     no_rope_layers=list(no_rope_layers), initializer_range=0.3, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    tiny = copy.deepcopy(stock)
+    tiny.set_attn_implementation("tinyattn")
+    return tiny, stock
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hybrid_dense_equals_stock_past_the_window(attn):
+    """Prefill of 13 tokens, then 12 decode steps (window 5, pages of 4): every step equals stock attention."""
+    tiny, stock = hybrid_models(attn=attn)
+    ids = prompt(13, seed=3)
+    ref = generate(stock, ids, max_new_tokens=12)
+    out = generate(tiny, ids, max_new_tokens=12, cache=cache(tiny))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < TOL
+
+
+def test_hybrid_left_padded_batch_and_a_continued_cache_equal_stock():
+    """Left padding under a sliding mask, then a second generate on the same cache: a prefill of several tokens
+    into a non-empty cache, windowed through the paged op."""
+    tiny, stock = hybrid_models()
+    ids, mask = left_pad([prompt(9, 4), prompt(4, 5)])
+    c = cache(tiny)
+    first = generate(tiny, ids, mask, max_new_tokens=5, cache=c)
+    assert torch.equal(first.sequences, generate(stock, ids, mask, max_new_tokens=5).sequences)
+    ids2 = torch.cat([first.sequences, torch.tensor([[5, 6, 7], [8, 9, 10]])], 1)
+    mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=torch.long)], 1)
+    out = generate(tiny, ids2, mask2, max_new_tokens=6, cache=c)
+    ref = generate(stock, ids2, mask2, max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out, ref) < TOL
+
+
+def test_sliding_layers_ignore_the_page_budget():
+    """Sliding layers attend densely inside their window whatever the budget: a model that slides in every layer
+    decodes with a 2-page budget exactly as stock (if the budget applied, Quest would drop pages of the window);
+    with a full-attention NoPE layer, the budget does act (on that layer)."""
+    tiny, stock = hybrid_models(layer_types=("sliding_attention",) * 3, no_rope_layers=(1, 1, 1), window=7)
+    ids = prompt(30, seed=6)
+    ref = generate(stock, ids, max_new_tokens=8)
+    out = generate(tiny, ids, max_new_tokens=8, cache=cache(tiny, page_budget=2))
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out, ref) < TOL
+    tiny, stock = hybrid_models()
+    ref = generate(stock, ids, max_new_tokens=8)
+    sparse = generate(tiny, ids, max_new_tokens=8, cache=cache(tiny, page_budget=2))
+    assert all(torch.isfinite(x).all() for x in sparse.logits)
+    assert max_logit_diff(sparse, ref) > 1e-3
 
 
 def test_triton_backend_short():
@@ -344,6 +408,21 @@ def test_triton_backend_short():
         pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
     tiny, _ = models("llama")
     ids = prompt(9, 11)
+    ref = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="torch"))
+    out = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="triton"))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_logit_diff(out, ref) < TOL
+
+
+def test_triton_backend_hybrid_short():
+    """A hybrid's sliding layers (window 5) and sparse NoPE layer through the Triton kernels (interpreter on CPU):
+    the torch backend's tokens and logits."""
+    pytest.importorskip("triton")
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on a CPU machine")
+    tiny, _ = hybrid_models()
+    ids = prompt(10, 12)
     ref = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="torch"))
     out = generate(tiny, ids, max_new_tokens=3, cache=cache(tiny, page_budget=2, backend="triton"))
     assert torch.equal(out.sequences, ref.sequences)

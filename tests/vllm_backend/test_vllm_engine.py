@@ -4,8 +4,10 @@ Skipped where vLLM cannot be imported (the main suite's venv). The engines run i
 ``tests/vllm_backend/run_llm.py``, one after the other (each start costs ~25-50 s on 2 cores), so that every run
 gets its own ``TINYATTN_*`` environment; the tests below read their results.
 
-Models: a random GQA Llama (head_dim 64, 4 query / 2 KV heads, float32), and stories260K converted with
-``python -m tinyattn convert`` (head_dim 8, which vLLM's own CPU backend cannot run).
+Models: a random GQA Llama (head_dim 64, 4 query / 2 KV heads, float32), stories260K converted with
+``python -m tinyattn convert`` (head_dim 8, which vLLM's own CPU backend cannot run), and a random hybrid tinyattn
+model (sliding-window RoPE layers + a full-attention NoPE layer) converted to SmolLM3, which vLLM runs through its
+Transformers backend with a window per sliding layer.
 """
 
 import json
@@ -67,6 +69,29 @@ def stories_dir(tmp_path_factory) -> Path:
     return out
 
 
+HYBRID_WINDOW = 48             # tokens; the prompts are longer, so vLLM frees blocks before the window
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(directory, LlamaModel): a random hybrid tinyattn model, written by tinyattn.integrations.convert."""
+    from tinyattn.integrations.convert import save_pretrained
+    from tinyattn.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=256, hidden_dim=512, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=1024,
+                      shared_classifier=False, sliding_window=HYBRID_WINDOW, nope_layers=(1,),
+                      layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"))
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.1)
+    out = tmp_path_factory.mktemp("hybrid-smollm3")
+    save_pretrained(model, out)
+    return out, model.eval()
+
+
 def random_prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(1, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -83,7 +108,7 @@ def story_prompts():
 
 
 @pytest.fixture(scope="module")
-def runs(llama_dir, stories_dir, tmp_path_factory):
+def runs(llama_dir, stories_dir, hybrid, tmp_path_factory):
     """name -> result of run_llm.py, all engines in one subprocess (see the module doc)."""
     llama = dict(model=str(llama_dir), prompts=random_prompts(), max_tokens=MAX_TOKENS, prompt_logprobs=1,
                  llm={"max_model_len": 1024})
@@ -102,6 +127,8 @@ def runs(llama_dir, stories_dir, tmp_path_factory):
                                              "disable_log_stats": False}),
         "stories_sparse": dict(stories, prompts=story_prompts()[:3],
                                env={**on, "TINYATTN_PAGE_BUDGET": "4"}, llm={"max_model_len": 256}),
+        "hybrid_sparse": dict(llama, model=str(hybrid[0]), block_size=16, alone=True,
+                              env={**on, "TINYATTN_PAGE_BUDGET": "2"}),
     }
     tmp = tmp_path_factory.mktemp("runs")
     (tmp / "runs.json").write_text(json.dumps(list(plan.values())))
@@ -231,6 +258,31 @@ def test_sparse_matches_tinyattn_runtime_and_stays_fluent(runs):
     for p, w, got in zip(prompts, want, r["tokens"]):
         assert got == list(w)[len(w) - STORY_TOKENS:]
     assert decode([1] + r["tokens"][0]).strip().startswith(known_good()[:150])
+
+
+# ---- hybrid model: sliding-window layers + a NoPE layer (SmolLM3 through vLLM's Transformers backend) ---------
+def test_hybrid_model_through_vllm_matches_tinyattn_runtime(runs, hybrid):
+    """Budget 2 pages of 16, window 48, prompts of 40-130 tokens + 20: the prompt logprobs (dense, windowed prefill)
+    are the runtime's; the generated tokens are tinyattn's LlamaRuntime's with the same sparsity (sliding layers dense
+    over their window, the NoPE full-attention layer Quest-sparse); each prompt again, served partly from vLLM's
+    prefix cache, gives the same tokens."""
+    from tinyattn.models.llama import LlamaRuntime
+
+    _, model = hybrid
+    r = ok(runs["hybrid_sparse"])
+    prompts = runs["_plan"]["hybrid_sparse"]["prompts"]
+    for p, got in zip(prompts, r["prompt_logprobs"]):
+        cache = model.new_cache(page_size=16, num_pages=16)
+        with torch.no_grad():
+            logits = model(torch.tensor([p]), cache, [cache.add_sequence()], backend="torch")[0]
+        want = logits.log_softmax(-1)[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        assert (torch.tensor(got) - want).abs().max().item() < 1e-3
+    rt = LlamaRuntime(model, page_size=16, page_budget=2, backend="torch")
+    want = rt.generate(prompts, max_new_tokens=MAX_TOKENS, eos_id=None).tokens
+    assert r["tokens"] == [list(w)[len(w) - MAX_TOKENS:] for w in want]
+    dense = LlamaRuntime(model, page_size=16, backend="torch").generate(prompts, max_new_tokens=MAX_TOKENS, eos_id=None)
+    assert r["tokens"] != [list(w)[len(w) - MAX_TOKENS:] for w in dense.tokens]        # the budget does act
+    assert r["alone_tokens"] == r["tokens"] and all(c >= 16 for c in r["alone_cached_tokens"])
 
 
 # ---- OpenAI-compatible server ------------------------------------------------------------------------------

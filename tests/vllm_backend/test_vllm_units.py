@@ -162,16 +162,22 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
 
 # ---- planning a mixed step ------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_budget", [None, 2])
-def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
+@pytest.mark.parametrize("window_left", [-1, 4])
+def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_left):
     """Rows in vLLM's order (decodes first, then prefills: fresh ones and ones with cached context, one length
     three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
-    decode), the fresh prefills (causal SDPA on the step's keys) included."""
+    decode), the fresh prefills (causal SDPA on the step's keys) included.
+
+    A sliding layer (``window_left`` 4: 5 tokens) is dense over its window whatever the budget, and the entries of
+    its block table wholly before the window point at a block poisoned with NaN: vLLM's sliding-window KV manager
+    frees those blocks and reuses them while the table still lists their old ids, so they must not be read."""
     torch.manual_seed(1)
     B, Hq, H, page_size, D = 40, 4, 2, 4, 8
     kv = vllm_cache(B, H, page_size, D)
     k_cache, v_cache = block_pools(kv, H, D, page_size)
     boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
     vl = FakeVllm(B, page_size)
+    vl.free.remove(0)                                     # the null block is never a request's
     contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0, 5: 6}      # tokens already in the cache
     query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5, 5: 5}     # 2 decodes, fresh prefills of 5, chunks of 3 and 5
     for r, n in contexts.items():
@@ -186,13 +192,20 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
     write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, page_size)
     bt, sl = vl.tables(reqs)
     qsl = torch.tensor([0] + [query_lens[r] for r in reqs]).cumsum(0)
+    vllm_bt = bt.clone()
+    if window_left >= 0:
+        kv[0] = float("nan")
+        for i, r in enumerate(reqs):                      # blocks wholly before the first query's window
+            first_key = int(sl[i]) - query_lens[r] - window_left
+            vllm_bt[i, : max(first_key, 0) // page_size] = 0
+        assert (vllm_bt == 0).any()
     sparsity = SparsityConfig(page_budget=page_budget)
     made = {}
 
     def make(tq):
         return made.setdefault(tq, PagedAttention(sparsity, backend="torch"))
 
-    groups = plan_groups(qsl, bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
+    groups = plan_groups(qsl, vllm_bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
                          page_size=page_size, scale=D ** -0.5)
     assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
         [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
@@ -200,17 +213,18 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget):
     query = torch.randn(T, Hq, D)
     output = torch.full((T, Hq, D), float("nan"))
     k_min, k_max = box_views(boxes)
-    attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
+    attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
+                  window_left=window_left)
     for i, r in enumerate(reqs):
         tq = query_lens[r]
         q = query[int(qsl[i]): int(qsl[i + 1])][None]
         q = q[:, 0] if tq == 1 else q
         row_bt, row_sl = bt[i: i + 1] * 2, sl[i: i + 1]
-        if tq == 1 and page_budget:
+        if tq == 1 and page_budget and window_left < 0:
             want = ref.sparse_paged_attention(q, k_cache, v_cache, row_bt, row_sl, k_min=k_min, k_max=k_max,
                                               page_budget=page_budget)
         else:
-            want = ref.paged_attention(q, k_cache, v_cache, row_bt, row_sl)
+            want = ref.paged_attention(q, k_cache, v_cache, row_bt, row_sl, window_left=window_left)
         got = output[int(qsl[i]): int(qsl[i + 1])]
         torch.testing.assert_close(got, want.reshape(got.shape), atol=1e-5, rtol=1e-5)
 

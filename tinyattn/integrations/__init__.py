@@ -5,7 +5,8 @@
   (needs the ``hf`` extra: ``pip install "tinyattn[hf]"``).
 - :mod:`tinyattn.integrations.vllm`: an attention backend for vLLM's v1 engine, registered through vLLM's
   ``vllm.general_plugins`` entry point and active only with ``TINYATTN_VLLM=1`` (``docs/vllm.md``).
-- :mod:`tinyattn.integrations.convert`: llama2.c checkpoint -> Hugging Face Llama checkpoint
+- :mod:`tinyattn.integrations.convert`: llama2.c checkpoint or tinyattn model -> Hugging Face checkpoint
+  (``LlamaForCausalLM``; ``SmolLM3ForCausalLM`` for hybrid sliding-window / NoPE models), and back
   (``python -m tinyattn.integrations.convert --help``).
 
 Nothing is imported here, so ``import tinyattn.integrations`` never needs ``transformers`` or ``vllm``.

@@ -38,13 +38,18 @@ How a forward pass goes through it, per attention layer:
      everywhere when ``page_budget is None``.
 
    The softmax scale is the ``scaling`` argument the model passes (OPT pre-scales its queries and
-   passes ``1.0``; GPT-2's ``scale_attn_by_inverse_layer_idx`` is folded into it).
+   passes ``1.0``; GPT-2's ``scale_attn_by_inverse_layer_idx`` is folded into it). A sliding-window
+   layer is recognised by the ``sliding_window`` argument the model passes for it (Mistral, Qwen2/3,
+   Gemma, SmolLM3 hybrids: ``W`` tokens, the query included): its query at position ``i`` sees keys
+   ``i - W < j <= i`` (``window_left = W - 1`` of the attention layer), densely at every step; the cache
+   keeps every token of every layer, so full-attention (e.g. NoPE) layers of the same model see them all.
 
 Used without a :class:`TinyAttnCache` (``use_cache=False``, training, perplexity), ``"tinyattn"`` is
 plain SDPA; used with another cache it is SDPA too, with a one-time warning (that decode is dense).
 
 Supported: causal LMs whose attention goes through ``AttentionInterface`` and calls
-``cache.update(k, v, layer_idx)`` — tested: Llama (GQA), Mistral, Qwen2, GPT-2, OPT. See
+``cache.update(k, v, layer_idx)`` — tested: Llama (GQA), Mistral, Qwen2, GPT-2, OPT, SmolLM3 (sliding-window
++ NoPE hybrids, what :mod:`tinyattn.integrations.convert` makes of a hybrid tinyattn model). See
 ``docs/huggingface.md`` for the feature table and what raises.
 """
 
@@ -207,8 +212,8 @@ class TinyAttnCache(Cache):
     Raises:
         ValueError for bad options; at run time, ValueError for right padding or masks with holes,
         a batch size that changes without ``reorder_cache``, dropout in training mode, a model that
-        does not use ``attn_implementation="tinyattn"``; NotImplementedError for rows longer than a
-        sliding-window layer's window.
+        does not use ``attn_implementation="tinyattn"``; NotImplementedError for rows longer than the
+        chunk of a chunked-attention layer (Llama 4).
     """
 
     is_compileable = False
@@ -240,7 +245,7 @@ class TinyAttnCache(Cache):
         self.page_size, self.page_budget = page_size, page_budget
         self.num_sink_pages, self.num_recent_pages, self.dense_layers = num_sink_pages, num_recent_pages, dense_layers
         self.num_pages, self.backend = num_pages, backend
-        self.sliding_window = self._sliding_window(text_config)
+        self.attention_chunk = self._attention_chunk(text_config)
         # the one attention layer (tinyattn.layer): dense / fused Quest / policy decision per layer, one plan
         self._attention = PagedAttention(SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                                         num_recent_pages=num_recent_pages,
@@ -249,14 +254,12 @@ class TinyAttnCache(Cache):
         self._clear()
 
     @staticmethod
-    def _sliding_window(cfg) -> int | None:
-        types = getattr(cfg, "layer_types", None)
-        window = getattr(cfg, "sliding_window", None)
-        if types is not None and not any(t in ("sliding_attention", "chunked_attention") for t in types):
-            return None
-        if getattr(cfg, "use_sliding_window", True) is False:
-            return None
-        return window if isinstance(window, int) and window > 0 else None
+    def _attention_chunk(cfg) -> int | None:
+        """Tokens per chunk of a model with ``"chunked_attention"`` layers (Llama 4), which the paged ops do not
+        model: rows are refused past one chunk, where chunked and causal attention still agree."""
+        types = getattr(cfg, "layer_types", None) or ()
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        return chunk if "chunked_attention" in types and isinstance(chunk, int) and chunk > 0 else None
 
     def _clear(self) -> None:
         self._pool: PagedKVCache | None = None
@@ -348,6 +351,8 @@ class TinyAttnCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
+        # every layer keeps every token (a sliding layer reads only its window): transformers then sizes every
+        # mask, the sliding ones too, to the whole row, which is what the left-padding check reads
         return [False] * self.num_layers
 
     @property
@@ -510,8 +515,9 @@ class TinyAttnCache(Cache):
     def _owns(self, layer_idx, key) -> bool:
         return self._pending is not None and self._pending[0] == layer_idx and self._pending[1] is key
 
-    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device) -> None:
-        """First attention call of a forward pass: which new tokens are real, page allocation, tables."""
+    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device, window: int | None) -> None:
+        """First attention call of a forward pass: which new tokens are real, page allocation, tables.
+        ``window``: the calling layer's sliding window (its mask shows a query at most that many keys)."""
         hf_len = self._hf_len
         if mask is None:
             real = torch.ones(B, T, dtype=torch.bool)
@@ -529,10 +535,10 @@ class TinyAttnCache(Cache):
                              "tokenizer.padding_side = 'left'")
         before = [self._pool.length(s) for s in self._seq_ids]
         counts = real.sum(1).tolist()
-        if self.sliding_window is not None and max(b + c for b, c in zip(before, counts)) > self.sliding_window:
-            raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's sliding window "
-                                      f"({self.sliding_window} tokens); sliding-window attention is not supported "
-                                      f"by tinyattn's paged ops")
+        if self.attention_chunk is not None and max(b + c for b, c in zip(before, counts)) > self.attention_chunk:
+            raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's attention chunk "
+                                      f"({self.attention_chunk} tokens); chunked attention is not supported by "
+                                      f"tinyattn's paged ops")
         self._slots = self._extend(counts)
         # row-major, like the slots; None when every new token is real (decode without padding)
         self._gather = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
@@ -542,9 +548,11 @@ class TinyAttnCache(Cache):
         self._seq_lens = self._pool.seq_lens(self._seq_ids)
         self._real = torch.cat([self._real, real], dim=1)
         if allowed is not None:
-            # the last query of each row that is real must see exactly the row's cached tokens
+            # the last query of each row that is real must see exactly the row's cached tokens (its last
+            # `window` ones in a sliding layer)
             seen = allowed[:, -1].sum(-1).cpu()
-            bad = real[:, -1] & (seen != self._seq_lens.cpu().to(seen.dtype))
+            held = self._seq_lens.cpu().to(seen.dtype)
+            bad = real[:, -1] & (seen != (held if window is None else held.clamp(max=window)))
             if bool(bad.any()):
                 row = int(bad.nonzero()[0, 0])
                 raise ValueError(f"attention_mask: row {row} masks out tokens that are not left padding "
@@ -560,8 +568,9 @@ class TinyAttnCache(Cache):
                              "(or use_cache=False for training)")
         B, Hq, T, D = query.shape
         Hkv = key.shape[1]
+        window = _window(kwargs.get("sliding_window"))
         if not self._prepared:
-            self._prepare_chunk(attention_mask, B, T, query.device)
+            self._prepare_chunk(attention_mask, B, T, query.device, window)
         pool = self._pool
         k = key.transpose(1, 2).reshape(B * T, Hkv, D)
         v = value.transpose(1, 2).reshape(B * T, Hkv, D)
@@ -585,8 +594,20 @@ class TinyAttnCache(Cache):
             self._planned = True
         scales = dict(k_scale=pool.k_scale[layer_idx], v_scale=pool.v_scale[layer_idx]) if pool.quantized else {}
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
-                              pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling, **scales)
+                              pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling,
+                              window_left=-1 if window is None else window - 1, **scales)
         return out.reshape(B, T, Hq, D).to(query.dtype), None
+
+
+def _window(sliding_window) -> int | None:
+    """The ``sliding_window`` argument a model passes its attention function: ``W`` tokens the query included
+    (``None``, or a non-positive value for a layer without one)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"sliding_window: expected None or an int (tokens, the query included), "
+                         f"got {sliding_window!r}")
+    return sliding_window if sliding_window > 0 else None
 
 
 _TESTED_TRANSFORMERS = "5.24"

@@ -76,6 +76,10 @@ class TinyAttnBackend(AttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True              # per layer (TinyAttnImpl's window_left): dense over the window, never selects
+
 
 @dataclass
 class TinyAttnMetadata:
@@ -131,8 +135,8 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
-        for name, value, off in (("alibi_slopes", alibi_slopes, None), ("sliding_window", sliding_window, None),
-                                 ("logits_soft_cap", logits_soft_cap, None), ("sinks", sinks, None)):
+        for name, value, off in (("alibi_slopes", alibi_slopes, None), ("logits_soft_cap", logits_soft_cap, None),
+                                 ("sinks", sinks, None)):
             if value is not off and not (name == "logits_soft_cap" and value == 0):
                 raise NotImplementedError(f"tinyattn vLLM backend: {name} is not supported (got {value!r}); "
                                           f"unset TINYATTN_VLLM to use vLLM's own backend")
@@ -143,6 +147,12 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
                                       f"(layer shares {kv_sharing_target_layer_name!r})")
         if kv_cache_dtype != "auto":
             raise NotImplementedError(f"tinyattn vLLM backend: kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"tinyattn vLLM backend: sliding_window: expected None or an int >= 1 (tokens, the "
+                             f"query included), got {sliding_window!r}")
+        # vLLM's sliding_window counts the query (Mistral's, Hugging Face's): FlashInfer's window_left is one less
+        self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -155,7 +165,8 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
         self._views = None                  # (data_ptr, shape, k_cache, v_cache, boxes) for vLLM's cache tensor
 
     def __repr__(self) -> str:
-        return f"TinyAttnImpl({describe(self.sparsity)})"
+        window = "" if self.window_left < 0 else f", window_left={self.window_left}"
+        return f"TinyAttnImpl({describe(self.sparsity)}{window})"
 
     def _layer(self, layer) -> int:
         if self._layer_index is None:
@@ -170,7 +181,7 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
             block_size = kv_cache.shape[2]
             k_cache, v_cache = block_pools(kv_cache, self.num_kv_heads, self.head_size, block_size)
             boxes = None
-            if self.sparsity.page_budget is not None:
+            if self.sparsity.page_budget is not None and self.window_left < 0:   # sliding layers never select
                 boxes = make_boxes(kv_cache.shape[0], self.num_kv_heads, self.head_size, dtype=kv_cache.dtype,
                                    device=kv_cache.device)
             self._views = (key, block_size, k_cache, v_cache, boxes)
@@ -193,4 +204,4 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
         _, k_cache, v_cache, boxes = self._pools(kv_cache)
         k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
         return attend_groups(attn_metadata.groups, self._layer(layer), query, key, value, output, k_cache, v_cache,
-                             k_min, k_max, self.scale)
+                             k_min, k_max, self.scale, window_left=self.window_left)

@@ -175,12 +175,17 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
 
 
 def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  output: torch.Tensor, k_cache, v_cache, k_min, k_max, scale: float) -> torch.Tensor:
+                  output: torch.Tensor, k_cache, v_cache, k_min, k_max, scale: float,
+                  window_left: int = -1) -> torch.Tensor:
     """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
 
     ``key`` / ``value`` ``[num_tokens, Hkv, D]``: the step's own (already written to the cache); fresh prefill
     groups attend over them with causal SDPA (the same keys the paged op would gather, without the paged
     op's ``[Tq x seq_len]`` mask). ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``.
+    ``window_left``: the layer's sliding window (a query at position ``p`` sees keys ``[p - window_left, p]``;
+    ``-1`` = none). A sliding layer attends densely over its window in every group and never selects, so it
+    reads no page wholly before the window: vLLM's sliding-window KV manager frees those blocks and reuses them
+    while the step's block table still lists them (stale ids).
     """
     Hq, D = query.shape[-2], query.shape[-1]
     for g in groups:
@@ -188,21 +193,26 @@ def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: tor
         q = query[g.tokens]
         if g.attn is None:
             out = _causal_sdpa(q.view(g.num_rows, tq, Hq, D), key[g.tokens].view(g.num_rows, tq, -1, D),
-                               value[g.tokens].view(g.num_rows, tq, -1, D), scale)
+                               value[g.tokens].view(g.num_rows, tq, -1, D), scale, window_left)
         else:
             q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
-            out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale)
+            out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale, window_left=window_left)
         output[g.tokens] = out.reshape(-1, Hq, D)
     return output
 
 
-def _causal_sdpa(q, k, v, scale):
+def _causal_sdpa(q, k, v, scale, window_left: int = -1):
     """``[R, T, Hq, D]`` causal attention over ``[R, T, Hkv, D]`` keys/values (GQA by repeating K/V heads), fp32 math
-    for half dtypes as the ops do."""
+    for half dtypes as the ops do; with ``window_left >= 0`` query ``i`` sees keys ``i - window_left <= j <= i``."""
     Hq, Hkv = q.shape[2], k.shape[2]
     dt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     q, k, v = (x.transpose(1, 2).to(dt) for x in (q, k, v))                         # [R, H, T, D]
     if Hq != Hkv:
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if window_left < 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        i = torch.arange(q.shape[2], device=q.device)
+        visible = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window_left)     # [T, T]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return out.transpose(1, 2)
