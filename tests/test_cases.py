@@ -186,8 +186,13 @@ def test_5_page_ids_out_of_range_raise():
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                page_indices=torch.zeros(2, 1, 2, dtype=torch.int32), page_budget=2),
      "page_indices: expected either page_indices or k_min, k_max and page_budget, got page_indices together with page_budget"),
+    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].int(),
+                                               k_max=p.k_cache[:, 0], page_budget=2),
+     r"k_min: expected dtype float32 \(that of the cache\) or bfloat16, float16 \(narrower boxes rounded outward\), "
+     r"got int32"),
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].half(),
-                                               k_max=p.k_cache[:, 0], page_budget=2), r"k_min: expected dtype float32 \(that of the cache\), got float16"),
+                                               k_max=p.k_cache[:, 0], page_budget=2),
+     r"k_max: expected the dtype of k_min \(float16\), got float32"),
 ])
 def test_5_bad_input_names_the_argument(call, match):
     p = make_problem(53, batch=2, seq_lens=[5, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8)

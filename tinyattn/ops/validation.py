@@ -301,10 +301,11 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
     for name, x in (("k_min", k_min), ("k_max", k_max)):
         expect_tensor(name, x)
         expect_shape(name, x, (num_pages, num_kv_heads, head_dim), "[num_pages, Hkv, D]")
-        allowed = (cache_dtype, torch.float32, torch.bfloat16, torch.float16)
-        if x.dtype not in allowed:
-            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache), float32, "
-                            f"bfloat16 or float16, got {_dtype_name(x.dtype)}")
+        others = [d for d in (torch.float32, torch.bfloat16, torch.float16) if d != cache_dtype]
+        if x.dtype != cache_dtype and x.dtype not in others:
+            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache) or "
+                            f"{', '.join(map(_dtype_name, others))} (narrower boxes rounded outward), "
+                            f"got {_dtype_name(x.dtype)}")
         if x.dtype != k_min.dtype:
             raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), got {_dtype_name(x.dtype)}")
         expect_device(name, x, device, "q")
