@@ -17,7 +17,6 @@ def _tiny_chunks(mp):
     """Every gather is 'large' and a chunk holds 16 keys (one to a few pages)."""
     mp.setattr(chunked, "MIN_BYTES", 0)
     mp.setattr(chunked, "CHUNK_BYTES", 1)
-    mp.setattr(chunked, "PAGE_CHUNK_BYTES", 1)        # whole-page chunks of one page per row
 
 
 @pytest.fixture
@@ -26,21 +25,14 @@ def tiny_chunks(monkeypatch):
 
 
 def _chunk_calls(monkeypatch):
-    """Records each chunked attention: ``keys per chunk`` (attend_chunked) or ``("pages", pages per chunk)``
-    (attend_pages, dense steps over whole pages)."""
     calls = []
-    real, real_pages = chunked.attend_chunked, chunked.attend_pages
+    real = chunked.attend_chunked
 
     def counting(*args, **kwargs):
         calls.append(args[-1])
         return real(*args, **kwargs)
 
-    def counting_pages(*args, **kwargs):
-        calls.append(("pages", args[-2]))
-        return real_pages(*args, **kwargs)
-
     monkeypatch.setattr(chunked, "attend_chunked", counting)
-    monkeypatch.setattr(chunked, "attend_pages", counting_pages)
     return calls
 
 
@@ -61,8 +53,6 @@ def test_chunked_steps_match_the_reference(seed, lens, page_size, group, Tq, bud
         calls = _chunk_calls(mp)
         _check_against_reference(p, Tq, budget, dtype)
     assert calls or max(lens) == 0, "the chunked path did not run"
-    if budget is None and calls:                   # dense steps read whole pages, one page per row per chunk
-        assert calls == [("pages", 1)]
 
 
 def _check_against_reference(p, Tq, budget, dtype):
@@ -102,7 +92,7 @@ def test_fast_path_chunks_too(tiny_chunks, monkeypatch):
                                R.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                         k_min=k_min, k_max=k_max, page_budget=4),
                                atol=1e-5, rtol=1e-4)
-    assert calls == [("pages", 1), 16]              # dense: whole pages; sparse: the selected keys
+    assert calls == [16, 16]
 
 
 def test_chunk_size_from_bytes():

@@ -195,7 +195,6 @@ class PagedAttentionPlan:
             V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
         self._sparse = self._last_selection = None   # torch-backend tables, built on first use
         self._dense: dict = {}                       # window_left -> dense tables of the step (torch backend)
-        self._dense_pages = None                     # whole-page tables of a large dense step (torch backend)
         self._window_blocks: dict = {}               # window_left -> [(t0, t1, plan)] of a long windowed prefill
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
@@ -420,15 +419,11 @@ class PagedAttentionPlan:
             self._last_selection = sel = self._top_pages(self._scores_torch(qg, k_min, k_max, t), t)
             rows = t["rows"].gather(2, sel[..., None].expand(t["shape"])).view(-1)
             bias, n_keys = t["sel_bias"], t["K"] * self.page_size
-        elif self._whole_pages(qg, k_cache, scales, window_left):     # a large dense step: whole pages
-            rows = None
         else:
             t = self._dense.get(window_left) or self._dense_tables(window_left)
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
-        chunk = None if rows is None else chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
-        if rows is None:
-            o = self._attend_whole_pages(qg, k_cache, v_cache)[0]
-        elif chunk is not None:                                        # a large step: in cache-sized chunks
+        chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
+        if chunk is not None:                                          # a large step: in cache-sized chunks
             o = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk, scales)[0]
         else:
             o = self._sdpa(qg, *self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype, scales), bias)
@@ -541,9 +536,6 @@ class PagedAttentionPlan:
         Hkv = self.num_kv_heads
         dt = torch.float64 if q4.dtype == torch.float64 else torch.float32
         qg = core.group_queries(q4, Hkv, dt)                                             # [B, Hkv, M, D]
-        if page_indices is None and self._whole_pages(qg, k_cache, scales, window_left):
-            o, lse = self._attend_whole_pages(qg, k_cache, v_cache)
-            return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         if page_indices is None:
             t = self._dense_tables(window_left)
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
@@ -561,29 +553,6 @@ class PagedAttentionPlan:
             o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         return core.ungroup(self._sdpa(qg, k, v, bias), Tq).to(q4.dtype), None
-
-    def _whole_pages(self, qg, k_cache, scales, window_left: int) -> bool:
-        """Whether a dense step reads whole pages in chunks (:func:`tinyattn.ops.chunked.attend_pages`): a large
-        step (:func:`~tinyattn.ops.chunked.chunk_keys`) of a float pool in the math dtype, no window."""
-        if (window_left >= 0 or scales is not None or k_cache.dtype != qg.dtype or not k_cache.is_contiguous()
-                or self._lens is None):
-            return False
-        longest = min(max(self._lens, default=0), self.max_pages * self.page_size)
-        return chunked.chunk_keys(longest, self.batch * self.num_kv_heads, self.head_dim,
-                                  k_cache.element_size()) is not None
-
-    def _attend_whole_pages(self, qg, k_cache, v_cache):
-        """Dense attention over whole pages in cache-sized chunks: ``(out, lse)`` ``[B, Hkv, M, D]``, ``[B, Hkv, M]``."""
-        if self._dense_pages is None:
-            table, lens = self._host_tables()
-            self._dense_pages = tables.dense_page_tables(
-                table, lens, page_size=self.page_size, group=self.num_q_heads // self.num_kv_heads,
-                num_query_tokens=self.num_query_tokens, device=self.device)
-        t = self._dense_pages
-        v_cache = v_cache if v_cache.is_contiguous() else v_cache.contiguous()
-        chunk = chunked.chunk_pages(self.batch, k_cache[0].numel() * k_cache.element_size())
-        return chunked.attend_pages(qg, k_cache, v_cache, t["pages"], t["bias"], t["hidden"], t["hidden_pages"],
-                                    self.scale, chunk, lambda name, shape: self._buffer(name, shape, k_cache.dtype))
 
     def _attend_in_chunks(self, qg, k_cache, v_cache, rows, n_keys: int, bias, chunk: int, scales=None):
         """:func:`tinyattn.ops.chunked.attend_chunked` over this step's ``rows`` (``[B * Hkv * n_keys]``)."""

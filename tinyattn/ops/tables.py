@@ -25,7 +25,7 @@ import torch
 FLT_MAX = float(np.finfo(np.float32).max)
 _SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed int64 keys (cheaper than a sort)
 
-__all__ = ["dense_tables", "dense_page_tables", "sparse_tables", "FLT_MAX"]
+__all__ = ["dense_tables", "sparse_tables", "FLT_MAX"]
 
 
 def _kept(memo: dict | None, key, build):
@@ -120,30 +120,6 @@ def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_
     if not visible.all():
         bias = torch.from_numpy(_bias(visible, group)).to(device)
     return dict(rows=torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(device), L=L, bias=bias)
-
-
-def dense_page_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, group: int, num_query_tokens: int,
-                      device: torch.device) -> dict:
-    """Every valid page of each row, as whole pages (:func:`tinyattn.ops.chunked.attend_pages`):
-
-    - ``pages`` ``[B, P]`` int64 physical pages, ``P`` = the longest row's pages; a page past a row's end reads
-      pool page 0 (every slot of it is hidden; the pool is not empty on this path);
-    - ``hidden`` ``[B, P * S]`` bool, slots past each row's length, or ``None`` when there is none;
-      ``hidden_pages`` ``[P]`` NumPy bool, the page columns that hold a hidden slot;
-    - ``bias`` ``[B, 1, Tq * G, P * S]`` additive fp32 mask (hidden slots, bottom-right causal), or ``None``
-      when every query sees every slot (decode over whole pages of equal rows).
-    """
-    S, Tq, B = page_size, num_query_tokens, table.shape[0]
-    lens = np.minimum(lens, table.shape[1] * S)
-    P = int(-(-lens.max(initial=0) // S))
-    key_ok = np.arange(P * S)[None, :] < lens[:, None]                                 # [B, P*S]
-    page_ok = key_ok.reshape(B, P, S)[:, :, 0]                                         # [B, P]
-    pages = np.where(page_ok, table[:, :P], 0).astype(np.int64)
-    hidden_pages = ~key_ok.reshape(B, P, S).all(axis=(0, 2))                            # [P]
-    visible = _visible(key_ok, lens, Tq)
-    bias = None if visible.all() else torch.from_numpy(_bias(visible, group)).to(device)
-    hidden = torch.from_numpy(~key_ok).to(device) if hidden_pages.any() else None
-    return dict(pages=torch.from_numpy(pages).to(device), hidden=hidden, hidden_pages=hidden_pages, bias=bias, P=P)
 
 
 def sparse_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
