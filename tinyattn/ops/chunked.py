@@ -12,7 +12,9 @@ tinyattn's split-K Triton kernel):
 
 where ``out_c`` is the unnormalised ``Σ exp(logit - m_c) v`` of chunk ``c``. Measured on the 2-core VM, 1
 thread, B=8, 4096 keys, 8 KV heads of 128: 119 ms in one piece, 50-55 ms in chunks, against 39-44 ms for SDPA
-on a contiguous cache (docs/benchmarks.md).
+on a contiguous cache (docs/benchmarks.md). Only with torch on ``MAX_THREADS`` intra-op threads or fewer: each
+chunk is ~10 ops, each an OpenMP region, and with more threads on a shared machine every region waits for a busy
+core (:func:`chunk_keys`).
 """
 
 from __future__ import annotations
