@@ -28,8 +28,8 @@ __all__ = ["chunk_keys", "attend_chunked", "CHUNK_BYTES", "MIN_BYTES", "MAX_THRE
 CHUNK_BYTES = 2 * 2**20     # bytes of K per chunk, all (row, KV head) pairs together (V: as many again)
 MIN_BYTES = 16 * 2**20      # a gather of K below this runs in one piece: it fits the cache well enough
 # chunks only while torch runs this many intra-op threads or fewer: a chunked step is ~10 ops per chunk, each an
-# OpenMP region, and on a shared machine every region waits for a busy core (docs/benchmarks.md: 32K dense,
-# 2 threads, a loaded 2-core VM: 7.6 s chunked vs 0.37 s in one piece; 1 thread: 0.47 vs 0.43 s)
+# OpenMP region, and on a shared machine every region waits for a busy core (docs/benchmarks.md, issue 10: 32K
+# dense, 2 threads, a loaded 2-core VM: 3.7-7.6 s chunked vs 0.16-0.37 s in one piece; 1 thread: 0.47 vs 0.43 s)
 MAX_THREADS = 1
 
 
