@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--budgets", type=C.parse_sizes, default=None,
                    help="comma-separated token budgets = page_budget x page_size (default: 512,1024,2048,4096)")
     C.add_head_args(p)
+    p.add_argument("--value-checks", action="store_true",
+                   help="time the ops with their data checks on, as users call them (default: off, as a runtime "
+                        "with trusted tables runs them)")
     p.add_argument("--max-gib", type=float, default=6.0,
                    help="skip contexts whose paged + contiguous caches exceed this many GiB (default: 6)")
     args = p.parse_args(argv)
@@ -103,7 +106,7 @@ def run(args) -> list[dict]:
             methods[f"sparse@{bt}"] = (lambda k=bt // S: tinyattn.sparse_paged_attention(
                 p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_min, k_max=p.k_max, page_budget=k,
                 backend=args.backend))
-        with torch.no_grad(), tinyattn.value_checks(False):
+        with torch.no_grad(), tinyattn.value_checks(args.value_checks):
             check_outputs(p, methods, q_fold)
             idle = C.wait_quiet(args.wait_quiet) if device.type == "cpu" else 1.0
             res = C.time_methods(methods, device=device, repeats=args.repeats, warmup=args.warmup, cold=args.cold)
@@ -124,7 +127,8 @@ def run(args) -> list[dict]:
                              gb_per_s=nbytes / (r["median_us"] * 1e3), ideal_speedup=ideal,
                              efficiency=speedup / ideal, idle_before=idle, device=args.device, dtype=args.dtype,
                              batch=B,
-                             num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=S, cold=args.cold))
+                             num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=S, cold=args.cold,
+                             value_checks=args.value_checks, threads=args.threads))
         for r in rows[-len(res):]:
             print(f"  L={C.fmt_tokens(L):>5} {r['method']:<12} budget={C.fmt_tokens(r['budget_tokens']):>5} "
                   f"{r['time_us']:>10.1f} us  x{r['speedup']:5.2f} (ideal x{r['ideal_speedup']:5.2f}, "

@@ -111,3 +111,21 @@ def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):
     assert [(r["policy"], r["gamma"]) for r in rows] == [("quest", None), ("questmass", 0.5), ("questmass", 1.0)]
     assert all(0 <= r["hit_rate"] <= 1 and r["nll"] > 0 for r in rows)
     assert "questmass gamma=0.5" in capsys.readouterr().out
+
+
+def test_ab_revisions_quick_run(tmp_path, capsys, keep_threads):
+    """bench/ab_revisions.py: the package at HEAD beside the working tree's, in one process; both give the same
+    outputs (the script checks) and every new row carries its speedup over the old one."""
+    import shutil
+    import subprocess
+
+    root = BENCH.parent
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("needs a git checkout")
+    assert _load("ab_revisions").main(["--quick", "--old", "HEAD", "--threads", "1", "--repeats", "2",
+                                       "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "ab_revisions.csv")))
+    assert [r["method"] for r in rows] == ["sdpa", "dense_old", "sparse_old", "dense_new", "sparse_new"]
+    assert all(float(r["new_over_old"]) > 0 for r in rows if r["method"].endswith("_new"))
+    assert "|---" in capsys.readouterr().out

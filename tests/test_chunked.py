@@ -17,6 +17,7 @@ def _tiny_chunks(mp):
     """Every gather is 'large' and a chunk holds 16 keys (one to a few pages)."""
     mp.setattr(chunked, "MIN_BYTES", 0)
     mp.setattr(chunked, "CHUNK_BYTES", 1)
+    mp.setattr(chunked, "MAX_THREADS", 1 << 20)       # whatever torch's thread count
 
 
 @pytest.fixture
@@ -101,6 +102,26 @@ def test_chunk_size_from_bytes():
     c = chunked.chunk_keys(4096, 64, 128)                                # 128 MiB of K
     assert c % 16 == 0 and c * 64 * 128 * 4 <= chunked.CHUNK_BYTES
     assert chunked.chunk_keys(10**6, 10**4, 128) == 16                   # never below one page of 16
+
+
+def test_no_chunks_above_max_threads(monkeypatch):
+    """A large gather is chunked with torch on MAX_THREADS threads or fewer, and runs in one piece above."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(chunked, "MAX_THREADS", threads)
+    assert chunked.chunk_keys(4096, 64, 128) is not None                 # 128 MiB of K
+    monkeypatch.setattr(chunked, "MAX_THREADS", threads - 1)
+    assert chunked.chunk_keys(4096, 64, 128) is None
+
+
+def test_one_piece_above_max_threads_matches_the_reference(monkeypatch):
+    """The same large dense and sparse steps without chunks (more threads than MAX_THREADS) equal the reference."""
+    monkeypatch.setattr(chunked, "MIN_BYTES", 0)
+    monkeypatch.setattr(chunked, "MAX_THREADS", 0)
+    calls = _chunk_calls(monkeypatch)
+    p = make_problem(7, batch=2, seq_lens=[150, 0], page_size=16, num_kv_heads=2, group=4, head_dim=8)
+    _check_against_reference(p, 1, None, torch.float32)
+    _check_against_reference(p, 1, 3, torch.float32)
+    assert calls == []
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])

@@ -328,3 +328,22 @@ def test_nan_bound_ties_with_a_real_minus_inf(pages):
     got = torch.sort(plan._top_pages(scores, t), dim=-1).values.to(torch.int32)
     want = R.select_pages(scores, sl, page_size=S, page_budget=3)
     assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.floats(width=32), st.sampled_from([0.0, -0.0, float("inf"), float("-inf")])),
+                min_size=1, max_size=40),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_float_order_key_orders_like_the_scores(values, dtype):
+    """The int64 selection key orders exactly as the fp32 scores with NaN as -inf and -0.0 equal to 0.0
+    (expected order from Python's own float comparisons), and leaves its input untouched."""
+    from tinyattn.ops import core
+    x = torch.tensor(values, dtype=dtype)
+    before = x.clone()
+    key = core.float_order_key(x).tolist()
+    as_f32 = [float("-inf") if v != v else float(torch.tensor(v, dtype=torch.float32)) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            assert (key[i] < key[j]) == (as_f32[i] < as_f32[j])
+            assert (key[i] == key[j]) == (as_f32[i] == as_f32[j])
+    assert torch.equal(x.nan_to_num(), before.nan_to_num()) and torch.equal(x.isnan(), before.isnan())

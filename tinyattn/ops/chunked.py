@@ -12,7 +12,9 @@ tinyattn's split-K Triton kernel):
 
 where ``out_c`` is the unnormalised ``Σ exp(logit - m_c) v`` of chunk ``c``. Measured on the 2-core VM, 1
 thread, B=8, 4096 keys, 8 KV heads of 128: 119 ms in one piece, 50-55 ms in chunks, against 39-44 ms for SDPA
-on a contiguous cache (docs/benchmarks.md).
+on a contiguous cache (docs/benchmarks.md). Only with torch on ``MAX_THREADS`` intra-op threads or fewer: each
+chunk is ~10 ops, each an OpenMP region, and with more threads on a shared machine every region waits for a busy
+core (:func:`chunk_keys`).
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ import torch
 
 from . import core
 
-__all__ = ["chunk_keys", "attend_chunked", "CHUNK_BYTES", "MIN_BYTES"]
+__all__ = ["chunk_keys", "attend_chunked", "CHUNK_BYTES", "MIN_BYTES", "MAX_THREADS"]
 
 CHUNK_BYTES = 2 * 2**20     # bytes of K per chunk, all (row, KV head) pairs together (V: as many again)
 MIN_BYTES = 16 * 2**20      # a gather of K below this runs in one piece: it fits the cache well enough
+# chunks only while torch runs this many intra-op threads or fewer: a chunked step is ~10 ops per chunk, each an
+# OpenMP region, and on a shared machine every region waits for a busy core (docs/benchmarks.md, issue 10: 32K
+# dense, 2 threads, a loaded 2-core VM: 3.7-7.6 s chunked vs 0.16-0.37 s in one piece; 1 thread: 0.47 vs 0.43 s)
+MAX_THREADS = 1
 
 
 def chunk_keys(n_keys: int, n_pairs: int, head_dim: int, itemsize: int = 4) -> int | None:
     """Keys per chunk for a gather of ``n_keys`` keys for each of ``n_pairs`` (row, KV head) pairs, or ``None``
-    when the whole gather is small enough to run in one piece. A multiple of 16 (whole pages of 16)."""
+    when the step runs in one piece: a gather small enough for the cache, or torch running more than
+    ``MAX_THREADS`` intra-op threads (the chunks' many small parallel regions then cost more than the cache
+    misses they save). A multiple of 16 (whole pages of 16)."""
     per_key = n_pairs * head_dim * itemsize
-    if n_keys * per_key < MIN_BYTES:
+    if n_keys * per_key < MIN_BYTES or torch.get_num_threads() > MAX_THREADS:
         return None
     return max(16, CHUNK_BYTES // per_key // 16 * 16)
 

@@ -38,7 +38,9 @@ def float_order_key(scores: torch.Tensor) -> torch.Tensor:
 
     NaN counts as ``-inf`` and ``-0.0`` as ``0.0``: the one ordering rule of every selection (DESIGN.md §3).
     """
-    s = torch.where(torch.isnan(scores), NEG_INF, scores.float()) + 0.0
+    # nan_to_num, not where(isnan, -inf, x): the same values, ~3x faster on the CPU (a Python-scalar where
+    # is slow there); +0.0 turns -0.0 into 0.0
+    s = scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF).add_(0.0)
     bits = s.view(torch.int32)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
 

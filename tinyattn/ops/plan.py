@@ -493,7 +493,8 @@ class PagedAttentionPlan:
         if num_pages <= 2 * B * Pv and Hkv * B * M * num_pages * 4 <= _POOL_SCORES_BYTES and k_min.dtype == dt:
             qp = qg.transpose(0, 1).reshape(Hkv, B * M, D)                               # [Hkv, B*M, D]
             lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)          # [Hkv, D, num_pages] views
-            ub = torch.baddbmm(torch.bmm(qp.clamp(max=0), lo), qp.clamp(min=0), hi)     # [Hkv, B*M, num_pages]
+            # two bmm + add_: baddbmm over these strided views ran 1.4x slower (docs/benchmarks.md)
+            ub = torch.bmm(qp.clamp(max=0), lo).add_(torch.bmm(qp.clamp(min=0), hi))  # [Hkv, B*M, num_pages]
             ub = ub.view(Hkv, B, M, num_pages).amax(2)                                   # [Hkv, B, num_pages]
             return ub.gather(2, t["phys_hb"]).transpose(0, 1).float()                    # [B, Hkv, Pv]
         qt = qg.reshape(B * Hkv, -1, D).transpose(1, 2)                                  # [B*Hkv, D, M]
@@ -501,7 +502,7 @@ class PagedAttentionPlan:
         lo = self._gather_rows("lo", k_min, t["box_rows"]).view(B * Hkv, Pv, D)
         if hi.dtype != qt.dtype:
             hi, lo = hi.to(qt.dtype), lo.to(qt.dtype)
-        ub = torch.baddbmm(torch.bmm(lo, qt.clamp(max=0)), hi, qt.clamp(min=0))        # [B*Hkv, Pv, M]
+        ub = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0)))       # [B*Hkv, Pv, M]
         return ub.amax(-1).view(B, Hkv, Pv).float()                                      # [B, Hkv, Pv]
 
     def _sparse_tables(self) -> dict:
