@@ -240,7 +240,10 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
     from tinyattn.retrieval.recipe import TrainConfig
     from tinyattn.retrieval.train import make_batch, train
 
-    tokens, valid, _ = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    batch = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    tokens, valid = batch.tokens, batch.valid
+    assert batch.tasks == [TASKS[(123 + b) % 4] for b in range(4)] and batch.is_answer.sum(-1).tolist() == [
+        len(make_sample(t, context_tokens=300, depth=0.5, seed=123 + b).answer) for b, t in enumerate(batch.tasks)]
 
     def loss(model):
         with torch.no_grad():
@@ -272,7 +275,14 @@ def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert model.config.n_layers == 2 and model.config.nope_layers == (1,)
 
 
-@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b"])
+def test_curriculum_parsing():
+    from tinyattn.retrieval.command import parse_curriculum
+
+    assert parse_curriculum("256:150:passkey,1024:300") == ((256, 150, ("passkey",)), (1024, 300))
+    assert parse_curriculum("512:2:passkey+decoy") == ((512, 2, ("passkey", "decoy")),)
+
+
+@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b", "512:5:needle", "512:5:passkey:x"])
 def test_train_retrieval_rejects_a_bad_curriculum(bad, capsys):
     from tinyattn.cli import main
 

@@ -77,14 +77,14 @@ class Sample:
 
 @lru_cache(maxsize=1)
 def filler_text() -> str:
-    """The filler: the shipped TinyStories text (sample, then the validation excerpt), normalized to the
-    tokenizer's characters, with runs of blank lines collapsed and no digits (so that the only numbers in a
+    """The filler: the shipped TinyStories text (sample, then the validation excerpt, stories separated by
+    blank lines), normalized to the tokenizer's characters, with runs of blank lines collapsed and no digits (so that the only numbers in a
     prompt are the task's)."""
     from tinyattn.assets import data_path
 
     parts = [data_path(n).read_text(encoding="utf-8") for n in ("tinystories_sample.txt",
                                                                  "tinystories_valid_excerpt.txt")]
-    text = normalize_text("\n\n".join(parts))
+    text = normalize_text("\n\n".join(parts).replace("<|endoftext|>", "\n\n"))   # the excerpt's separator
     text = "".join(ch for ch in text if not ch.isdigit())
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
