@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
 from .recipe import MODEL_DEFAULTS, TrainConfig
-from .tasks import TASKS, make_sample, min_context_tokens
+from .tasks import TASKS, Sample, filler_text, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
-__all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch", "Batch"]
+__all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch", "Batch", "COPY",
+           "copy_sample"]
 
 _TRAIN_SEED_BASE = 10 ** 9
 
@@ -65,11 +66,48 @@ class Batch:
     tasks: list
 
 
-def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random, tokenizer=None) -> Batch:
+#: a training-only task: recall a random passage from its first characters (dense induction-head signal)
+COPY = "copy"
+_COPY_WORDS, _COPY_CUE = 20, 8
+
+
+def copy_sample(*, context_tokens: int, depth: float, seed: int) -> Sample:
+    """A training-only prompt: filler with a passage of random lowercase words in ``<`` ``>`` inserted at
+    ``depth``; the prompt ends with ``Recall: `` and the passage's first characters, the answer is the rest of
+    the passage.
+    Nothing but attention to the passage predicts the answer, and every answer character is a copy target,
+    which teaches the copying (induction) circuit the retrieval tasks need much faster than their few answer
+    digits do (Olsson et al. 2022 on induction heads)."""
+    rng = random.Random(f"{COPY}:{seed}")
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 6)))
+             for _ in range(_COPY_WORDS)]
+    passage = "<" + " ".join(words) + ">"
+    question = "\nRecall: " + passage[:_COPY_CUE]
+    n_fill = context_tokens - 1 - len(passage) - 1 - len(question)
+    if n_fill < 0:
+        raise ValueError(f"context_tokens: the copy task needs at least {context_tokens - n_fill} tokens, got "
+                         f"{context_tokens}")
+    text = filler_text()
+    start = rng.randrange(len(text))
+    filler = (text * (1 + (start + n_fill) // len(text)))[start:start + n_fill]
+    at = round(depth * n_fill)
+    body = filler[:at] + passage + " " + filler[at:] + question
+    tok = CharTokenizer()
+    return Sample(task=COPY, prompt=tok.encode(body), answer=tok.encode(passage[_COPY_CUE:], bos=False),
+                  context_tokens=context_tokens, depth=at / max(1, n_fill),
+                  needle_positions=[(1 + at, 1 + at + len(passage))], text=body)
+
+
+def _sample(task: str, **kw) -> Sample:
+    return copy_sample(**kw) if task == COPY else make_sample(task, **kw)
+
+
+def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random) -> Batch:
     """``batch`` prompts of ``length`` tokens with their answers (:class:`Batch`); row ``b`` is task
-    ``tasks[(first_seed + b) % len(tasks)]`` with seed ``first_seed + b`` and a depth drawn from ``rng``."""
-    samples = [make_sample(tasks[(first_seed + b) % len(tasks)], context_tokens=length, depth=rng.random(),
-                           seed=first_seed + b, tokenizer=tokenizer) for b in range(batch)]
+    ``tasks[(first_seed + b) % len(tasks)]`` (one of :data:`~tinyattn.retrieval.TASKS` or :data:`COPY`) with
+    seed ``first_seed + b`` and a depth drawn from ``rng``."""
+    samples = [_sample(tasks[(first_seed + b) % len(tasks)], context_tokens=length, depth=rng.random(),
+                       seed=first_seed + b) for b in range(batch)]
     width = length + max(len(s.answer) for s in samples)
     tokens = torch.full((batch, width), CharTokenizer.eos_id, dtype=torch.long)
     is_answer = torch.zeros(batch, width - 1, dtype=torch.bool)
@@ -105,7 +143,7 @@ def _schedule(cfg: TrainConfig, rng: random.Random):
     for stage in cfg.curriculum:
         hi, steps = stage[0], stage[1]
         tasks = tuple(stage[2]) if len(stage) > 2 else tuple(cfg.tasks)
-        floor = max(map(min_context_tokens, tasks))
+        floor = max(min_context_tokens(t) if t != COPY else 160 for t in tasks)
         for _ in range(steps):
             yield max(floor, rng.randint(min(lo, hi), hi)), tasks
         lo = hi
