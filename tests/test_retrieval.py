@@ -250,7 +250,7 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
             logits = full_forward(model, tokens[:, :-1])
         return F.cross_entropy(logits[valid], tokens[:, 1:][valid]).item()
 
-    small = dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64, sliding_window=16, nope_layer=1)
+    small = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=64, sliding_window=16, nope_layer=1)
     cfg = TrainConfig(curriculum=((300, 1),), batch_tokens=1200, lr=1e-2, warmup_steps=1, eval_samples=0,
                       model=small)
     before = loss(train(cfg, progress=False)[0])                    # one step from the seeded initialisation
@@ -260,12 +260,30 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
     assert loss(model) < before - 0.5                               # from ~ln(99) = 4.6
 
 
+def test_the_written_induction_circuit_copies_before_any_training():
+    """The constructed start (tinyattn.retrieval.induction_init): a random token sequence whose last 24 tokens
+    repeat an earlier stretch, far beyond the sliding window, is copied well above chance with no training."""
+    from tinyattn.retrieval.induction_init import write_induction_circuit
+    from tinyattn.retrieval.train import _init, default_model_config
+
+    torch.manual_seed(0)
+    model = LlamaModel(default_model_config()).eval()
+    _init(model)                                                     # the training's random start
+    write_induction_circuit(model, nope_layer=2)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(3, 99, (4, 300), generator=g)
+    seq[:, -24:] = seq[:, 100:124]                                   # 176+ tokens back; the window is 64
+    with torch.no_grad():
+        pred = full_forward(model, seq[:, :-1])[:, -23:].argmax(-1)
+    assert (pred == seq[:, -23:]).float().mean() > 0.2                # chance: 1/96
+
+
 def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     from tinyattn.cli import main
 
     out = tmp_path / "m"
-    rc = main(["train-retrieval", "--out", str(out), "--curriculum", "300:2", "--batch-tokens", "600", "--dim", "32",
-               "--layers", "2", "--heads", "2", "--hidden-dim", "64", "--nope-layer", "1", "--eval-lengths", "300",
+    rc = main(["train-retrieval", "--out", str(out), "--curriculum", "300:2", "--batch-tokens", "600", "--dim", "64",
+               "--layers", "2", "--heads", "4", "--hidden-dim", "64", "--nope-layer", "1", "--eval-lengths", "300",
                "--eval-samples", "1", "--tasks", "passkey", "--no-progress"])
     assert rc == 0
     assert "passkey" in capsys.readouterr().out

@@ -25,11 +25,11 @@ class TrainConfig:
     ``batch_tokens // length``, at least 1)."""
 
     seed: int = 0
-    curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))
-    batch_tokens: int = 8192
-    lr: float = 3e-3
+    curriculum: tuple = ((512, 200, ("copy",) + TASKS), (1024, 150, ("copy",) + TASKS))
+    batch_tokens: int = 3072
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     lm_weight: float = 0.1
@@ -38,9 +38,10 @@ class TrainConfig:
     eval_lengths: tuple = (2048, 4096, 8192)
     eval_samples: int = 16
     model: dict = field(default_factory=dict)    # overrides of MODEL_DEFAULTS
+    induction_init: bool = True                  # start from tinyattn.retrieval.induction_init's circuit
 
     @property
     def total_steps(self) -> int:
-        return sum(s for _, s in self.curriculum)
+        return sum(stage[1] for stage in self.curriculum)
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
+from .induction_init import write_induction_circuit
 from .recipe import MODEL_DEFAULTS, TrainConfig
 from .tasks import TASKS, Sample, filler_text, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
@@ -68,20 +69,21 @@ class Batch:
 
 #: a training-only task: recall a random passage from its first characters (dense induction-head signal)
 COPY = "copy"
-_COPY_WORDS, _COPY_CUE = 20, 8
+_COPY_CHARS, _COPY_CUE = 32, 6
+# digits, capitals and symbols: rare or absent in the filler, so one character of context already locates the
+# passage, which is what makes the copying circuit appear quickly
+_COPY_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ#$%&*+=@^~"
 
 
 def copy_sample(*, context_tokens: int, depth: float, seed: int) -> Sample:
-    """A training-only prompt: filler with a passage of random lowercase words in ``<`` ``>`` inserted at
+    """A training-only prompt: filler with a passage of random digits, capitals and symbols in ``<`` ``>`` at
     ``depth``; the prompt ends with ``Recall: `` and the passage's first characters, the answer is the rest of
     the passage.
     Nothing but attention to the passage predicts the answer, and every answer character is a copy target,
     which teaches the copying (induction) circuit the retrieval tasks need much faster than their few answer
     digits do (Olsson et al. 2022 on induction heads)."""
     rng = random.Random(f"{COPY}:{seed}")
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 6)))
-             for _ in range(_COPY_WORDS)]
-    passage = "<" + " ".join(words) + ">"
+    passage = "<" + "".join(rng.choice(_COPY_ALPHABET) for _ in range(_COPY_CHARS)) + ">"
     question = "\nRecall: " + passage[:_COPY_CUE]
     n_fill = context_tokens - 1 - len(passage) - 1 - len(question)
     if n_fill < 0:
@@ -143,7 +145,7 @@ def _schedule(cfg: TrainConfig, rng: random.Random):
     for stage in cfg.curriculum:
         hi, steps = stage[0], stage[1]
         tasks = tuple(stage[2]) if len(stage) > 2 else tuple(cfg.tasks)
-        floor = max(min_context_tokens(t) if t != COPY else 160 for t in tasks)
+        floor = max(min_context_tokens(t) if t != COPY else 96 for t in tasks)
         for _ in range(steps):
             yield max(floor, rng.randint(min(lo, hi), hi)), tasks
         lo = hi
@@ -181,6 +183,8 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
     rng = random.Random(cfg.seed)
     model = LlamaModel(default_model_config(**cfg.model)).train()
     _init(model)
+    if cfg.induction_init:
+        write_induction_circuit(model, nope_layer=model.config.nope_layers[0])
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -234,13 +238,20 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
 
 
 def _init(model) -> None:
-    """GPT-2 style initialisation: normal(0, 0.02) weights, output projections (``wo``, ``w2``) scaled by
-    ``1 / sqrt(2 n_layers)``."""
-    std = 0.02
+    """Normal(0, 0.02) weights (GPT-2), output projections (``wo``, ``w2``) scaled by ``1 / sqrt(2 n_layers)``,
+    and ``wq``, ``wk`` at ``1 / sqrt(dim)`` (LeCun): with 0.02 both the attention logits and their gradients
+    start near zero (each factor's gradient is proportional to the other), and the copying circuit the
+    tasks need took hundreds of steps longer to appear."""
+    cfg = model.config
     for name, p in model.named_parameters():
         if p.dim() > 1:
-            scale = 1 / math.sqrt(2 * model.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1
-            torch.nn.init.normal_(p, 0.0, std * scale)
+            if name.endswith(("wq.weight", "wk.weight")):
+                std = cfg.dim ** -0.5
+            elif name.endswith(("wo.weight", "w2.weight")):
+                std = 0.02 / math.sqrt(2 * cfg.n_layers)
+            else:
+                std = 0.02
+            torch.nn.init.normal_(p, 0.0, std)
 
 
 def _jsonable(d: dict) -> dict:
