@@ -36,7 +36,7 @@ class TrainConfig:
     tasks: tuple = TASKS
     threads: int = 1
     eval_lengths: tuple = (2048, 4096, 8192)
-    eval_samples: int = 16
+    eval_samples: int = 8
     model: dict = field(default_factory=dict)    # overrides of MODEL_DEFAULTS
     induction_init: bool = True                  # start from tinyattn.retrieval.induction_init's circuit
 
