@@ -256,6 +256,8 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
     before = loss(train(cfg, progress=False)[0])                    # one step from the seeded initialisation
     cfg.curriculum = ((300, 12),)
     model, log = train(cfg, progress=False)
+    again, _ = train(cfg, progress=False)                           # same seed: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     assert len(log["steps"]) == 12 and log["steps"][0]["loss"] > log["steps"][-1]["loss"]
     assert loss(model) < before - 0.5                               # from ~ln(99) = 4.6
 
@@ -307,3 +309,17 @@ def test_train_retrieval_rejects_a_bad_curriculum(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train-retrieval", "--out", "x", "--curriculum", bad])
     assert exc.value.code == 2 and "--curriculum" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the shipped model
+def test_the_shipped_model_loads_and_retrieves_passkeys():
+    from tinyattn.retrieval.model import default_retrieval_dir
+    from tinyattn.retrieval.train import answer_accuracy
+
+    model, tok = load_retrieval_model()
+    assert tok == TOK and model.config.nope_layers == (2,) and model.config.sliding_window == 64
+    assert model.config.layer_types == ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    log = json.loads((default_retrieval_dir() / "train_log.json").read_text())
+    assert log["parameters"] == sum(p.numel() for p in model.parameters())
+    # beyond its longest training prompt (1024 tokens), needles at depths 1/8 .. 7/8
+    assert answer_accuracy(model, "passkey", 1536, 4, seed=0) == 1.0              # docs/retrieval.md: 100%

@@ -25,9 +25,9 @@ class TrainConfig:
     ``batch_tokens // length``, at least 1)."""
 
     seed: int = 0
-    curriculum: tuple = ((512, 200, ("copy",) + TASKS), (1024, 150, ("copy",) + TASKS))
+    curriculum: tuple = ((512, 300, ("copy",) + TASKS), (1024, 250, ("copy",) + TASKS))
     batch_tokens: int = 3072
-    lr: float = 2e-3
+    lr: float = 4e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.01
