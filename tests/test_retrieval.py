@@ -48,14 +48,14 @@ def test_normalize_text_maps_typography_to_ascii():
 def _expected_answer(task: str, text: str) -> str:
     """The answer, read back from the prompt text with regular expressions (independently of the generator)."""
     if task == "passkey":
-        (value,) = set(re.findall(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text))
+        (value,) = set(re.findall(r"The pass key is <(\d{5})>\. Remember it\. <\1> is the pass key\.", text))
         return value
     name = re.search(r"What is the pass key of (\w+)\?", text).group(1)
     if task == "multihop":
-        (via,) = re.findall(rf"\b{name} has the same pass key as (\w+)\.", text)
-        (value,) = re.findall(rf"The pass key of {via} is (\d{{5}})\.", text)
-        return f"{via}. The pass key of {via} is {value}"
-    (value,) = re.findall(rf"The pass key of {name} is (\d{{5}})\.", text)
+        (via,) = re.findall(rf"\b{name} has the same pass key as <(\w+)>\.", text)
+        (value,) = re.findall(rf"The pass key of {via} is <(\d{{5}})>\.", text)
+        return f"{via}>. The pass key of {via} is <{value}"
+    (value,) = re.findall(rf"The pass key of {name} is <(\d{{5}})>\.", text)
     return value
 
 
@@ -88,14 +88,14 @@ def test_sample_length_needle_depth_and_answer(task, context_tokens, depth):
 def test_decoy_repeats_a_similar_needle_and_multikey_has_similar_keys():
     s = make_sample("decoy", context_tokens=2048, depth=0.5, seed=3)
     name = re.search(r"What is the pass key of (\w+)\?", s.text).group(1)
-    decoys = re.findall(r"The pass key of (\w+) is (\d{5})\.", s.text)
+    decoys = re.findall(r"The pass key of (\w+) is <(\d{5})>\.", s.text)
     others = [d for d in decoys if d[0] != name]
     assert len(others) == 6 and len(set(others)) == 1                    # one needle, six times
     assert sum(a != b for a, b in zip(others[0][0], name)) == 1          # one letter apart
     m = make_sample("multikey", context_tokens=2048, depth=0.5, seed=3)
-    keys = re.findall(r"The pass key of (\w+) is \d{5}\.", m.text)
+    keys = re.findall(r"The pass key of (\w+) is <\d{5}>\.", m.text)
     assert len(keys) == len(set(keys)) == 4
-    assert len(re.findall(r"counted \d{5} stars", m.text)) == 2
+    assert len(re.findall(r"counted <\d{5}> stars", m.text)) == 2
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -240,29 +240,52 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
     from tinyattn.retrieval.recipe import TrainConfig
     from tinyattn.retrieval.train import make_batch, train
 
-    tokens, valid, _ = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    batch = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    tokens, valid = batch.tokens, batch.valid
+    assert batch.tasks == [TASKS[(123 + b) % 4] for b in range(4)] and batch.is_answer.sum(-1).tolist() == [
+        len(make_sample(t, context_tokens=300, depth=0.5, seed=123 + b).answer) for b, t in enumerate(batch.tasks)]
 
     def loss(model):
         with torch.no_grad():
             logits = full_forward(model, tokens[:, :-1])
         return F.cross_entropy(logits[valid], tokens[:, 1:][valid]).item()
 
-    small = dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64, sliding_window=16, nope_layer=1)
+    small = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=64, sliding_window=16, nope_layer=1)
     cfg = TrainConfig(curriculum=((300, 1),), batch_tokens=1200, lr=1e-2, warmup_steps=1, eval_samples=0,
                       model=small)
     before = loss(train(cfg, progress=False)[0])                    # one step from the seeded initialisation
     cfg.curriculum = ((300, 12),)
     model, log = train(cfg, progress=False)
+    again, _ = train(cfg, progress=False)                           # same seed: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     assert len(log["steps"]) == 12 and log["steps"][0]["loss"] > log["steps"][-1]["loss"]
     assert loss(model) < before - 0.5                               # from ~ln(99) = 4.6
+
+
+def test_the_written_induction_circuit_copies_before_any_training():
+    """The constructed start (tinyattn.retrieval.induction_init): a random token sequence whose last 24 tokens
+    repeat an earlier stretch, far beyond the sliding window, is copied well above chance with no training."""
+    from tinyattn.retrieval.induction_init import write_induction_circuit
+    from tinyattn.retrieval.train import _init, default_model_config
+
+    torch.manual_seed(0)
+    model = LlamaModel(default_model_config()).eval()
+    _init(model)                                                     # the training's random start
+    write_induction_circuit(model, nope_layer=2)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(3, 99, (4, 300), generator=g)
+    seq[:, -24:] = seq[:, 100:124]                                   # 176+ tokens back; the window is 64
+    with torch.no_grad():
+        pred = full_forward(model, seq[:, :-1])[:, -23:].argmax(-1)
+    assert (pred == seq[:, -23:]).float().mean() > 0.1                # chance: 1/96
 
 
 def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     from tinyattn.cli import main
 
     out = tmp_path / "m"
-    rc = main(["train-retrieval", "--out", str(out), "--curriculum", "300:2", "--batch-tokens", "600", "--dim", "32",
-               "--layers", "2", "--heads", "2", "--hidden-dim", "64", "--nope-layer", "1", "--eval-lengths", "300",
+    rc = main(["train-retrieval", "--out", str(out), "--curriculum", "300:2", "--batch-tokens", "600", "--dim", "64",
+               "--layers", "2", "--heads", "4", "--hidden-dim", "64", "--nope-layer", "1", "--eval-lengths", "300",
                "--eval-samples", "1", "--tasks", "passkey", "--no-progress"])
     assert rc == 0
     assert "passkey" in capsys.readouterr().out
@@ -272,10 +295,43 @@ def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert model.config.n_layers == 2 and model.config.nope_layers == (1,)
 
 
-@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b"])
+def test_curriculum_parsing():
+    from tinyattn.retrieval.command import parse_curriculum
+
+    assert parse_curriculum("256:150:passkey,1024:300") == ((256, 150, ("passkey",)), (1024, 300))
+    assert parse_curriculum("512:2:passkey+decoy") == ((512, 2, ("passkey", "decoy")),)
+
+
+@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b", "512:5:needle", "512:5:passkey:x"])
 def test_train_retrieval_rejects_a_bad_curriculum(bad, capsys):
     from tinyattn.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["train-retrieval", "--out", "x", "--curriculum", bad])
     assert exc.value.code == 2 and "--curriculum" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the shipped model
+def test_the_shipped_model_loads_and_retrieves_passkeys():
+    from tinyattn.retrieval.model import default_retrieval_dir
+    from tinyattn.retrieval.train import answer_accuracy
+
+    model, tok = load_retrieval_model()
+    assert tok == TOK and model.config.nope_layers == (2,) and model.config.sliding_window == 64
+    assert model.config.layer_types == ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    log = json.loads((default_retrieval_dir() / "train_log.json").read_text())
+    assert log["parameters"] == sum(p.numel() for p in model.parameters())
+    # beyond its longest training prompt (1024 tokens), needles at depths 1/8 .. 7/8
+    assert answer_accuracy(model, "passkey", 1536, 4, seed=0) == 1.0              # docs/retrieval.md: 100%
+
+
+def test_the_shipped_model_gives_the_same_logits_through_the_paged_forward():
+    model, _ = load_retrieval_model()
+    s = make_sample("multikey", context_tokens=300, depth=0.5, seed=1)
+    tokens = torch.tensor([s.prompt])
+    ref = full_forward(model, tokens)
+    try:
+        got = _paged_logits(model, tokens, split=290)              # a prefill, then 10 decode steps
+    except NotImplementedError as exc:                              # until the paged forward honours the options
+        pytest.skip(f"LlamaModel's paged forward: {exc}")
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -16,29 +16,32 @@ MODEL_DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, hidden_dim=384, sliding_wi
 
 @dataclass
 class TrainConfig:
-    """Options of :func:`train` (the ``train-retrieval`` command's flags).
+    """Options of :func:`tinyattn.retrieval.train.train` (the ``train-retrieval`` command's flags).
 
-    ``curriculum``: ``(max_length, steps)`` stages; a stage's batches have lengths drawn uniformly between
-    the previous stage's ``max_length`` (half its own for the first) and its own. ``batch_tokens``: tokens
-    per batch (batch size = ``batch_tokens // length``, at least 1)."""
+    ``curriculum``: stages ``(max_length, steps)`` or ``(max_length, steps, tasks)``; a stage's batches have
+    lengths drawn uniformly between the previous stage's ``max_length`` (half its own for the first) and its
+    own (at least the longest :func:`~tinyattn.retrieval.tasks.min_context_tokens` of its tasks), and its rows
+    cycle over ``tasks`` (default: :attr:`tasks`). ``batch_tokens``: prompt tokens per batch (batch size =
+    ``batch_tokens // length``, at least 1)."""
 
     seed: int = 0
-    curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))
-    batch_tokens: int = 8192
-    lr: float = 3e-3
+    curriculum: tuple = ((512, 300, ("copy",) + TASKS), (1024, 250, ("copy",) + TASKS))
+    batch_tokens: int = 3072
+    lr: float = 4e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     lm_weight: float = 0.1
     tasks: tuple = TASKS
     threads: int = 1
     eval_lengths: tuple = (2048, 4096, 8192)
-    eval_samples: int = 16
+    eval_samples: int = 8
     model: dict = field(default_factory=dict)    # overrides of MODEL_DEFAULTS
+    induction_init: bool = True                  # start from tinyattn.retrieval.induction_init's circuit
 
     @property
     def total_steps(self) -> int:
-        return sum(s for _, s in self.curriculum)
+        return sum(stage[1] for stage in self.curriculum)
 
 
