@@ -26,10 +26,10 @@ def test_recall_sequence_layout_and_mask(seed, seq_len, keys, questions):
     text = TOK.decode(tokens)
     offset = len(tokens) - 1 - len(text)                 # decode drops BOS: text index i = token i + 1 + offset
     assert offset == 0
-    key_re = r"(?<!\? )The pass key of (\w+) is (\d{5})\. "     # a key sentence, not a question's answer
+    key_re = r"(?<!\? )The pass key of (\w+) is <(\d{5})>\. "     # a key sentence, not a question's answer
     found_keys = dict(re.findall(key_re, text))
     assert len(found_keys) == keys
-    asked = list(re.finditer(r"What is the pass key of (\w+)\? The pass key of \1 is (\d{5})\.", text))
+    asked = list(re.finditer(r"What is the pass key of (\w+)\? The pass key of \1 is <(\d{5})>\.", text))
     assert len(asked) == questions
     want_mask = [False] * seq_len
     for m in asked:

@@ -1,10 +1,10 @@
 """Recall sequences for long-context fine-tuning: keys early, questions late (issue 14, item 3).
 
 A sequence is BOS, TinyStories filler (:func:`tinyattn.retrieval.tasks.filler_text`) with ``num_keys`` needles
-``The pass key of Tom is 48213.`` placed in its first ``keys_end`` fraction, then ``num_questions`` questions
-spread evenly from ``first_question`` to the end, each on its own line:
-``What is the pass key of Tom? The pass key of Tom is 48213.`` (names drawn from the keys, each asked at most
-once while keys remain unasked). The **loss mask** marks the targets that are answer digits: a model run in
+``The pass key of Tom is <48213>.`` (the ``multikey`` task's phrasing, :mod:`tinyattn.retrieval.tasks`) placed in
+its first ``keys_end`` fraction, then ``num_questions`` questions spread evenly from ``first_question`` to the end,
+each on its own line: ``What is the pass key of Tom? The pass key of Tom is <48213>.`` (names drawn from the keys,
+each asked at most once while keys remain unasked). The **loss mask** marks the targets that are answer digits: a model run in
 chunks with a bounded KV memory can only lower that loss if the memory still holds the key pages when a
 question comes. With the first question placed inside the memory's horizon, a policy that watches gradients
 (TinyServe's gradient-aware retention) can learn there which pages matter; recency cannot.
@@ -71,9 +71,9 @@ def recall_sequence(*, seq_len: int, seed: int, num_keys: int = 4, num_questions
     rng = random.Random(f"recall:{seed}")
     names = rng.sample(NAMES, num_keys)
     values = [str(v) for v in rng.sample(range(10000, 100000), num_keys)]
-    keys = [f"The pass key of {n} is {v}. " for n, v in zip(names, values)]
+    keys = [f"The pass key of {n} is <{v}>. " for n, v in zip(names, values)]
     asked = [i for _ in range(-(-num_questions // num_keys)) for i in rng.sample(range(num_keys), num_keys)]
-    questions = [(f"\nWhat is the pass key of {names[i]}? The pass key of {names[i]} is ", values[i], ".\n")
+    questions = [(f"\nWhat is the pass key of {names[i]}? The pass key of {names[i]} is <", values[i], ">.\n")
                  for i in asked[:num_questions]]
     fixed = sum(map(len, keys)) + sum(len(a) + len(b) + len(c) for a, b, c in questions)
     n_fill = seq_len + 1 - 1 - fixed                                   # L + 1 tokens, BOS first
