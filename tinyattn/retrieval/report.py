@@ -79,9 +79,9 @@ def plot_depth_heatmaps(result: TaskResult, out_dir: str | os.PathLike, prefix: 
     paths = []
     for task in result.tasks:
         for ps in result.page_sizes:
-            fig, axes = plt.subplots(len(policies), n_cols, squeeze=False,
-                                     figsize=(1.0 + 0.55 * len(contexts) * n_cols + 0.6 * n_cols,
-                                              0.6 + 0.32 * len(depths) * len(policies) + 0.45 * len(policies)))
+            fig, axes = plt.subplots(len(policies), n_cols, squeeze=False, layout="constrained",
+                                     figsize=(1.6 + 0.5 * len(contexts) * n_cols + 0.3 * n_cols,
+                                              0.6 + 0.26 * len(depths) * len(policies) + 0.5 * len(policies)))
             image = None
             for i, policy in enumerate(policies):
                 for j in range(n_cols):
@@ -98,16 +98,17 @@ def plot_depth_heatmaps(result: TaskResult, out_dir: str | os.PathLike, prefix: 
                             if not math.isnan(v):
                                 ax.text(ci, di, f"{v * 100:.0f}", ha="center", va="center", fontsize=7)
                     ax.set_xticks(range(len(contexts)))
-                    ax.set_xticklabels([_k(c) for c in contexts], fontsize=7)
+                    bottom = i == len(policies) - 1 or policy == DENSE
+                    ax.set_xticklabels([_k(c) for c in contexts] if bottom else [], fontsize=7)
                     ax.set_yticks(range(len(depths)))
                     ax.set_yticklabels([f"{d:.0%}" for d in depths] if j == 0 else [], fontsize=7)
                     ax.set_title(policy if frac is None else f"{policy}, budget {format_fraction(frac)}", fontsize=8)
                     if j == 0:
                         ax.set_ylabel("needle depth", fontsize=8)
-                    if i == len(policies) - 1 or policy == DENSE and len(policies) == 1:
+                    if bottom:
                         ax.set_xlabel("context (tokens)", fontsize=8)
             if image is not None:
-                fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="accuracy (exact match)")
+                fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.5, label="accuracy (exact match)")
             fig.suptitle(f"{task}: accuracy by needle depth and context, page size {ps} "
                          f"({result.options.get('samples', '?')} samples per cell)", fontsize=10)
             path = out_dir / f"{prefix}heatmap_{task}_ps{ps}.png"
@@ -138,8 +139,8 @@ def plot_budget_curves(result: TaskResult, out_dir: str | os.PathLike, prefix: s
     for task in result.tasks:
         for ps in result.page_sizes:
             contexts = result.contexts
-            fig, axes = plt.subplots(1, len(contexts), figsize=(3.4 * len(contexts) + 0.8, 3.4), squeeze=False,
-                                     sharey=True)
+            fig, axes = plt.subplots(1, len(contexts), figsize=(3.2 * len(contexts) + 1.4, 3.4), squeeze=False,
+                                     sharey=True, layout="constrained")
             for ax, context in zip(axes[0], contexts):
                 for i, policy in enumerate(sparse):
                     ys = [result.accuracy(task=task, policy=policy, context=context, page_size=ps,
@@ -159,10 +160,10 @@ def plot_budget_curves(result: TaskResult, out_dir: str | os.PathLike, prefix: s
                 ax.set_title(f"context {context} tokens", fontsize=9)
                 ax.set_xlabel("budget (fraction of the context)", fontsize=8)
             axes[0][0].set_ylabel("accuracy (exact match)")
-            axes[0][-1].legend(fontsize=7, loc="lower right")
+            handles, labels = axes[0][-1].get_legend_handles_labels()
+            fig.legend(handles, labels, fontsize=8, loc="outside right center")
             fig.suptitle(f"{task}: accuracy vs budget, page size {ps} (mean over needle depths "
                          f"{', '.join(f'{d:.0%}' for d in result.depths)})", fontsize=10)
-            fig.tight_layout()
             path = out_dir / f"{prefix}budget_{task}_ps{ps}.png"
             fig.savefig(path, dpi=100)
             plt.close(fig)
