@@ -1,0 +1,209 @@
+"""Train the retrieval model from scratch on the tasks of :mod:`tinyattn.retrieval.tasks` (CPU-friendly).
+
+Recipe (docs/retrieval.md): a LLaMA-family model (:class:`tinyattn.models.LlamaModel`, character
+vocabulary) whose layers are sliding-window RoPE layers around one full-attention layer without positional
+encoding (NoPE): the sliding layers see only nearby characters, so they build "what precedes me" features
+that do not depend on the context length, and the NoPE layer matches them over the whole context, which is
+why the model retrieves far past its training lengths (Kazemnejad et al. 2023 on NoPE length
+generalisation; the interleaving of SmolLM3 / Llama 4).
+
+Each step draws a batch of prompts of one length (the curriculum stage's length range), cycling over the
+tasks, with needle depths uniform in [0, 1]; the loss is the cross-entropy of the answer tokens plus
+``lm_weight`` x that of every other token (language modelling of the filler). Training prompts use seeds
+from 10**9 on, so they never repeat the small seeds evaluations use. Everything is seeded: the same command
+gives the same weights on the same PyTorch build and thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tinyattn.models.config import LlamaConfig
+from .forward import full_forward
+from .tasks import TASKS, make_sample, min_context_tokens
+from .tokenizer import CharTokenizer
+
+__all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch"]
+
+_TRAIN_SEED_BASE = 10 ** 9
+
+
+def default_model_config(*, dim: int = 128, n_layers: int = 4, n_heads: int = 4, hidden_dim: int = 384,
+                         sliding_window: int = 64, nope_layer: int = 2, max_seq_len: int = 16384) -> LlamaConfig:
+    """The shipped architecture: ``n_layers`` layers, all ``"sliding_attention"`` with RoPE except layer
+    ``nope_layer``, a ``"full_attention"`` layer without RoPE; character vocabulary (99 ids)."""
+    types = tuple("full_attention" if i == nope_layer else "sliding_attention" for i in range(n_layers))
+    return LlamaConfig(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+                       vocab_size=CharTokenizer().vocab_size, max_seq_len=max_seq_len, layer_types=types,
+                       sliding_window=sliding_window, nope_layers=(nope_layer,))
+
+
+@dataclass
+class TrainConfig:
+    """Options of :func:`train` (the ``train-retrieval`` command's flags).
+
+    ``curriculum``: ``(max_length, steps)`` stages; a stage's batches have lengths drawn uniformly between
+    the previous stage's ``max_length`` (half its own for the first) and its own. ``batch_tokens``: tokens
+    per batch (batch size = ``batch_tokens // length``, at least 1)."""
+
+    seed: int = 0
+    curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))
+    batch_tokens: int = 8192
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    lm_weight: float = 0.1
+    tasks: tuple = TASKS
+    threads: int = 1
+    eval_lengths: tuple = (2048, 4096, 8192)
+    eval_samples: int = 16
+    model: dict = field(default_factory=dict)    # keyword arguments of default_model_config
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s for _, s in self.curriculum)
+
+
+def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random, tokenizer=None):
+    """``(tokens [batch, length + answer], weights [batch, length + answer - 1], is_answer)``: prompts of
+    ``length`` tokens followed by their answers, padded with EOS to the longest answer; ``weights`` marks the
+    targets (``tokens[:, 1:]``) that are answer tokens (``is_answer``, bool) or padding (excluded)."""
+    samples = [make_sample(tasks[(first_seed + b) % len(tasks)], context_tokens=length, depth=rng.random(),
+                           seed=first_seed + b, tokenizer=tokenizer) for b in range(batch)]
+    width = length + max(len(s.answer) for s in samples)
+    eos = CharTokenizer.eos_id
+    tokens = torch.full((batch, width), eos, dtype=torch.long)
+    is_answer = torch.zeros(batch, width - 1, dtype=torch.bool)
+    valid = torch.zeros(batch, width - 1, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        seq = s.prompt + s.answer
+        tokens[b, :len(seq)] = torch.tensor(seq)
+        is_answer[b, length - 1:len(seq) - 1] = True              # target t+1 is an answer token
+        valid[b, :len(seq) - 1] = True
+    return tokens, valid, is_answer
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _schedule(cfg: TrainConfig, rng: random.Random):
+    """The length of every step's batch, from the curriculum."""
+    lo = max(cfg.curriculum[0][0] // 2, max(map(min_context_tokens, cfg.tasks)))
+    for hi, steps in cfg.curriculum:
+        for _ in range(steps):
+            yield rng.randint(lo, hi)
+        lo = hi
+
+
+@torch.no_grad()
+def answer_accuracy(model, task: str, length: int, samples: int, *, seed: int = 0) -> float:
+    """Fraction of ``samples`` prompts of ``task`` at ``length`` tokens (seeds ``seed..seed+samples-1``, depths
+    ``(i + 0.5) / samples``) whose whole answer the model produces greedily, through :func:`full_forward`.
+
+    Teacher forcing gives the same verdict as greedy decoding: if the argmax at every answer position is the
+    answer token, greedy decoding produces exactly the answer; otherwise greedy first differs there too."""
+    hits = 0
+    for i in range(samples):
+        s = make_sample(task, context_tokens=length, depth=(i + 0.5) / samples, seed=seed + i)
+        seq = torch.tensor([s.prompt + s.answer[:-1]])
+        pred = full_forward(model, seq)[0, length - 1:].argmax(-1)
+        hits += bool((pred == torch.tensor(s.answer)).all())
+    return hits / samples
+
+
+def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool = True,
+          evaluate: bool = True):
+    """Train a model per ``cfg``; returns ``(model, log)``. With ``out_dir``, writes the checkpoint
+    (:func:`tinyattn.retrieval.save_retrieval_model`) and ``train_log.json`` there (the log also after every
+    50 steps). ``log["steps"]``: per step ``{step, length, batch, loss, answer_loss, answer_token_acc, lr,
+    elapsed_s}``; ``log["eval"]``: per task and length the greedy answer accuracy (:func:`answer_accuracy`)."""
+    from tqdm.auto import tqdm
+
+    from tinyattn.models.llama import LlamaModel
+    from .model import save_retrieval_model
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model = LlamaModel(default_model_config(**cfg.model)).train()
+    _init(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    log = {"config": _jsonable(asdict(cfg)), "model": _jsonable(asdict(model.config)),
+           "parameters": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+           "threads": cfg.threads, "steps": []}
+    out = Path(out_dir) if out_dir is not None else None
+    t0 = time.perf_counter()
+    counter = _TRAIN_SEED_BASE + cfg.seed * 10 ** 7
+    bar = tqdm(total=cfg.total_steps, disable=not progress, desc="train-retrieval", unit="step")
+    for step, length in enumerate(_schedule(cfg, rng)):
+        batch = max(1, cfg.batch_tokens // length)
+        tokens, valid, is_answer = make_batch(cfg.tasks, length, batch, counter, rng)
+        counter += batch
+        for group in opt.param_groups:
+            group["lr"] = _lr(cfg, step)
+        logits = full_forward(model, tokens[:, :-1])
+        nll = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view_as(valid)
+        ans_loss = nll[is_answer].mean()
+        lm_loss = nll[valid & ~is_answer].mean()
+        loss = ans_loss + cfg.lm_weight * lm_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        acc = (logits.argmax(-1) == tokens[:, 1:])[is_answer].float().mean().item()
+        log["steps"].append({"step": step, "length": length, "batch": batch, "loss": round(loss.item(), 4),
+                             "answer_loss": round(ans_loss.item(), 4), "answer_token_acc": round(acc, 4),
+                             "lr": round(_lr(cfg, step), 6), "elapsed_s": round(time.perf_counter() - t0, 1)})
+        bar.set_postfix(len=length, ans_loss=f"{ans_loss.item():.3f}", acc=f"{acc:.2f}")
+        bar.update()
+        if out is not None and (step + 1) % 50 == 0:
+            save_retrieval_model(model, CharTokenizer(), out, training={"steps_done": step + 1})
+            _write_log(out, log)
+    bar.close()
+    log["train_s"] = round(time.perf_counter() - t0, 1)
+    model.eval()
+    if evaluate and cfg.eval_samples:
+        log["eval"] = {task: {str(n): answer_accuracy(model, task, n, cfg.eval_samples)
+                              for n in cfg.eval_lengths} for task in cfg.tasks}
+    if out is not None:
+        save_retrieval_model(model, CharTokenizer(), out,
+                             training={"command": "python -m tinyattn train-retrieval", "seed": cfg.seed,
+                                       "steps": cfg.total_steps, "train_s": log["train_s"],
+                                       "eval": log.get("eval")})
+        _write_log(out, log)
+    return model.requires_grad_(False), log
+
+
+def _init(model) -> None:
+    """GPT-2 style initialisation: normal(0, 0.02) weights, output projections (``wo``, ``w2``) scaled by
+    ``1 / sqrt(2 n_layers)``."""
+    std = 0.02
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            scale = 1 / math.sqrt(2 * model.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1
+            torch.nn.init.normal_(p, 0.0, std * scale)
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=list))
+
+
+def _write_log(out: Path, log: dict) -> None:
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
