@@ -53,7 +53,8 @@ def model():
 
 
 SMALL = dict(tasks=["passkey", "multikey"], contexts=[40, 64], depths=[0.0, 1.0], budgets=["1/2", "1/4"],
-             page_sizes=[4, 8], samples=2, backend="torch", progress=False, make_sample=fake_make_sample)
+             page_sizes=[4, 8], samples=2, backend="torch", progress=False, make_sample=fake_make_sample,
+             decode_prompt_tokens=1)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_each_config_matches_a_fresh_runtime_generate(model, policy):
         expected = rt.generate([sample.prompt], max_new_tokens=6, eos_id=None).tokens[0]
         target = FakeSample("passkey", sample.prompt, expected, 61, 0.1, [])
         outcomes = _run_sample(model, target, 4, configs, seed=11, num_sink_pages=1, num_recent_pages=1,
-                               dense_layers=1, backend="torch", decode_prompt_tokens=0, prefill_chunk=16)
+                               dense_layers=1, backend="torch", prefill_tokens=61, prefill_chunk=16)
         assert outcomes[budgets.index(b)] == (True, 1.0), (policy, b, outcomes)
 
 
@@ -173,7 +174,7 @@ def test_rollback_gives_the_same_decode_as_a_fresh_prefill(model):
     sample = fake_make_sample("passkey", context_tokens=50, depth=0.5, seed=3)
     configs = [_Config("quest", Fraction(1, 4), 4), _Config("oracle", Fraction(1, 8), 2),
                _Config("dense", None, None), _Config("h2o", Fraction(1, 4), 4), _Config("quest", Fraction(1, 8), 2)]
-    kw = dict(seed=5, num_sink_pages=0, num_recent_pages=1, dense_layers=0, backend="torch", decode_prompt_tokens=2,
+    kw = dict(seed=5, num_sink_pages=0, num_recent_pages=1, dense_layers=0, backend="torch", prefill_tokens=48,
               prefill_chunk=8)
     together = _run_sample(model, sample, 4, configs, **kw)
     alone = [_run_sample(model, sample, 4, [c], **kw)[0] for c in configs]
@@ -226,7 +227,7 @@ def test_samples_use_the_documented_seeds(model):
     (dict(page_sizes=[0]), r"page_sizes: .*got \[0\]"),
     (dict(policies=["quest", "lru"]), r"policies: expected names among dense, quest.*got 'lru'"),
     (dict(samples=0), r"samples: expected an int >= 1, got 0"),
-    (dict(decode_prompt_tokens=-1), r"decode_prompt_tokens: expected an int >= 0, got -1"),
+    (dict(decode_prompt_tokens=-1), r"decode_prompt_tokens: expected 'question' or an int >= 0, got -1"),
     (dict(dense_layers=3), r"dense_layers: expected at most the model's n_layers \(2\), got 3"),
     (dict(num_sink_pages=-1), r"num_sink_pages"),
     (dict(budgets=[]), r"budgets: expected at least one fraction"),
@@ -245,7 +246,9 @@ def test_bad_samples_raise(model):
         return FakeSample(task, s.prompt, [VOCAB + 3], s.context_tokens, s.depth, [])
 
     with pytest.raises(ValueError, match="prompt of 1 tokens; decode_prompt_tokens=1 needs at least 2"):
-        evaluate_tasks(model, **dict(SMALL, make_sample=short))
+        evaluate_tasks(model, **dict(SMALL, make_sample=short, decode_prompt_tokens=1))
+    with pytest.raises(ValueError, match=r"make_sample\('passkey'\) returned a prompt without a newline token \(3\)"):
+        evaluate_tasks(model, **dict(SMALL, make_sample=short, decode_prompt_tokens="question"))
     with pytest.raises(ValueError, match=rf"token ids in \[\d+, {VOCAB + 3}\], outside the model's vocabulary"):
         evaluate_tasks(model, **dict(SMALL, make_sample=out_of_vocab))
 
@@ -290,3 +293,34 @@ def test_plots_are_written(small, tmp_path):
                             for t in ("passkey", "multikey") for ps in (4, 8)])
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- the question
+def test_question_is_decoded_from_the_last_newline(model):
+    """decode_prompt_tokens='question' decodes from the prompt's last newline token on: the same rows as giving
+    that many tokens as an int."""
+    question = [9, 10, 11, 12, 13, 14]
+
+    def with_question(task, **kw):
+        s = fake_make_sample(task, **kw)
+        prompt = s.prompt[:-7] + [3] + question       # newline (3 in the character vocabulary), then the question
+        prompt[5] = 3                                  # an earlier newline (a paragraph break) is not the question's
+        return FakeSample(task, prompt, s.answer, len(prompt), s.depth, s.needle_positions)
+
+    opts = dict(SMALL, make_sample=with_question, tasks=["passkey"], page_sizes=[4])
+    by_question = evaluate_tasks(model, **dict(opts, decode_prompt_tokens="question"), policies=["dense", "quest"])
+    by_count = evaluate_tasks(model, **dict(opts, decode_prompt_tokens=1 + len(question)), policies=["dense", "quest"])
+    assert [r.as_dict() for r in by_question.rows] == [r.as_dict() for r in by_count.rows]
+
+
+def test_question_of_the_shipped_tasks():
+    from tinyattn.retrieval import make_sample
+    from tinyattn.retrieval.evaluate import _newline_id, _prefill_length
+
+    nl = _newline_id(None)
+    s = make_sample("passkey", context_tokens=600, depth=0.5, seed=3)
+    assert _prefill_length(s, "passkey", "question", nl) == 600 - len("\nWhat is the pass key? The pass key is ")
+    s = make_sample("multihop", context_tokens=600, depth=0.5, seed=3)
+    name = s.text.rsplit("What is the pass key of ", 1)[1][:3]
+    question = f"\nWhat is the pass key of {name}? {name} has the same pass key as "
+    assert _prefill_length(s, "multihop", "question", nl) == 600 - len(question)

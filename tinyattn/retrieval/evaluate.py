@@ -3,13 +3,17 @@
 For every sample of a task (:func:`tinyattn.retrieval.tasks.make_sample`: a prompt with a needle at a given
 depth, and the answer the model must produce) and every page size:
 
-1. **one dense prefill** of the prompt, except its last ``decode_prompt_tokens`` tokens (a prefill is dense for
-   every policy; it runs in chunks of ``prefill_chunk`` tokens, each attending densely to everything before it,
-   so an 8K-token prompt never materialises an 8K x 8K score matrix);
-2. per (policy, page budget): the last prompt token(s) then the answer are decoded **greedily** through the
-   sparse decode path (:class:`tinyattn.layer.PagedAttention` with that :class:`tinyattn.layer.SparsityConfig`),
-   so every answer token is predicted by a step that attended only to the selected pages (with
-   ``decode_prompt_tokens=0`` the first answer token would come from the dense prefill, for every policy alike);
+1. **one dense prefill** of the prompt up to its question (a prefill is dense for every policy; it runs in
+   chunks of ``prefill_chunk`` tokens, each attending densely to everything before it, so an 8K-token prompt
+   never materialises an 8K x 8K score matrix);
+2. per (policy, page budget): the question, one token per step, then the answer, **greedily**, through the
+   sparse decode path (:class:`tinyattn.layer.PagedAttention` with that :class:`tinyattn.layer.SparsityConfig`).
+   The question is decoded rather than prefilled because a densely prefilled question would carry the needle
+   into the cache of its own tokens (a layer after a full-attention layer stores what that layer read), and a
+   policy keeping only the recent pages (StreamingLLM) would then read the answer from there. The question is
+   what follows the prompt's last newline (the tasks' format: filler, ``"\n"``, question); an int
+   ``decode_prompt_tokens`` decodes that many trailing prompt tokens instead (``0``: the first answer token comes
+   from the dense prefill, the same for every policy);
 3. the cache is rolled back to the prefilled prompt with :meth:`tinyattn.PagedKVCache.truncate` (no copy: the
    prompt's K/V are untouched by decode, and the box of a partial last page is recomputed exactly), ready for
    the next configuration.
@@ -48,10 +52,11 @@ from pathlib import Path
 import torch
 
 __all__ = ["TaskRow", "TaskResult", "evaluate_tasks", "page_budget_for", "parse_fraction", "sample_seed",
-           "format_fraction", "prefill", "greedy_decode", "TASK_FIELDS", "DENSE", "DEFAULT_BUDGETS", "DEFAULT_CONTEXTS", "DEFAULT_DEPTHS",
+           "format_fraction", "prefill", "greedy_decode", "TASK_FIELDS", "DENSE", "QUESTION", "DEFAULT_BUDGETS", "DEFAULT_CONTEXTS", "DEFAULT_DEPTHS",
            "DEFAULT_POLICIES"]
 
 DENSE = "dense"
+QUESTION = "question"
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_BUDGETS = (Fraction(1, 8), Fraction(1, 16), Fraction(1, 32), Fraction(1, 64), Fraction(1, 128))
@@ -252,10 +257,13 @@ def _check_options(*, tasks, contexts, depths, budgets, page_sizes, policies, sa
     policies = list(dict.fromkeys(policies))
     if any(p != DENSE for p in policies) and not fractions:
         raise ValueError("budgets: expected at least one fraction for the sparse policies, got none")
-    for name, value, minimum in (("samples", samples, 1), ("decode_prompt_tokens", decode_prompt_tokens, 0),
-                                 ("prefill_chunk", prefill_chunk, 1)):
+    checks = [("samples", samples, 1), ("prefill_chunk", prefill_chunk, 1)]
+    if decode_prompt_tokens != QUESTION:
+        checks.append(("decode_prompt_tokens", decode_prompt_tokens, 0))
+    for name, value, minimum in checks:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+            also = "'question' or " if name == "decode_prompt_tokens" else ""
+            raise ValueError(f"{name}: expected {also}an int >= {minimum}, got {value!r}")
     SparsityConfig(page_budget=num_sink_pages + max(num_recent_pages, 1), num_sink_pages=num_sink_pages,
                    num_recent_pages=num_recent_pages, dense_layers=dense_layers)    # ValueError naming the option
     if dense_layers > n_layers:
@@ -275,13 +283,38 @@ def _configs(policies, fractions, context, page_size, num_sink_pages, num_recent
     return out
 
 
-def _check_sample(sample, task: str, decode_prompt_tokens: int, vocab_size: int) -> None:
-    prompt, answer = list(sample.prompt), list(sample.answer)
-    if not answer:
-        raise ValueError(f"make_sample({task!r}) returned an empty answer")
+def _newline_id(tokenizer) -> int:
+    if tokenizer is None:
+        from .tokenizer import CharTokenizer
+
+        tokenizer = CharTokenizer()
+    ids = tokenizer.encode("\n", bos=False)
+    if len(ids) != 1:
+        raise ValueError(f"decode_prompt_tokens='question' needs a tokenizer that encodes '\\n' as one token, got "
+                         f"{ids}; give decode_prompt_tokens as an int")
+    return ids[0]
+
+
+def _prefill_length(sample, task: str, decode_prompt_tokens, newline_id: int | None) -> int:
+    """Tokens of ``sample.prompt`` to prefill densely (the rest is decoded)."""
+    prompt = list(sample.prompt)
+    if decode_prompt_tokens == QUESTION:
+        if newline_id not in prompt[1:]:
+            raise ValueError(f"make_sample({task!r}) returned a prompt without a newline token ({newline_id}) before "
+                             f"its question; give decode_prompt_tokens as an int")
+        return len(prompt) - 1 - prompt[::-1].index(newline_id)
     if len(prompt) <= decode_prompt_tokens:
         raise ValueError(f"make_sample({task!r}) returned a prompt of {len(prompt)} tokens; decode_prompt_tokens="
                          f"{decode_prompt_tokens} needs at least {decode_prompt_tokens + 1} (one to prefill)")
+    return len(prompt) - decode_prompt_tokens
+
+
+def _check_sample(sample, task: str, vocab_size: int) -> None:
+    prompt, answer = list(sample.prompt), list(sample.answer)
+    if not answer:
+        raise ValueError(f"make_sample({task!r}) returned an empty answer")
+    if not prompt:
+        raise ValueError(f"make_sample({task!r}) returned an empty prompt")
     ids = prompt + answer
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise ValueError(f"make_sample({task!r}) returned token ids in [{min(ids)}, {max(ids)}], outside the model's "
@@ -294,7 +327,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    budgets: Sequence = DEFAULT_BUDGETS, page_sizes: Sequence[int] = (16,),
                    policies: Sequence[str] = DEFAULT_POLICIES, samples: int = 4, seed: int = 0,
                    num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
-                   backend: str | None = None, decode_prompt_tokens: int = 1, prefill_chunk: int = 1024,
+                   backend: str | None = None, decode_prompt_tokens: int | str = "question", prefill_chunk: int = 1024,
                    make_sample: Callable | None = None, progress: bool = True) -> TaskResult:
     """Greedy-answer accuracy of every (task, context, depth, page size, policy, budget) configuration.
 
@@ -313,8 +346,10 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
             task, context, depth, i)``, the same for every policy, budget and page size.
         seed: base seed; ``random``'s draws are seeded by the sample seed too, so a run is deterministic.
         num_sink_pages, num_recent_pages, dense_layers, backend: as :class:`tinyattn.models.LlamaRuntime`.
-        decode_prompt_tokens: trailing prompt tokens fed through the sparse decode path before the answer
-            (default 1: every answer token is predicted by sparse attention).
+        decode_prompt_tokens: the trailing prompt tokens fed through the sparse decode path before the answer:
+            ``"question"`` (default) = from the prompt's last newline token on (``tokenizer.encode("\n")``, the
+            default tokenizer's when ``tokenizer`` is ``None``), or an int (``0``: the first answer token is
+            predicted by the dense prefill).
         prefill_chunk: tokens per dense prefill chunk (bounds the prefill's score matrix to
             ``prefill_chunk x context`` per head).
         make_sample: the sample generator, ``make_sample(task, *, context_tokens, depth, seed, tokenizer)`` ->
@@ -345,6 +380,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"tasks: expected names among {', '.join(TASKS)}, got {unknown[0]!r}")
+    newline_id = _newline_id(tokenizer) if decode_prompt_tokens == QUESTION else None
     n_configs = {(c, ps): len(_configs(policies, fractions, c, ps, num_sink_pages, num_recent_pages))
                  for c in contexts for ps in page_sizes}
     total = len(tasks) * len(depths) * samples * sum(n_configs.values())
@@ -357,13 +393,14 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                 for index in range(samples):
                     s_seed = sample_seed(seed, task, context, depth, index)
                     sample = make_sample(task, context_tokens=context, depth=depth, seed=s_seed, tokenizer=tokenizer)
-                    _check_sample(sample, task, decode_prompt_tokens, cfg.vocab_size)
+                    _check_sample(sample, task, cfg.vocab_size)
+                    n_prefill = _prefill_length(sample, task, decode_prompt_tokens, newline_id)
                     for ps in page_sizes:
                         bar.set_postfix_str(f"{task} context={context} depth={depth:g} page_size={ps}")
                         configs = _configs(policies, fractions, context, ps, num_sink_pages, num_recent_pages)
                         outcomes = _run_sample(model, sample, ps, configs, seed=s_seed, num_sink_pages=num_sink_pages,
                                                num_recent_pages=num_recent_pages, dense_layers=dense_layers,
-                                               backend=backend, decode_prompt_tokens=decode_prompt_tokens,
+                                               backend=backend, prefill_tokens=n_prefill,
                                                prefill_chunk=prefill_chunk, on_config=lambda: bar.update(1))
                         for config, (exact, share) in zip(configs, outcomes):
                             t = tallies.setdefault((task, context, depth, ps, config), _Tally())
@@ -388,15 +425,16 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
 
 
 def _run_sample(model, sample, page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
-                num_recent_pages: int, dense_layers: int, backend, decode_prompt_tokens: int, prefill_chunk: int,
+                num_recent_pages: int, dense_layers: int, backend, prefill_tokens: int, prefill_chunk: int,
                 on_config=lambda: None) -> list[tuple[bool, float]]:
-    """Prefill ``sample.prompt`` once (dense), then greedy-decode the answer under each config from the
-    prefilled cache; ``(exact match, share of answer tokens matched)`` per config."""
+    """Prefill the first ``prefill_tokens`` of ``sample.prompt`` once (dense), then decode the rest of the prompt
+    and greedily the answer under each config from the prefilled cache; ``(exact match, share of answer tokens
+    matched)`` per config."""
     from tinyattn.layer import PagedAttention, SparsityConfig
     from tinyattn.selection import H2OPolicy, RandomPolicy, get_policy
 
     prompt, answer = list(sample.prompt), list(sample.answer)
-    n_prefill = len(prompt) - decode_prompt_tokens
+    n_prefill = prefill_tokens
     cache = model.new_cache(page_size=page_size, num_pages=-(-(len(prompt) + len(answer)) // page_size))
     sid = cache.add_sequence()
 
