@@ -375,11 +375,15 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
         dense_layers=dense_layers, decode_prompt_tokens=decode_prompt_tokens, prefill_chunk=prefill_chunk,
         n_layers=cfg.n_layers)
     if make_sample is None:
-        from .tasks import TASKS, make_sample
+        from .tasks import TASKS, make_sample, min_context_tokens
 
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"tasks: expected names among {', '.join(TASKS)}, got {unknown[0]!r}")
+        for task in tasks:                       # before the long run, not at the first sample of that length
+            if min(contexts) < min_context_tokens(task):
+                raise ValueError(f"contexts: the {task} task needs prompts of at least {min_context_tokens(task)} "
+                                 f"tokens (its needles and question), got {min(contexts)}")
     newline_id = _newline_id(tokenizer) if decode_prompt_tokens == QUESTION else None
     n_configs = {(c, ps): len(_configs(policies, fractions, c, ps, num_sink_pages, num_recent_pages))
                  for c in contexts for ps in page_sizes}
