@@ -66,3 +66,12 @@ def test_quick_run_writes_csv_and_plot(name, tmp_path, capsys, keep_threads):
                                                               rel=1e-4)
             assert float(r["speedup_vs_sdpa"]) == pytest.approx(float(r["sdpa_us"]) / float(r["step_fused_us"]),
                                                                 rel=1e-3)
+
+
+def test_sliding_window_quick_run(tmp_path, capsys, keep_threads):
+    """bench/sliding_window.py: full, sparse and sliding rows; a window reads fewer bytes than the full layer."""
+    assert _load("sliding_window").main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "sliding_window.csv")))
+    assert [r["method"] for r in rows] == ["full", "sparse", "sliding 128"]
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[2]["ideal"]) == 8.0      # 1024 / 128 keys
+    assert "|---" in capsys.readouterr().out

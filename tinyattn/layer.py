@@ -14,8 +14,16 @@ decode, layer ``< dense_layers``        dense
 decode, no ``page_budget``              dense
 decode, sparse layer, Quest             fused: score the page boxes, top-k, attend (one plan run)
 decode, sparse layer, other policy      ``policy.select`` -> pages -> attend; ``policy.observe``
-explicit ``page_indices``               those pages (training's retained pages)
+sliding layer (``window_left >= 0``)    dense over its window, prefill and decode alike: no selection,
+                                        whatever the budget or policy (it already reads at most
+                                        ``window_left + 1`` keys per query, plus the partial first page)
+explicit ``page_indices``               those pages (training's retained pages), within the window if any
 ======================================  ==============================================================
+
+Sliding windows follow FlashInfer's ``window_left`` convention (a query at position ``p`` sees the keys at
+``[p - window_left, p]``; ``-1`` = full attention): the caller passes each layer's window to
+:meth:`PagedAttention.__call__` (:meth:`tinyattn.LlamaConfig.window_left` gives it for hybrid models), and the
+layers of one step share one plan whatever their windows.
 
 Sink and recent pages are forced by the plan's selection rules (:func:`tinyattn.select_pages`).
 Users: the LLaMA runtime (:mod:`tinyattn.models.llama`), the Hugging Face adapter
@@ -31,7 +39,7 @@ import torch
 
 from .ops import quant
 from .ops.plan import PagedAttentionPlan
-from .ops.validation import check_selection_options
+from .ops.validation import check_selection_options, check_window_left
 
 __all__ = ["SparsityConfig", "PagedAttention"]
 
@@ -140,7 +148,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None, *,
                  page_indices: torch.Tensor | None = None, scale: float | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 window_left: int = -1) -> torch.Tensor:
         """Attention output (shape and dtype of ``q``) of model layer ``layer`` under the current step.
 
         ``q``: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; the pool and boxes of this layer;
@@ -151,6 +160,9 @@ class PagedAttention:
         ``"fp16"`` / ``"bf16"`` under an fp32 model) gets ``q`` cast to the pool's dtype and the output cast
         back. Quest's fused path reads quantized pools directly; other policies and the selection metrics see
         the pool dequantized to ``q``'s dtype (a whole-pool pass per layer).
+        ``window_left``: this layer's sliding window (FlashInfer's convention: keys at ``[p - window_left, p]``
+        for a query at position ``p``; ``-1`` = full attention). A sliding layer attends densely over its window
+        and never selects (see the module's table); ``TypeError`` / ``ValueError`` unless an int ``>= -1``.
         """
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
@@ -158,16 +170,18 @@ class PagedAttention:
             saved, self.plan.scale = self.plan.scale, float(scale)
             try:
                 return self(layer, q, k_cache, v_cache, k_min, k_max, page_indices=page_indices, k_scale=k_scale,
-                            v_scale=v_scale)
+                            v_scale=v_scale, window_left=window_left)
             finally:
                 self.plan.scale = saved
         if k_scale is None and k_cache.dtype != q.dtype and k_cache.is_floating_point() \
                 and k_cache.dtype not in quant.QUANTIZED_DTYPES:
             return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max,
-                        page_indices=page_indices).to(q.dtype)
+                        page_indices=page_indices, window_left=window_left).to(q.dtype)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         if page_indices is not None:
-            return self.plan.run(q, k_cache, v_cache, page_indices=page_indices, **scales)
+            return self.plan.run(q, k_cache, v_cache, page_indices=page_indices, window_left=window_left, **scales)
+        if check_window_left(window_left) >= 0:        # a sliding layer: dense over its window, never selects
+            return self.plan.run(q, k_cache, v_cache, window_left=window_left, **scales)
         sparse = self.decode and self.sparsity.layer_is_sparse(layer)
         if sparse and self._fused:
             return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)

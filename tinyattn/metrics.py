@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["num_pages", "kv_bytes", "box_bytes", "io_bytes", "dense_bytes", "sparse_bytes", "pages_read",
-           "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate", "captured_mass"]
+           "window_pages", "window_tokens", "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate", "captured_mass"]
 
 
 def _is_tensor(x) -> bool:
@@ -94,6 +94,21 @@ def pages_read(seq_len, page_size: int, page_budget: int | None = None):
     if page_budget is None:
         return n
     return torch.clamp(n, max=page_budget) if _is_tensor(n) else min(n, page_budget)
+
+
+def window_pages(seq_len: int, page_size: int, window_left: int) -> int:
+    """Pages a decode query (at position ``L - 1``) of a sliding layer reads per KV head: those overlapping its
+    window ``[L - 1 - window_left, L - 1]`` (all ``⌈L/S⌉`` with ``window_left = -1``)."""
+    if seq_len <= 0:
+        return 0
+    if window_left < 0:
+        return num_pages(seq_len, page_size)
+    return (seq_len - 1) // page_size - max(seq_len - 1 - window_left, 0) // page_size + 1
+
+
+def window_tokens(seq_len: int, window_left: int) -> int:
+    """Keys a decode query of a sliding layer sees: ``min(L, window_left + 1)`` (``L`` with no window)."""
+    return seq_len if window_left < 0 else min(seq_len, window_left + 1)
 
 
 def ideal_speedup(seq_len: int, head_dim: int, page_size: int, page_budget: int | None, elem: int = 2,

@@ -48,6 +48,7 @@ import torch
 
 from . import metrics as M
 from .ops import spans as _spans
+from .ops.core import first_window_key
 
 __all__ = ["profile", "layer", "cli_profile", "print_cli_report", "add_cli_option", "Profile", "SpanRecord",
            "LayerQuality", "oracle_quality"]
@@ -434,9 +435,10 @@ def _count(record: SpanRecord, info) -> None:
         page_size, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         lens = seq_lens.to(torch.int64)
         n = M.num_pages(lens, page_size)                                                   # [B]
-        if page_indices is None:                                                        # dense: every valid page
-            tokens = int(lens.sum()) * Hkv
-            record.pages = int(n.sum()) * Hkv
+        if page_indices is None:             # dense: every valid page from the one holding the first key in the window
+            first = first_window_key(lens, q.shape[1], info.get("window_left", -1)).clamp(min=0)          # [B]
+            tokens = int((lens - first).clamp(min=0).sum()) * Hkv
+            record.pages = int((n - first // page_size).clamp(min=0).sum()) * Hkv
         else:
             pages, tok = M.selection_reads(page_indices, lens, page_size)                  # [B, Hkv] each
             tokens = int(tok.sum())

@@ -12,8 +12,11 @@ stream of ``len(list) * PAGE_SIZE`` tokens, ``BLOCK_N`` tokens per iteration (``
 pages per iteration when pages are small, part of a page when they are large): one ``[BLOCK_N, BD]``
 K tile and V tile, online softmax in fp32 (base 2, with ``scale * log2(e)`` folded into the logits).
 
-Causality is bottom-right aligned: query ``t`` sits at ``seq_len - Tq + t`` and sees keys at positions
-``<=`` its own. A row that sees no key keeps ``m = -inf, l = 0`` and writes ``out = 0, lse = -inf``.
+Causality is bottom-right aligned: query ``t`` sits at ``p = seq_len - Tq + t`` and sees keys at positions
+``<=`` its own; with a sliding window (``WINDOW_LEFT >= 0``, FlashInfer's ``window_left``) only those at
+positions ``>= p - WINDOW_LEFT`` too, and the dense walk starts at the page of the block's earliest
+query's first visible key (pages wholly before every window of the block are never read). A row that sees
+no key keeps ``m = -inf, l = 0`` and writes ``out = 0, lse = -inf``.
 
 Split-K: the token stream of a row is cut into ``num_splits`` contiguous ranges; each split writes its
 normalised partial output and base-2 LSE to an fp32 workspace, and ``_merge_splits_kernel`` combines
@@ -32,7 +35,7 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the same constant, readable inside
 NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window (no ==1 / %16 variants)
 def _attn_fwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
@@ -57,6 +60,7 @@ def _attn_fwd_kernel(
     stride_zs, stride_zb, stride_zt, stride_zh,
     qk_scale,  # scale * log2(e)
     TQ, D, NUM_MB, NUM_LIST, NUM_SPLITS,
+    WINDOW_LEFT,  # keys before its own position a query sees; -1 = no window
     G: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -80,6 +84,7 @@ def _attn_fwd_kernel(
     o_t = o_m // G
     o_hq = i_h * G + o_m % G
     o_qpos = seq_len - TQ + o_t  # [BM]
+    o_qlo = _window_start(o_qpos, WINDOW_LEFT)  # [BM] int64 first visible key position (-1: no window)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     p_q = (q + i_b * stride_qb + o_t[:, None].to(tl.int64) * stride_qt + o_hq[:, None] * stride_qh
@@ -90,13 +95,16 @@ def _attn_fwd_kernel(
 
     if SPARSE:
         n_list = NUM_LIST
+        tok0 = 0
     else:
-        # dense: valid pages, cut at the last page the block's newest query can see
+        # dense: valid pages, cut at the last page the block's newest query can see, and started at the page of
+        # the first key its earliest query's window holds
         t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
         n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
         n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
+        tok0 = _window_first_token(seq_len - TQ + (i_mb * BLOCK_M) // G, WINDOW_LEFT, PAGE_SIZE)
     n_tok = n_list * PAGE_SIZE
-    n_it = tl.cdiv(n_tok, BLOCK_N)
+    n_it = tl.cdiv(tl.maximum(n_tok - tok0, 0), BLOCK_N)
     it_per_split = tl.cdiv(n_it, NUM_SPLITS)
     it_lo = i_s * it_per_split
     it_hi = tl.minimum(it_lo + it_per_split, n_it)
@@ -116,7 +124,7 @@ def _attn_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BD], tl.float32)
     for it in range(it_lo, it_hi):
         b_m, b_l, b_acc = _attn_tile(
-            b_q, b_m, b_l, b_acc, it * BLOCK_N + o_n, o_qpos, m_d, seq_len, n_tok,
+            b_q, b_m, b_l, b_acc, tok0 + it * BLOCK_N + o_n, o_qpos, o_qlo, m_d, seq_len, n_tok,
             p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
             p_ks0, p_vs0, stride_sp,
             PAGE_SIZE, SPARSE, UPCAST, PRECISION, QUANT,
@@ -142,8 +150,23 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
+def _window_start(o_qpos, WINDOW_LEFT):
+    """First key position each query at ``o_qpos`` sees: ``o_qpos - WINDOW_LEFT`` (int64, no overflow for any
+    window), or ``-1`` (every key) without a window."""
+    return tl.where(WINDOW_LEFT >= 0, o_qpos.to(tl.int64) - WINDOW_LEFT, -1)
+
+
+@triton.jit
+def _window_first_token(q_first, WINDOW_LEFT, PAGE_SIZE: tl.constexpr):
+    """Where a dense walk starts: the first token of the page holding the first key the query at position
+    ``q_first`` (a block's earliest) sees; 0 without a window."""
+    lo = tl.maximum(q_first.to(tl.int64) - WINDOW_LEFT, 0)
+    return tl.where(WINDOW_LEFT >= 0, (lo // PAGE_SIZE) * PAGE_SIZE, 0).to(tl.int32)
+
+
+@triton.jit
 def _attn_tile(
-    b_q, b_m, b_l, b_acc, o_u, o_qpos, m_d, seq_len, n_tok,
+    b_q, b_m, b_l, b_acc, o_u, o_qpos, o_qlo, m_d, seq_len, n_tok,
     p_bt, p_idx, p_k0, p_v0, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
     p_ks0, p_vs0, stride_sp,
     PAGE_SIZE: tl.constexpr,
@@ -177,7 +200,8 @@ def _attn_tile(
         b_v = b_v.to(tl.float32)
 
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BM, BN]
-    b_s = tl.where(m_n[None, :] & (o_kpos[None, :] <= o_qpos[:, None]), b_s, float("-inf"))
+    m_vis = m_n[None, :] & (o_kpos[None, :] <= o_qpos[:, None]) & (o_kpos[None, :] >= o_qlo[:, None])  # [BM, BN]
+    b_s = tl.where(m_vis, b_s, float("-inf"))
     b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BM]
     # a row with nothing seen so far has m = -inf: shift by 0 so that exp2(-inf - -inf) never occurs
     b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # [BM]
@@ -283,7 +307,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor], scale: float,
                     out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None,
                     ws_o: Optional[torch.Tensor] = None, ws_lse: Optional[torch.Tensor] = None,
-                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                    window_left: int = -1) -> None:
     """Attention of q ``[B, Tq, Hq, D]`` over the paged cache; writes ``out`` (q's shape/dtype) and ``lse``.
 
     k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
@@ -295,6 +320,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     preallocated by a plan (``tinyattn.ops.plan``); allocated here when ``None`` and needed.
     k_scale / v_scale ``[num_pages, Hkv]`` fp32: with int8 / float8_e4m3fn pools, the per-(page, KV head) scales;
     K and V tiles are dequantized in registers (``code.to(fp32) * scale``) and the math runs in fp32.
+    window_left: sliding window, FlashInfer's convention: a query at position ``p`` sees keys in
+    ``[p - window_left, p]``; ``-1`` = no window (a runtime argument: one compiled kernel serves every window).
     """
     batch, num_queries, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -339,7 +366,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
         stride_zh=ws_lse.stride(3) if split else 0,
         qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
-        NUM_SPLITS=num_splits, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
+        NUM_SPLITS=num_splits, WINDOW_LEFT=window_left, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
         PRECISION="ieee", QUANT=quantized, **meta,
     )
     if split:

@@ -18,7 +18,8 @@ into fp32 buffers shaped like the page pool: a physical page can be read by seve
 sharing), by several query blocks, and by several logical pages; the launcher casts the buffers to the
 cache dtype at the end. Only slots of listed pages below ``seq_len`` are ever touched, so gradients of
 unselected pages and of padding slots stay exactly zero. The mask (page listed, slot valid,
-bottom-right causal) is the forward's.
+bottom-right causal, sliding window ``WINDOW_LEFT``) and the page walk (dense: from the page of the block's
+first visible key) are the forward's.
 
 ``_page_grad_norm_kernel``: ``||dK[p, :, h]||^2 + ||dV[p, :, h]||^2`` per physical page and KV head,
 the signal of the gradient-aware KV retention of TinyServe (Liu & Yu, arXiv 2509.12211, §3.4).
@@ -30,10 +31,10 @@ import triton
 import triton.language as tl
 
 from . import needs_upcast, pad_head_dim
-from .attention import _LOG2E, LOG2E, attention_blocks
+from .attention import _LOG2E, LOG2E, _window_first_token, _window_start, attention_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window
 def _attn_bwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
@@ -61,6 +62,7 @@ def _attn_bwd_kernel(
     scale,  # softmax scale
     qk_scale,  # scale * log2(e)
     TQ, D, NUM_MB, NUM_LIST,
+    WINDOW_LEFT,  # keys before its own position a query sees; -1 = no window
     G: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -81,6 +83,7 @@ def _attn_bwd_kernel(
     o_t = o_m // G
     o_hq = i_h * G + o_m % G
     o_qpos = seq_len - TQ + o_t  # [BM]
+    o_qlo = _window_start(o_qpos, WINDOW_LEFT)  # [BM] int64 first visible key position (-1: no window)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_md = m_m[:, None] & m_d[None, :]  # [BM, BD]
@@ -106,16 +109,18 @@ def _attn_bwd_kernel(
 
     if SPARSE:
         n_list = NUM_LIST
+        tok0 = 0
     else:
         t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
         n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
         n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
+        tok0 = _window_first_token(seq_len - TQ + (i_mb * BLOCK_M) // G, WINDOW_LEFT, PAGE_SIZE)
     n_tok = n_list * PAGE_SIZE
-    n_it = tl.cdiv(n_tok, BLOCK_N)
+    n_it = tl.cdiv(tl.maximum(n_tok - tok0, 0), BLOCK_N)
 
     b_dq = tl.zeros([BLOCK_M, BD], tl.float32)
     for it in range(0, n_it):
-        o_u = it * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] index in the token stream of the page list
+        o_u = tok0 + it * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] index in the token stream of the page list
         m_u = o_u < n_tok
         o_slot = o_u % PAGE_SIZE
         if SPARSE:
@@ -137,7 +142,8 @@ def _attn_bwd_kernel(
             b_v = b_v.to(tl.float32)
 
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [BM, BN] base 2
-        m_vis = m_m[:, None] & m_n[None, :] & (o_kpos[None, :] <= o_qpos[:, None])  # [BM, BN]
+        m_vis = (m_m[:, None] & m_n[None, :] & (o_kpos[None, :] <= o_qpos[:, None])
+                 & (o_kpos[None, :] >= o_qlo[:, None]))  # [BM, BN]
         b_p = tl.where(m_vis, tl.exp2(tl.where(m_vis, b_s, 0.0) - b_lse2[:, None]), 0.0)  # [BM, BN]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BM, BN]
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BM, BN]
@@ -194,14 +200,14 @@ def page_norm_blocks(page_size: int, head_dim: int) -> dict:
 def paged_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor],
                         out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float,
-                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, window_left: int = -1) -> None:
     """Gradients of ``attention.paged_attention``; writes ``dq`` and adds into ``dk`` / ``dv``.
 
     dout, out, q, dq ``[B, Tq, Hq, D]`` (any strides); lse, dlse ``[B, Tq, Hq]`` fp32 (``dlse`` may be
     ``None``); k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` and
     seq_lens ``[B]`` int32; page_indices ``None`` (dense) or ``[B, Hkv, K]`` int32, deduplicated.
     dk / dv: **contiguous fp32**, pool-shaped, zero-initialised by the caller; only slots the forward read
-    receive a value. Masks and page walk are the forward's.
+    receive a value. Masks and page walk are the forward's (``window_left``: its sliding window, -1 = none).
     """
     batch, num_queries, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -235,7 +241,7 @@ def paged_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k_cache: torch.Tens
         stride_xb=dq.stride(0), stride_xt=dq.stride(1), stride_xh=dq.stride(2), stride_xd=dq.stride(3),
         stride_ap=dk.stride(0), stride_as=dk.stride(1), stride_ah=dk.stride(2),
         scale=scale, qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
-        SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee", **meta,
+        WINDOW_LEFT=window_left, SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee", **meta,
     )
 
 

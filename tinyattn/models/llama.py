@@ -13,6 +13,11 @@ position, so the cache's page bounding boxes are the ones Quest scores.
   Quest by default: ``k_min``/``k_max`` + ``page_budget``) in every
   layer from ``dense_layers`` on; the first ``dense_layers`` layers (Quest keeps 2) and every layer
   when ``page_budget is None`` use dense :func:`tinyattn.paged_attention`.
+- Hybrid models (:class:`LlamaConfig` ``layer_types`` / ``sliding_window`` / ``nope_layers``, as Mistral, Gemma
+  2/3 and SmolLM3): a ``"sliding_attention"`` layer attends densely over its window (``window_left =
+  sliding_window - 1``, Hugging Face's mask: keys ``i - sliding_window < j <= i``) at prefill and decode alike,
+  whatever the page budget; a NoPE layer rotates neither q nor k (its cached keys are unrotated, so its page
+  boxes bound the raw keys).
 
 Public names: :class:`LlamaConfig`, :class:`SparsityConfig`, :class:`LlamaModel`,
 :class:`LlamaRuntime`, :class:`GenerationOutput`, :class:`GenerationStats`.
@@ -272,10 +277,6 @@ class LlamaModel(nn.Module):
         """Extend the rows by ``tokens`` ``[B, T]`` (validated ids), plan ``attention`` for the step, and take
         the RoPE factors of the new positions. ``decode``: sparse layers select (else dense, a prefill)."""
         cfg = self.config
-        if any(map(cfg.is_sliding, range(cfg.n_layers))) or cfg.nope_layers:
-            # until the paged forward honours them: refuse rather than run them wrong
-            raise NotImplementedError("LlamaModel: sliding_attention layers and nope_layers are not supported yet "
-                                      "by the paged forward")
         B, T = tokens.shape
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         start = [cache.length(s) for s in seq_ids]                                   # before extend
@@ -300,23 +301,27 @@ class LlamaModel(nn.Module):
 
     def write_kv(self, li: int, x: torch.Tensor, step: "ForwardStep") -> torch.Tensor:
         """Layer ``li``'s q, k, v of the rows ``x`` ``[N, dim]``: k and v (rotated k) written into the cache;
-        returns q, rotated, ``[B, Hq, D]`` (decode) or ``[B, T, Hq, D]``."""
+        returns q, rotated, ``[B, Hq, D]`` (decode) or ``[B, T, Hq, D]``. A NoPE layer (``config.nope_layers``)
+        rotates neither."""
         cfg, B, T = self.config, step.batch, step.num_tokens
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         layer, n_qk = self.layers[li], (Hq + Hkv) * hd
         # wq|wk|wv as one matmul with the RMSNorm weight folded in; q and k rotated together
         qkv = torch.mm(x, layer.fused_weights().qkv).mul_(_inv_rms(x, layer.attention_norm.eps).to(x.dtype))
-        qk = _rotate(qkv[:, :n_qk].view(B * T, Hq + Hkv, hd), step.cis)                     # [N, Hq+Hkv, hd]
+        qk = qkv[:, :n_qk].view(B * T, Hq + Hkv, hd)                                         # [N, Hq+Hkv, hd]
+        if cfg.uses_rope(li):
+            qk = _rotate(qk, step.cis)
         step.cache.write(li, step.slots, qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd))
         return qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
 
     def layer_forward(self, li: int, x: torch.Tensor, step: "ForwardStep") -> torch.Tensor:
         """One block, the math of :class:`LlamaBlock` (``x`` ``[N, dim]`` -> the next rows): K/V written,
-        attention through the step's attention layer, FFN; residual adds fused into the output matmuls."""
+        attention through the step's attention layer (a sliding layer with its ``window_left``), FFN; residual adds
+        fused into the output matmuls."""
         B, T = step.batch, step.num_tokens
         w, norm_eps = self.layers[li].fused_weights(), self.layers[li].ffn_norm.eps
         q = self.write_kv(li, x, step)
-        attn = step.attention(li, q, *step.pools[li], **step.scales[li])
+        attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li))
         x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
         h = torch.mm(x, w.w13).mul_(_inv_rms(x, norm_eps).to(x.dtype))
         a, b = h.chunk(2, dim=-1)
@@ -546,17 +551,29 @@ class LlamaRuntime:
 
     def _count_reads(self, stats: GenerationStats, seq_lens: torch.Tensor) -> None:
         """Add one decode step's reads to ``stats``: the :mod:`tinyattn.metrics` model (DESIGN.md §1) per
-        (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget."""
+        (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget, sliding
+        layers their window's pages and keys (in both columns: full attention of a sliding layer is its window)."""
         cfg = self.model.config
         page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
         elem = quant.storage_dtype(self.kv_cache_dtype, self.model.dtype).itemsize    # bytes per stored value
         lens = seq_lens.tolist()             # the per-row formulas on Python ints: no tensor op per step
-        n_sparse = sum(self.sparsity.layer_is_sparse(i) for i in range(cfg.n_layers))
-        n_dense = cfg.n_layers - n_sparse
+        sliding = [i for i in range(cfg.n_layers) if cfg.is_sliding(i)]
+        n_sparse = sum(self.sparsity.layer_is_sparse(i) and not cfg.is_sliding(i) for i in range(cfg.n_layers))
+        n_dense = cfg.n_layers - n_sparse - len(sliding)
+        n_full = cfg.n_layers - len(sliding)
         dense_pages = sum(metrics.pages_read(n, page_size) for n in lens) * Hkv
         dense_bytes = sum(metrics.dense_bytes(n, D, elem) for n in lens) * Hkv
-        stats.pages_dense += dense_pages * cfg.n_layers
-        stats.kv_bytes_dense += dense_bytes * cfg.n_layers
+        if sliding:
+            w = cfg.window_left(sliding[0])
+            window_pages = sum(metrics.window_pages(n, page_size, w) for n in lens) * Hkv * len(sliding)
+            window_bytes = sum(metrics.dense_bytes(metrics.window_tokens(n, w), D, elem) for n in lens) * Hkv \
+                * len(sliding)
+            stats.pages_dense += window_pages
+            stats.pages_read += window_pages
+            stats.kv_bytes_dense += window_bytes
+            stats.kv_bytes_read += window_bytes
+        stats.pages_dense += dense_pages * n_full
+        stats.kv_bytes_dense += dense_bytes * n_full
         stats.pages_read += dense_pages * n_dense
         stats.kv_bytes_read += dense_bytes * n_dense
         if n_sparse:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import quant
+from . import core, quant
 from . import torch_backend as T
 from .spans import span
 from . import library as L
@@ -54,7 +54,7 @@ def _nothing_to_attend(q4, k_cache, block_table, page_indices) -> bool:
 
 
 def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
-               selection=None):
+               selection=None, window_left=-1):
     """The ops under ``torch.compile``: canonical inputs -> out (+ lse) through the custom op, which is opaque to
     the compiler (eager calls go through :class:`PagedAttentionPlan` instead).
 
@@ -65,8 +65,9 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
         out, lse = _restore_q_shape(q, *_empty_attention(q4, k_cache, v_cache))
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
-              page_indices=page_indices, scale=scale, selection=selection):
-        out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend)
+              page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
+        out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend,
+                                            window_left)
     out, lse = _restore_q_shape(q, out, lse)
     return (out, lse) if return_lse else out
 
@@ -121,7 +122,7 @@ def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, window_left=-1):
     """Dense paged attention over every valid page of each row: the baseline of the sparse op.
 
     Args:
@@ -132,6 +133,13 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
                 Tq=2, seq_len=5     keys: 0 1 2 3 4
                 query 0 (pos 3)           x x x x .
                 query 1 (pos 4)           x x x x x
+
+            With a sliding window (``window_left >= 0``) query ``t`` sees only the keys at positions
+            ``[p - window_left, p]``, ``p`` its own::
+
+                Tq=2, seq_len=5, window_left=1     keys: 0 1 2 3 4
+                query 0 (pos 3)                          . . x x .
+                query 1 (pos 4)                          . . . x x
         k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` page pool, same dtype as ``q``, or quantized
             (both int8 or both float8_e4m3fn, :class:`tinyattn.PagedKVCache` with ``kv_cache_dtype="int8"`` /
             ``"fp8_e4m3"``) with ``k_scale`` / ``v_scale``. ``Hq % Hkv == 0`` (GQA; MQA when ``Hkv == 1``).
@@ -146,6 +154,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
             reads ``k_cache.float() * k_scale[page, head]``); required with int8 / fp8 pools, ``None`` otherwise.
             The torch backend gathers the quantized rows and their scales and multiplies before attending; the
             Triton kernel dequantizes its K/V tiles in registers (fp8 e4m3 needs sm_89+: below, a ``ValueError``).
+        window_left: sliding window in FlashInfer's convention (Mistral / Gemma ``sliding_window - 1``): a query at
+            position ``p`` attends the keys at positions ``[p - window_left, p]``; ``-1`` (default) = no limit.
+            Pages wholly before a query block's window are not read (the Triton walk and the torch gather start at
+            the window's first page).
 
     Returns:
         ``out`` with the shape and dtype of ``q`` (zeros where a query sees no key), and ``lse`` if asked.
@@ -155,12 +167,14 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         devices, ``Hq % Hkv != 0``, ``seq_lens`` above ``max_pages_per_seq * page_size`` or block-table ids
         outside ``[0, num_pages)`` for valid pages; a quantized pool without ``k_scale``/``v_scale``, scales of
         the wrong shape or dtype, scales with a float pool; ``ValueError`` naming ``kv_cache_dtype`` and the
-        supported formats for a format the backend cannot run (fp8 e4m3 on the Triton backend below sm_89).
+        supported formats for a format the backend cannot run (fp8 e4m3 on the Triton backend below sm_89);
+        ``TypeError`` / ``ValueError`` for a ``window_left`` that is not an int ``>= -1``.
     """
     checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
+    window_left = V.check_window_left(window_left)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
         return _planned(checked.backend, checked, block_table, seq_lens).run(
-            q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+            q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, window_left=window_left)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
@@ -168,7 +182,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     if backend == "torch" or q.dtype == torch.float64:
         page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq,
                                             shapes.page_size)
-    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend)
+    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
+                      window_left=window_left)
 
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
@@ -260,7 +275,7 @@ def _select_pages(scores, seq_lens, options, backend):
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None, k_scale=None, v_scale=None):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1):
     """Query-aware sparse paged attention: attend only to the selected pages of each (row, KV head).
 
     Either pass ``page_indices`` (``[B, Hkv, K]`` logical pages, e.g. from :func:`select_pages`), or pass
@@ -278,6 +293,12 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         page_budget: pages kept per (row, KV head), >= 1; token budget = ``page_budget * page_size``.
         num_sink_pages, num_recent_pages: pages always kept at the start and at the end of each row. With
             ``page_indices`` they describe how those were chosen (read by :mod:`tinyattn.profiler`'s oracle).
+        window_left: sliding window as in :func:`paged_attention` (``-1`` = none). The window is a mask on top of
+            the selection: a query attends the selected keys inside its window. Selecting by boxes, the pages
+            wholly before the window of the row's earliest query score ``-inf`` (ranked after every page that
+            overlaps the window, so the budget goes to the window; when the window's pages fit the budget the
+            result equals dense windowed attention), and ``num_sink_pages`` must be 0 (the window hides the
+            first pages once it slides past them).
 
     Returns:
         ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
@@ -285,16 +306,20 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     Raises:
         ValueError / TypeError as :func:`paged_attention`, and when neither ``page_indices`` nor
         ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages or
-        ``num_sink_pages + max(num_recent_pages, 1)`` pages.
+        ``num_sink_pages + max(num_recent_pages, 1)`` pages; ``window_left`` not an int ``>= -1``, or
+        ``num_sink_pages > 0`` with a window and a selection by boxes.
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
     checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
                               num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
+    window_left = V.check_window_left(window_left)
+    if page_indices is None:
+        V.check_window_selection(window_left, num_sink_pages)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
         return _planned(checked.backend, checked, block_table, seq_lens).run(
             q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale, window_left=window_left)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
     selection = checked.selection if page_indices is None else dict(checked.selection,
@@ -305,12 +330,14 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)
         # inputs are validated once above; selection has no gradient, so it scores a detached q
         scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
+        scores = core.mask_pages_before_window(scores, seq_lens, shapes.page_size, shapes.num_query_tokens,
+                                               window_left)
         page_indices = _select_pages(scores, seq_lens, dict(selection, page_size=shapes.page_size,
                                                             num_query_tokens=shapes.num_query_tokens), backend)
     else:
         page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
     return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
-                      return_lse, backend, selection)
+                      return_lse, backend, selection, window_left)
 
 
 def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,

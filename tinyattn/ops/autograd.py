@@ -3,10 +3,13 @@
 Two ops, one for each direction, both covering dense and sparse attention (``page_indices`` is
 ``None`` for the dense Triton walk, otherwise canonical logical pages ``[B, Hkv, K]``):
 
-- ``tinyattn::paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend)
-  -> (out, lse)``
+- ``tinyattn::paged_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend,
+  window_left) -> (out, lse)``
 - ``tinyattn::paged_attention_bwd(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, out,
-  lse, scale, backend) -> (dq, dk_cache, dv_cache)``
+  lse, scale, backend, window_left) -> (dq, dk_cache, dv_cache)``
+
+``window_left`` (FlashInfer's convention, ``-1`` = none): a query at position ``p`` sees keys in
+``[p - window_left, p]``; the mask is the same in both directions.
 
 ``register_autograd`` ties them together, so the public ops are differentiable in ``q``, ``k_cache`` and
 ``v_cache`` in eager mode, under ``torch.compile(fullgraph=True)`` (the ops are opaque to the compiler,
@@ -47,7 +50,7 @@ def needs_grad(*tensors: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------- torch backend
-def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
+def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices, window_left=-1):
     """Listed keys/values of each (row, KV head) and their mask, from the one torch core (:mod:`.core`).
 
     Returns ``qg [B, Hkv, Tq, G, D]``, ``k, v [B, Hkv, N, D]`` (N = K * page_size; a hidden slot holds a
@@ -59,7 +62,7 @@ def _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices):
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     dt = core.math_dtype(q4)
     rows, _, visible = core.page_rows(block_table, seq_lens, page_indices, page_size=page_size, num_kv_heads=Hkv,
-                                      num_query_tokens=Tq)                       # [B, Hkv, K, S], [.., Tq, K, S]
+                                      num_query_tokens=Tq, window_left=window_left)   # [B, Hkv, K, S], [.., Tq, K, S]
     slot = rows.reshape(B, Hkv, -1)                                                     # [B, Hkv, N]
     k = k_cache.reshape(-1, D)[slot].to(dt)
     v = v_cache.reshape(-1, D)[slot].to(dt)
@@ -74,8 +77,8 @@ def _softmax_parts(qg, k, visible, scale):
     return core.softmax_parts(logits.masked_fill(~visible, float("-inf")))
 
 
-def _torch_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale):
-    qg, k, v, visible, _, _ = _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices)
+def _torch_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left=-1):
+    qg, k, v, visible, _, _ = _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices, window_left)
     p, m, denom = _softmax_parts(qg, k, visible, scale)
     out = torch.einsum("bhtgn,bhnd->bhtgd", p, v) / torch.where(denom > 0, denom, 1.0)
     lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf")).squeeze(-1)
@@ -84,8 +87,9 @@ def _torch_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale)
             rearrange(lse, "b h t g -> b t (h g)", h=Hkv).contiguous())
 
 
-def _torch_bwd(dout, dlse, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale):
-    qg, k, v, visible, key_ok, slot = _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices)
+def _torch_bwd(dout, dlse, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left=-1):
+    qg, k, v, visible, key_ok, slot = _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices,
+                                              window_left)
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     dt = qg.dtype
     p, _, denom = _softmax_parts(qg, k, visible, scale)
@@ -113,21 +117,23 @@ def _torch_bwd(dout, dlse, q4, k_cache, v_cache, block_table, seq_lens, page_ind
 # ---------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("tinyattn::paged_attention_fwd", mutates_args=())
 def paged_attention_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                        page_indices: Optional[Tensor], scale: float, backend: str) -> tuple[Tensor, Tensor]:
+                        page_indices: Optional[Tensor], scale: float, backend: str,
+                        window_left: int = -1) -> tuple[Tensor, Tensor]:
     """(out, lse) of q ``[B, Tq, Hq, D]`` over the listed pages (``None``: every valid page, Triton only)."""
     if backend == "triton":
         from ..kernels.attention import paged_attention as launch
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        launch(q, k_cache, v_cache, block_table, seq_lens, page_indices=page_indices, scale=scale, out=out, lse=lse)
+        launch(q, k_cache, v_cache, block_table, seq_lens, page_indices=page_indices, scale=scale, out=out, lse=lse,
+               window_left=window_left)
         return out, lse
     if page_indices is None:
         page_indices = T.dense_page_indices(seq_lens, k_cache.shape[2], block_table.shape[1], k_cache.shape[1])
-    return _torch_fwd(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale)
+    return _torch_fwd(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left)
 
 
 @paged_attention_fwd.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend):
+def _(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend, window_left=-1):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
@@ -135,7 +141,7 @@ def _(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend):
 @torch.library.custom_op("tinyattn::paged_attention_bwd", mutates_args=())
 def paged_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache: Tensor,
                         block_table: Tensor, seq_lens: Tensor, page_indices: Optional[Tensor], out: Tensor,
-                        lse: Tensor, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                        lse: Tensor, scale: float, backend: str, window_left: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk_cache, dv_cache) of :func:`paged_attention_fwd`; dk/dv are pool-shaped, 0 where not read."""
     if backend == "triton":
         from ..kernels.attention_bwd import paged_attention_bwd as launch
@@ -143,38 +149,40 @@ def paged_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k_cache
         dk = torch.zeros(k_cache.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v_cache.shape, dtype=torch.float32, device=q.device)
         launch(dout, q, k_cache, v_cache, block_table, seq_lens, page_indices=page_indices, out=out, lse=lse,
-               dlse=None if dlse is None else dlse.float(), scale=scale, dq=dq, dk=dk, dv=dv)
+               dlse=None if dlse is None else dlse.float(), scale=scale, dq=dq, dk=dk, dv=dv, window_left=window_left)
         return dq, dk.to(k_cache.dtype), dv.to(v_cache.dtype)
     if page_indices is None:
         page_indices = T.dense_page_indices(seq_lens, k_cache.shape[2], block_table.shape[1], k_cache.shape[1])
-    return _torch_bwd(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, scale)
+    return _torch_bwd(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left)
 
 
 @paged_attention_bwd.register_fake
-def _(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, out, lse, scale, backend):
+def _(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, out, lse, scale, backend, window_left=-1):
     return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend = inputs
+    q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend, window_left = inputs
     out, lse = output
     ctx.save_for_backward(q, k_cache, v_cache, block_table, seq_lens, page_indices, out, lse)
-    ctx.scale, ctx.backend = scale, backend
+    ctx.scale, ctx.backend, ctx.window_left = scale, backend, window_left
 
 
 def _backward(ctx, dout, dlse):
     q, k_cache, v_cache, block_table, seq_lens, page_indices, out, lse = ctx.saved_tensors
     dq, dk, dv = paged_attention_bwd(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, out,
-                                     lse, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+                                     lse, ctx.scale, ctx.backend, ctx.window_left)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 paged_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q4: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-              page_indices: Optional[Tensor], scale: float, backend: str) -> tuple[Tensor, Tensor]:
-    """Differentiable (out, lse fp32) for the public ops; inputs validated and canonical (see ``api._attention``).
+              page_indices: Optional[Tensor], scale: float, backend: str,
+              window_left: int = -1) -> tuple[Tensor, Tensor]:
+    """Differentiable (out, lse fp32) for the public ops; inputs validated and canonical (see ``api._attention``);
+    ``window_left``: the sliding window (FlashInfer's convention, ``-1`` = none).
 
     float64 always runs the torch backend (the Triton kernels compute in fp32 at most).
     """
@@ -186,5 +194,6 @@ def attention(q4: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
         backend = "torch"
         if page_indices is None:
             page_indices = T.dense_page_indices(seq_lens, k_cache.shape[2], block_table.shape[1], k_cache.shape[1])
-    out, lse = paged_attention_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, float(scale), backend)
+    out, lse = paged_attention_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, float(scale), backend,
+                                   int(window_left))
     return out, lse.float()

@@ -23,7 +23,8 @@ import torch
 
 NEG_INF = float("-inf")
 
-__all__ = ["math_dtype", "float_order_key", "num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "group_queries", "ungroup", "softmax_parts",
+__all__ = ["math_dtype", "float_order_key", "num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "first_window_key",
+           "mask_pages_before_window", "group_queries", "ungroup", "softmax_parts",
            "attend_rows", "NEG_INF"]
 
 
@@ -74,19 +75,21 @@ def canonical_page_indices(page_indices: torch.Tensor, seq_lens: torch.Tensor, p
 
 
 def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Tensor, *, page_size: int,
-              num_kv_heads: int, num_query_tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              num_kv_heads: int, num_query_tokens: int = 1,
+              window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat pool rows, key positions and visibility of the slots of logical ``pages``.
 
     Args:
         block_table: ``[B, max_pages_per_seq]`` int. seq_lens: ``[B]`` int (including the ``Tq`` queries).
         pages: ``[B, Hkv, K]`` logical page ids; ``-1`` and ids past the row's end are hidden.
         page_size, num_kv_heads: ``S`` and ``Hkv``. num_query_tokens: ``Tq``, for the causal mask.
+        window_left: keys a query sees before its own position (FlashInfer's convention), ``-1`` = no limit.
 
     Returns:
         ``rows`` int64 ``[B, Hkv, K, S]`` into the flat pool (a filler row where hidden, see the module
         docstring), ``pos`` int64 ``[B, Hkv, K, S]`` the key positions, and ``visible`` bool
-        ``[B, Hkv, Tq, K, S]``: query ``t`` (at position ``seq_len - Tq + t``) sees the key (bottom-right
-        causal, DESIGN.md §2).
+        ``[B, Hkv, Tq, K, S]``: query ``t`` (at position ``p = seq_len - Tq + t``) sees the key (bottom-right
+        causal, DESIGN.md §2), and with a window only keys at positions ``>= p - window_left``.
     """
     B, Hkv, K = pages.shape
     S = page_size
@@ -111,7 +114,33 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     rows = torch.where(key_ok, rows, filler)
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
     visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]
+    if window_left >= 0:
+        visible &= pos[:, :, None] >= (q_pos - window_left)[:, None, :, None, None]
     return rows, pos, visible
+
+
+def first_window_key(seq_lens: torch.Tensor, num_query_tokens: int, window_left: int) -> torch.Tensor:
+    """``[B]`` int64: the first key position any query of the row sees, ``seq_len - Tq - window_left``
+    (the earliest query's window; may be negative), or ``0`` without a window (``window_left = -1``)."""
+    lens = seq_lens.to(torch.int64)
+    if window_left < 0:
+        return torch.zeros_like(lens)
+    return lens - num_query_tokens - window_left
+
+
+def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_query_tokens: int,
+                             window_left: int) -> torch.Tensor:
+    """``scores`` ``[B, Hkv, P]`` with ``-inf`` for every page wholly before the window of the row's earliest
+    query (its last key ``(j + 1) * page_size - 1`` precedes ``seq_len - Tq - window_left``), in place.
+
+    Such a page cannot contribute to any query of the row: a windowed selection ranks it below every page that
+    overlaps the window (DESIGN: docs/api.md, ``window_left``). No-op for ``window_left = -1``."""
+    if window_left < 0:
+        return scores
+    j = torch.arange(scores.shape[-1], device=scores.device)
+    first = first_window_key(seq_lens.to(scores.device), num_query_tokens, window_left)
+    before = (j[None, :] + 1) * page_size <= first[:, None]                             # [B, P]
+    return scores.masked_fill_(before[:, None, :], NEG_INF)
 
 
 def group_queries(q4: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -23,6 +23,11 @@ Example (one decode step of a model with ``L`` layers)::
         out = plan.run(q[layer], k_cache[layer], v_cache[layer],
                        k_min=k_min[layer], k_max=k_max[layer])  # Quest selection, then sparse attention
         dense = plan.run(q[layer], k_cache[layer], v_cache[layer])  # no boxes: dense over every valid page
+        local = plan.run(q[layer], k_cache[layer], v_cache[layer], window_left=4095)  # sliding window of 4096
+
+Sliding windows are a :meth:`~PagedAttentionPlan.run` argument (``window_left``, FlashInfer's convention), so
+layers with different windows (Mistral / Gemma hybrids) share one plan; the torch backend builds the index
+tables of each window once per step, the Triton kernels take the window as a runtime argument.
 
 The torch backend (CPU) gathers the rows of the keys a step reads with one ``index_select`` per tensor
 and runs :func:`torch.nn.functional.scaled_dot_product_attention` over them (grouped query heads folded
@@ -117,7 +122,7 @@ class PagedAttentionPlan:
         self._buffers: dict[str, torch.Tensor] = {}
         # the page-level tables of the last step (tables.sparse_tables / dense_tables): reused while pages stand
         self._page_memo: dict = {}
-        self._dense_memo: dict = {}
+        self._dense_memo: dict = {}       # window_left -> that window's page-level memo
         self._planned = False
 
     def __repr__(self) -> str:
@@ -186,7 +191,8 @@ class PagedAttentionPlan:
             self._check_values(num_pages)
         elif page_budget is not None and num_query_tokens > 1 and self._lens is not None:
             V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
-        self._dense = self._sparse = self._last_selection = None   # torch-backend tables, built on first use
+        self._sparse = self._last_selection = None   # torch-backend tables, built on first use
+        self._dense: dict = {}                       # window_left -> dense tables of the step (torch backend)
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
         self._selects = self.selects
@@ -227,7 +233,8 @@ class PagedAttentionPlan:
     # -------------------------------------------------------------------------------------------- run
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_min=None, k_max=None,
             page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None,
-            scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+            scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            window_left: int = -1):
         """Attention of one layer under this plan.
 
         Args:
@@ -245,6 +252,11 @@ class PagedAttentionPlan:
             k_scale, v_scale: fp32 ``[num_pages, Hkv]`` scales of int8 / float8_e4m3fn pools
                 (:class:`tinyattn.PagedKVCache` ``k_scale[layer]`` / ``v_scale[layer]``); the torch backend
                 dequantizes the rows it gathers (``row.float() * scale``). ``k_min``/``k_max`` are then fp32.
+            window_left: this layer's sliding window, FlashInfer's convention: a query at position ``p`` sees the
+                keys at positions ``[p - window_left, p]``; ``-1`` (default) = no window. Dense runs read only
+                the pages that overlap a window; a selection by boxes ranks the pages wholly before the earliest
+                query's window last (``-inf``) and needs ``num_sink_pages = 0``; listed ``page_indices`` are
+                attended within the window.
 
         Nothing is validated here (see :meth:`plan`) beyond the shapes and the KV format (a quantized pool
         needs its scales, ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``); differentiable in
@@ -260,13 +272,18 @@ class PagedAttentionPlan:
                 q.dim() == 4 and q.shape[1] != self.num_query_tokens) or (q.dim() == 3 and self.num_query_tokens != 1):
             raise ValueError(f"q: expected shape [B={self.batch}, Hq={self.num_q_heads}, D={self.head_dim}] or "
                              f"[B, Tq={self.num_query_tokens}, Hq, D] (the plan's), got {tuple(q.shape)}")
+        window_left = V.check_window_left(window_left)
         if scale is not None and scale != self.scale:
             saved, self.scale = self.scale, float(scale)
             try:
                 return self.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices,
-                                return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale)
+                                return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale,
+                                window_left=window_left)
             finally:
                 self.scale = saved
+        if window_left >= 0 and k_min is not None and self.page_budget is not None:
+            V.check_window_selection(window_left, self.num_sink_pages)
+        windowed_selection = window_left >= 0 and k_min is not None and self._selects
         if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
             scales = (k_scale, v_scale)
@@ -279,8 +296,9 @@ class PagedAttentionPlan:
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
-                and page_indices is None and self._fast_ok and not torch.compiler.is_compiling()):
-            return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max, scales)     # the decode hot path
+                and page_indices is None and self._fast_ok and not windowed_selection
+                and not torch.compiler.is_compiling()):
+            return self._run_torch_fast(q, k_cache, v_cache, k_min, k_max, scales, window_left)  # decode hot path
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
@@ -289,20 +307,21 @@ class PagedAttentionPlan:
             return self._finish(q, *_empty_attention(q4, k_cache, v_cache), return_lse, out)
         selection = None
         if k_min is not None and self._selects:
-            page_indices = self._select(q4.detach(), k_min, k_max)
+            page_indices = self._select(q4.detach(), k_min, k_max, window_left)
             selection = dict(page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
                              num_recent_pages=self.num_recent_pages)
         elif page_indices is not None:
             selection = dict(page_budget=page_indices.shape[-1], num_sink_pages=self.num_sink_pages,
                              num_recent_pages=self.num_recent_pages)
         with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
-                  page_indices=page_indices, scale=self.scale, selection=selection):
+                  page_indices=page_indices, scale=self.scale, selection=selection, window_left=window_left):
             if needs_grad(q4, k_cache, v_cache) or torch.compiler.is_compiling():
-                result = self._differentiable(q4, k_cache, v_cache, page_indices)
+                result = self._differentiable(q4, k_cache, v_cache, page_indices, window_left)
             elif self.backend == "triton" and q4.dtype != torch.float64:
-                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse, scales)
+                result = self._attend_triton(q4, k_cache, v_cache, page_indices, out, return_lse, scales,
+                                             window_left)
             else:
-                result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales)
+                result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales, window_left)
         return self._finish(q, *result, return_lse, out)
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
@@ -335,7 +354,7 @@ class PagedAttentionPlan:
         if out is not None and out.shape != q.shape:
             raise ValueError(f"out: expected shape {tuple(q.shape)} (that of q), got {tuple(out.shape)}")
 
-    def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max, scales=None):
+    def _run_torch_fast(self, q, k_cache, v_cache, k_min, k_max, scales=None, window_left=-1):
         """Torch backend, no lse, no grad, no profiler: the fewest PyTorch calls (see the module docstring)."""
         if k_cache.shape[0] == 0:
             return torch.zeros_like(q)
@@ -352,7 +371,7 @@ class PagedAttentionPlan:
             rows = t["rows"].gather(2, sel[..., None].expand(t["shape"])).view(-1)
             bias, n_keys = t["sel_bias"], t["K"] * self.page_size
         else:
-            t = self._dense or self._dense_tables()
+            t = self._dense.get(window_left) or self._dense_tables(window_left)
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
@@ -377,15 +396,17 @@ class PagedAttentionPlan:
         return o, (lse.squeeze(1) if q.dim() == 3 else lse)
 
     # ---------------------------------------------------------------------------- selection (Quest)
-    def _select(self, q4, k_min, k_max) -> torch.Tensor:
-        """Selected logical pages ``[B, Hkv, K]`` of each (row, KV head) by the Quest bound."""
+    def _select(self, q4, k_min, k_max, window_left: int = -1) -> torch.Tensor:
+        """Selected logical pages ``[B, Hkv, K]`` of each (row, KV head) by the Quest bound (pages wholly before
+        the earliest query's window, if any, scored ``-inf``)."""
         if self.backend == "triton" and q4.dtype != torch.float64:
-            return self._select_triton(q4, k_min, k_max)
+            return self._select_triton(q4, k_min, k_max, window_left)
         t = self._sparse_tables()
         qg = core.group_queries(q4, self.num_kv_heads, None if q4.dtype in _EXACT else torch.float32)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=self.page_size):
-            scores = self._scores_torch(qg, k_min, k_max, t)
+            scores = core.mask_pages_before_window(self._scores_torch(qg, k_min, k_max, t), self.seq_lens,
+                                                   self.page_size, self.num_query_tokens, window_left)
         with span("topk", scores=scores, seq_lens=self.seq_lens, page_budget=self.page_budget):
             self._last_selection = self._top_pages(scores, t)
         return self._last_selection
@@ -450,33 +471,34 @@ class PagedAttentionPlan:
             self._host = (tables.host_copy(self.block_table), tables.host_copy(self.seq_lens))
         return self._host
 
-    def _dense_tables(self) -> dict:
-        """Pool rows of every valid key of each row and the additive mask (:func:`tinyattn.ops.tables.dense_tables`)."""
-        if self._dense is None:
+    def _dense_tables(self, window_left: int = -1) -> dict:
+        """Pool rows of every valid key of each row (in the window) and the additive mask
+        (:func:`tinyattn.ops.tables.dense_tables`), once per step and window."""
+        if window_left not in self._dense:
             table, lens = self._host_tables()
-            self._dense = tables.dense_tables(table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
-                                              group=self.num_q_heads // self.num_kv_heads,
-                                              num_query_tokens=self.num_query_tokens, device=self.device,
-                                              memo=self._dense_memo)
-        return self._dense
+            self._dense[window_left] = tables.dense_tables(
+                table, lens, page_size=self.page_size, num_kv_heads=self.num_kv_heads,
+                group=self.num_q_heads // self.num_kv_heads, num_query_tokens=self.num_query_tokens,
+                device=self.device, memo=self._dense_memo.setdefault(window_left, {}), window_left=window_left)
+        return self._dense[window_left]
 
-    def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse, scales=None):
+    def _attend_torch(self, q4, k_cache, v_cache, page_indices, return_lse, scales=None, window_left=-1):
         B, Tq, Hq, D = q4.shape
         Hkv = self.num_kv_heads
         dt = torch.float64 if q4.dtype == torch.float64 else torch.float32
         qg = core.group_queries(q4, Hkv, dt)                                             # [B, Hkv, M, D]
         if page_indices is None:
-            t = self._dense_tables()
+            t = self._dense_tables(window_left)
             rows, bias, n_keys = t["rows"], t["bias"], t["L"]
         else:
-            rows, bias, n_keys = self._selected_rows(page_indices)
+            rows, bias, n_keys = self._selected_rows(page_indices, window_left)
         chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
             o, lse = self._attend_in_chunks(qg, k_cache, v_cache, rows, n_keys, bias, chunk, scales)
             return core.ungroup(o, Tq).to(q4.dtype), core.ungroup(lse, Tq)
         k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt, scales)
-        if return_lse or not _sdpa_zeroes_empty_rows() or (
-                page_indices is not None and page_indices is not self._last_selection):
+        if return_lse or not _sdpa_zeroes_empty_rows() or (page_indices is not None and (
+                page_indices is not self._last_selection or window_left >= 0)):
             # the NaN-safe core with its lse; also for pages listed by a caller, which may leave a query
             # with no visible key
             o, lse = core.attend_rows(qg, k, v, None if bias is None else bias == 0, self.scale)
@@ -511,16 +533,16 @@ class PagedAttentionPlan:
             bias = bias.to(qg.dtype)
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)
 
-    def _selected_rows(self, page_indices):
+    def _selected_rows(self, page_indices, window_left: int = -1):
         """Pool rows ``[B*Hkv*K*S]`` and additive mask ``[B, Hkv, M or 1, K*S]`` of the listed pages."""
         B, Hkv, S, Tq = self.batch, self.num_kv_heads, self.page_size, self.num_query_tokens
         K = page_indices.shape[-1]
-        if page_indices is self._last_selection:          # the plan's own: mask fixed by the plan
+        if page_indices is self._last_selection and window_left < 0:   # the plan's own: mask fixed by the plan
             t = self._sparse
             rows = t["rows"].gather(2, page_indices[..., None].expand(B, Hkv, K, S))     # [B, Hkv, K, S]
             return rows.reshape(-1), t["sel_bias"], K * S
         rows, _, visible = core.page_rows(self.block_table, self.seq_lens, page_indices, page_size=S,
-                                          num_kv_heads=Hkv, num_query_tokens=Tq)
+                                          num_kv_heads=Hkv, num_query_tokens=Tq, window_left=window_left)
         bias = torch.where(visible, 0.0, -math.inf).reshape(B, Hkv, Tq, K * S)
         if Tq > 1:
             G = self.num_q_heads // Hkv
@@ -574,18 +596,20 @@ class PagedAttentionPlan:
             buf = self._buffers[name] = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
         return buf[:numel].view(shape)
 
-    def _select_triton(self, q4, k_min, k_max) -> torch.Tensor:
+    def _select_triton(self, q4, k_min, k_max, window_left: int = -1) -> torch.Tensor:
         k = _kernels()
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=self.page_size):
             k.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=self.page_size, out=self._scores)
+            core.mask_pages_before_window(self._scores, self._sl32, self.page_size, self.num_query_tokens,
+                                          window_left)
         with span("topk", scores=self._scores, seq_lens=self.seq_lens, page_budget=self.page_budget):
             k.select_pages(self._scores, self._sl32, page_size=self.page_size, page_budget=self.page_budget,
                            num_sink_pages=self.num_sink_pages, num_recent_pages=self.num_recent_pages,
                            num_query_tokens=self.num_query_tokens, out=self._selected)
         return self._selected
 
-    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse, scales=None):
+    def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse, scales=None, window_left=-1):
         o = out if out is not None else torch.empty_like(q4)
         o4 = o.unsqueeze(1) if o.dim() == 3 else o
         sparse = page_indices is not None
@@ -598,11 +622,11 @@ class PagedAttentionPlan:
                                    num_splits=self._splits[False] if not sparse else splits,
                                    ws_o=self._ws_o, ws_lse=self._ws_lse,
                                    k_scale=None if scales is None else scales[0],
-                                   v_scale=None if scales is None else scales[1])
+                                   v_scale=None if scales is None else scales[1], window_left=window_left)
         return o4, lse
 
     # ------------------------------------------------------------------------------- autograd path
-    def _differentiable(self, q4, k_cache, v_cache, page_indices):
+    def _differentiable(self, q4, k_cache, v_cache, page_indices, window_left: int = -1):
         """The custom op with a backward (training, ``torch.compile``); selection is already done."""
         backend = self.backend
         if page_indices is None and (backend == "torch" or q4.dtype == torch.float64):
@@ -614,7 +638,7 @@ class PagedAttentionPlan:
             # see): the backward must keep this call's pages
             page_indices = page_indices.clone()
         return differentiable_attention(q4, k_cache, v_cache, self.block_table, self.seq_lens, page_indices,
-                                        self.scale, backend)
+                                        self.scale, backend, window_left)
 
 
 def _empty_attention(q4, k_cache, v_cache):

@@ -40,8 +40,9 @@ def _row_keys(cache, block_table, b: int, pages: list[int], page_size: int, h: i
     return torch.cat(chunks), torch.cat(positions)
 
 
-def _attend(q, k_cache, v_cache, block_table, seq_lens, pages_of, scale, return_lse):
-    """Attention of q [B, Tq, Hq, D] over the pages ``pages_of(b, h)`` of each row and KV head."""
+def _attend(q, k_cache, v_cache, block_table, seq_lens, pages_of, scale, return_lse, window_left=-1):
+    """Attention of q [B, Tq, Hq, D] over the pages ``pages_of(b, h)`` of each row and KV head; with
+    ``window_left >= 0`` a query at position p sees only keys at positions in ``[p - window_left, p]``."""
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     B, Tq, Hq, D = q4.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -58,6 +59,8 @@ def _attend(q, k_cache, v_cache, block_table, seq_lens, pages_of, scale, return_
             for t in range(Tq):
                 q_pos = n_tokens - Tq + t                      # bottom-right causal alignment
                 visible = pos <= q_pos
+                if window_left >= 0:                           # sliding window (FlashInfer's window_left)
+                    visible = visible & (pos >= q_pos - window_left)
                 if not bool(visible.any()):
                     continue                                    # no key: zeros and lse = -inf
                 for g in range(G):
@@ -82,18 +85,19 @@ def _dequantized(q, k_cache, v_cache, k_scale, v_scale):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
-                    k_scale=None, v_scale=None):
-    """Dense paged attention over every valid page. See :func:`tinyattn.paged_attention`.
+                    k_scale=None, v_scale=None, window_left=-1):
+    """Dense paged attention over every valid page (within the window). See :func:`tinyattn.paged_attention`.
 
     Quantized pools (with ``k_scale`` / ``v_scale``) are dequantized first, then attended as float pools."""
     q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     scale = V.check_scale(scale, shapes.head_dim)
+    window_left = V.check_window_left(window_left)
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
 
     def all_pages(b, h):
         return list(range(_cdiv(int(seq_lens[b]), shapes.page_size)))
 
-    return _attend(q, k_cache, v_cache, block_table, seq_lens, all_pages, scale, return_lse)
+    return _attend(q, k_cache, v_cache, block_table, seq_lens, all_pages, scale, return_lse, window_left)
 
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
@@ -174,19 +178,29 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None, k_scale=None, v_scale=None):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1):
     """Attention over the selected logical pages only. See :func:`tinyattn.sparse_paged_attention`.
 
     Duplicated page ids in ``page_indices`` raise ``ValueError`` here (the fast paths ignore them). Quantized
-    pools (with ``k_scale`` / ``v_scale``) are dequantized first.
+    pools (with ``k_scale`` / ``v_scale``) are dequantized first. With ``window_left >= 0`` the attention is
+    masked to the window, and a selection by boxes scores every page wholly before the earliest query's window
+    ``-inf`` (no sink pages allowed).
     """
     q4, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     scale = V.check_scale(scale, shapes.head_dim)
     V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget, num_sink_pages,
                              num_recent_pages)
+    window_left = V.check_window_left(window_left)
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
     if page_indices is None:
+        V.check_window_selection(window_left, num_sink_pages)
         scores = page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size)
+        if window_left >= 0:                # pages wholly before the earliest query's window: -inf
+            for b in range(scores.shape[0]):
+                first_key = int(seq_lens[b]) - shapes.num_query_tokens - window_left
+                for j in range(scores.shape[2]):
+                    if (j + 1) * shapes.page_size - 1 < first_key:
+                        scores[b, :, j] = float("-inf")
         page_indices = select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
                                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                                     num_query_tokens=shapes.num_query_tokens)
@@ -198,4 +212,4 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             raise ValueError(f"page_indices: expected distinct page ids per (row, kv head), got duplicates at [{b}, {h}]")
         return sorted(ids)
 
-    return _attend(q, k_cache, v_cache, block_table, seq_lens, selected, scale, return_lse)
+    return _attend(q, k_cache, v_cache, block_table, seq_lens, selected, scale, return_lse, window_left)

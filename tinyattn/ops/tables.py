@@ -53,19 +53,30 @@ def _page_rows(table: np.ndarray, nonempty: np.ndarray, P: int, S: int, Hkv: int
     return rows, first[:, None, None, None] + heads[None, :, None, None]
 
 
-def _with_fillers(rows: np.ndarray, filler: np.ndarray, lens: np.ndarray, P: int, S: int):
-    """``rows`` with every slot past its row's length replaced by the filler; and ``key_ok`` ``[B, P * S]``."""
+def _with_fillers(rows: np.ndarray, filler: np.ndarray, lens: np.ndarray, P: int, S: int,
+                  first_key: np.ndarray | None = None):
+    """``rows`` with every slot past its row's length replaced by the filler; and ``key_ok`` ``[B, P * S]``.
+    ``first_key`` ``[B]``: the position of each row's first gathered key (a windowed gather), default 0."""
     B = rows.shape[0]
-    key_ok = np.arange(P * S)[None, :] < lens[:, None]                                 # [B, P*S]
+    n_keys = lens if first_key is None else lens - first_key
+    key_ok = np.arange(P * S)[None, :] < n_keys[:, None]                               # [B, P*S]
     return np.where(key_ok.reshape(B, 1, P, S), rows, filler), key_ok
 
 
-def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int) -> np.ndarray:
-    """``[B, Tq, keys]``: query ``t`` (at ``len - Tq + t``) sees key ``i`` (bottom-right causal)."""
-    if Tq == 1:                     # the query is the last token: it sees every valid key
+def _visible(key_ok: np.ndarray, lens: np.ndarray, Tq: int, window_left: int = -1,
+             first_key: np.ndarray | None = None) -> np.ndarray:
+    """``[B, Tq, keys]``: query ``t`` (at ``p = len - Tq + t``) sees key ``i`` (bottom-right causal; with a window
+    only keys at positions ``>= p - window_left``). Key ``i`` sits at position ``first_key + i`` (default ``i``)."""
+    if Tq == 1 and window_left < 0:      # the query is the last token: it sees every valid key
         return key_ok[:, None, :]
-    q_pos = lens[:, None] - Tq + np.arange(Tq)                                         # [B, Tq]
-    return key_ok[:, None, :] & (np.arange(key_ok.shape[1])[None, None, :] <= q_pos[:, :, None])
+    pos = np.arange(key_ok.shape[1])[None, None, :]
+    if first_key is not None:
+        pos = pos + first_key[:, None, None]                                           # [B, 1, keys]
+    q_pos = (lens[:, None] - Tq + np.arange(Tq))[:, :, None]                           # [B, Tq, 1]
+    visible = key_ok[:, None, :] & (pos <= q_pos)
+    if window_left >= 0:
+        visible &= pos >= q_pos - window_left
+    return visible
 
 
 def _bias(visible: np.ndarray, group: int) -> np.ndarray:
@@ -78,22 +89,36 @@ def _bias(visible: np.ndarray, group: int) -> np.ndarray:
 
 
 def dense_tables(table: np.ndarray, lens: np.ndarray, *, page_size: int, num_kv_heads: int, group: int,
-                 num_query_tokens: int, device: torch.device, memo: dict | None = None) -> dict:
+                 num_query_tokens: int, device: torch.device, memo: dict | None = None,
+                 window_left: int = -1) -> dict:
     """Every valid key of each row: ``rows`` ``[B * Hkv * L]`` int64, ``L`` = longest row, and the additive
     ``bias`` ``[B, 1, Tq * G, L]`` or ``None`` when every query sees every key (equal lengths, decode).
-    ``memo``: as in :func:`sparse_tables` (the rows of whole pages are reused while the pages stand)."""
+    ``memo``: as in :func:`sparse_tables` (the rows of whole pages are reused while the pages stand).
+
+    ``window_left >= 0`` (a sliding window, FlashInfer's convention): each row's keys start at the page holding
+    the first key its earliest query sees (``len - Tq - window_left``), so ``L`` is the longest row's window
+    rounded out to whole pages, not its length: a sliding layer reads ``O(window)`` keys whatever the context."""
     S, Hkv, Tq = page_size, num_kv_heads, num_query_tokens
     B = table.shape[0]
-    L = int(min(lens.max(initial=0), table.shape[1] * S))
+    lens = np.minimum(lens, table.shape[1] * S)
+    first_page = np.zeros(B, np.int64)
+    if window_left >= 0:
+        first_page = np.maximum(lens - Tq - window_left, 0) // S
+        # the row's table from its first window page on (columns past the table are never valid keys)
+        cols = np.minimum(first_page[:, None] + np.arange(table.shape[1])[None, :], table.shape[1] - 1)
+        table = np.take_along_axis(table, cols, axis=1) if table.size else table
+    first_key = first_page * S
+    L = int((lens - first_key).max(initial=0))
     P = -(-L // S)
     nonempty = lens > 0
     key = (table[:, :P].tobytes(), B, nonempty.tobytes(), S, Hkv)
     pages = _kept(memo, key, lambda: _page_rows(table, nonempty, P, S, Hkv))
-    rows, key_ok = _with_fillers(*pages, lens, P, S)
+    rows, key_ok = _with_fillers(*pages, lens, P, S, first_key)
     rows = rows.reshape(B, Hkv, P * S)[:, :, :L]
+    visible = _visible(key_ok[:, :L], lens, Tq, window_left, first_key)
     bias = None
-    if Tq > 1 or bool((lens != L).any()):
-        bias = torch.from_numpy(_bias(_visible(key_ok[:, :L], lens, Tq), group)).to(device)
+    if not visible.all():
+        bias = torch.from_numpy(_bias(visible, group)).to(device)
     return dict(rows=torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).to(device), L=L, bias=bias)
 
 

@@ -452,6 +452,25 @@ def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indic
                 num_recent_pages=expect_int("num_recent_pages", num_recent_pages, 0))
 
 
+def check_window_left(window_left) -> int:
+    """``window_left`` (FlashInfer's convention): keys a query sees before its own position; ``-1`` = no limit.
+
+    Raises ``TypeError`` for a non-int (bool included), ``ValueError`` below ``-1``."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int):
+        raise TypeError(f"window_left: expected an int (-1 = no window, W - 1 for a sliding window of W tokens), "
+                        f"got {type(window_left).__name__}")
+    if window_left < -1:
+        raise ValueError(f"window_left: expected an int >= -1 (-1 = no window), got {window_left}")
+    return window_left
+
+
+def check_window_selection(window_left: int, num_sink_pages: int) -> None:
+    """A windowed selection forces no sink pages: the window hides them once it has slid past them."""
+    if window_left >= 0 and num_sink_pages:
+        raise ValueError(f"num_sink_pages: expected 0 with a sliding window (window_left={window_left} hides the "
+                         f"first pages once it slides past them), got {num_sink_pages}")
+
+
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5

@@ -53,8 +53,9 @@ def chunk_forward(model, tokens: torch.Tensor, memory: ChunkedKVMemory, *, backe
                   track_gradients: bool = False, rope=None) -> torch.Tensor:
     """Logits ``[B, n, V]`` (fp32) of the next ``n`` tokens of each row; ``memory.begin_chunk(n)`` first.
 
-    Each layer writes the chunk's K/V (after RoPE at absolute positions) into an out-of-place copy of its
-    pool and attends over the held pages (the chunk's own pages included, causal bottom-right).
+    Each layer writes the chunk's K/V (after RoPE at absolute positions; NoPE layers unrotated) into an
+    out-of-place copy of its pool and attends over the held pages (the chunk's own pages included, causal
+    bottom-right; a sliding layer only within its window, ``config.window_left``).
     """
     cfg = model.config
     B, n = tokens.shape
@@ -67,14 +68,16 @@ def chunk_forward(model, tokens: torch.Tensor, memory: ChunkedKVMemory, *, backe
     attention = PagedAttention(backend=backend)           # the one attention layer, with retained pages
     for li, layer in enumerate(model.layers):
         h = layer.attention_norm(x)
-        q = apply_rope(layer.wq(h).view(B, n, Hq, hd), cos, sin)
-        k = apply_rope(layer.wk(h).view(B, n, Hkv, hd), cos, sin)
+        q, k = layer.wq(h).view(B, n, Hq, hd), layer.wk(h).view(B, n, Hkv, hd)
+        if cfg.uses_rope(li):
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = layer.wv(h).view(B, n, Hkv, hd)
         k_pool, v_pool = memory.write(li, k, v, track_gradients=track_gradients)
         # each layer retains its own pages, so each has its own block table: one plan per layer
         attention.begin(memory.block_table(li), seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=hd,
                         page_size=memory.page_size, num_query_tokens=n, decode=False, trusted=True)
-        attn = attention(li, q, k_pool, v_pool, page_indices=memory.page_indices(li, Hkv))
+        attn = attention(li, q, k_pool, v_pool, page_indices=memory.page_indices(li, Hkv),
+                         window_left=cfg.window_left(li))
         x = x + layer.wo(attn.reshape(B, n, Hq * hd))
         x = x + layer.ffn(layer.ffn_norm(x))
     return model.output(model.norm(x)).float()
