@@ -59,7 +59,8 @@ class Sample:
         answer: the token ids the model must produce greedily (no EOS).
         context_tokens: ``len(prompt)`` (exactly the ``context_tokens`` asked of :func:`make_sample`).
         depth: relative position in ``[0, 1]`` of the asked needle (multihop: the link, its first hop) in the
-            filler, as placed (the requested depth moved to the next word boundary).
+            filler, as placed (the requested depth moved to the next word boundary; the requested depth when the
+            prompt has no filler).
         needle_positions: ``[start, end)`` token positions in ``prompt`` of the needles the answer depends on,
             the asked one first (multihop: the link, then the value needle); distractors and decoys excluded.
         text: the prompt's text (without BOS), for reading and debugging.
@@ -201,7 +202,9 @@ def make_sample(task: str, *, context_tokens: int, depth: float, seed: int, toke
     # where each piece goes in the filler: the asked needle at depth, the others at seeded positions
     where = [_word_boundary(filler, round(depth * n_fill))]
     where += [_word_boundary(filler, rng.randrange(n_fill + 1)) for _ in pieces[1:]]
-    order = sorted(range(len(pieces)), key=lambda i: (where[i], i))
+    # at the same place the asked needle goes first at small depths and last at large ones (depth 1 = last)
+    asked_tie = -1 if depth < 0.5 else len(pieces)
+    order = sorted(range(len(pieces)), key=lambda i: (where[i], i if i else asked_tie))
     out, spans, cursor, pos = [], {}, 0, 1                         # pos: token position (after BOS)
     for i in order:
         out.append(filler[cursor:where[i]])
@@ -218,5 +221,5 @@ def make_sample(task: str, *, context_tokens: int, depth: float, seed: int, toke
                          f"character), got {len(prompt)} tokens for {context_tokens} positions")
     needed = [0] + list(range(1, 1 + len(others)))
     return Sample(task=task, prompt=prompt, answer=tok.encode(answer, bos=False), context_tokens=context_tokens,
-                  depth=where[0] / n_fill if n_fill else 0.0, needle_positions=[spans[i] for i in needed],
+                  depth=where[0] / n_fill if n_fill else float(depth), needle_positions=[spans[i] for i in needed],
                   text=prompt_text)

@@ -20,7 +20,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
+from .recipe import MODEL_DEFAULTS, TrainConfig
 from .tasks import TASKS, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
@@ -36,42 +37,20 @@ __all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "m
 _TRAIN_SEED_BASE = 10 ** 9
 
 
-def default_model_config(*, dim: int = 128, n_layers: int = 4, n_heads: int = 4, hidden_dim: int = 384,
-                         sliding_window: int = 64, nope_layer: int = 2, max_seq_len: int = 16384) -> LlamaConfig:
-    """The shipped architecture: ``n_layers`` layers, all ``"sliding_attention"`` with RoPE except layer
-    ``nope_layer``, a ``"full_attention"`` layer without RoPE; character vocabulary (99 ids)."""
+def default_model_config(**overrides) -> LlamaConfig:
+    """The shipped architecture (:data:`~tinyattn.retrieval.recipe.MODEL_DEFAULTS`, keyword ``overrides``):
+    ``n_layers`` layers, all ``"sliding_attention"`` with RoPE except layer ``nope_layer``, a
+    ``"full_attention"`` layer without RoPE; character vocabulary (99 ids)."""
+    unknown = set(overrides) - set(MODEL_DEFAULTS)
+    if unknown:
+        raise ValueError(f"overrides: expected keys among {sorted(MODEL_DEFAULTS)}, got {sorted(unknown)}")
+    o = {**MODEL_DEFAULTS, **overrides}
+    dim, n_layers, n_heads, nope_layer = o["dim"], o["n_layers"], o["n_heads"], o["nope_layer"]
+    hidden_dim, sliding_window, max_seq_len = o["hidden_dim"], o["sliding_window"], o["max_seq_len"]
     types = tuple("full_attention" if i == nope_layer else "sliding_attention" for i in range(n_layers))
     return LlamaConfig(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
                        vocab_size=CharTokenizer().vocab_size, max_seq_len=max_seq_len, layer_types=types,
                        sliding_window=sliding_window, nope_layers=(nope_layer,))
-
-
-@dataclass
-class TrainConfig:
-    """Options of :func:`train` (the ``train-retrieval`` command's flags).
-
-    ``curriculum``: ``(max_length, steps)`` stages; a stage's batches have lengths drawn uniformly between
-    the previous stage's ``max_length`` (half its own for the first) and its own. ``batch_tokens``: tokens
-    per batch (batch size = ``batch_tokens // length``, at least 1)."""
-
-    seed: int = 0
-    curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))
-    batch_tokens: int = 8192
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    lm_weight: float = 0.1
-    tasks: tuple = TASKS
-    threads: int = 1
-    eval_lengths: tuple = (2048, 4096, 8192)
-    eval_samples: int = 16
-    model: dict = field(default_factory=dict)    # keyword arguments of default_model_config
-
-    @property
-    def total_steps(self) -> int:
-        return sum(s for _, s in self.curriculum)
 
 
 def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random, tokenizer=None):

@@ -1,0 +1,44 @@
+"""The training recipe's options (:class:`TrainConfig`) and the model's shape (:data:`MODEL_DEFAULTS`), apart
+from :mod:`tinyattn.retrieval.train` so that the command line can show the defaults without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .tasks import TASKS
+
+__all__ = ["TrainConfig", "MODEL_DEFAULTS"]
+
+#: the shipped model's shape (keyword arguments of :func:`tinyattn.retrieval.train.default_model_config`)
+MODEL_DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, hidden_dim=384, sliding_window=64, nope_layer=2,
+                      max_seq_len=16384)
+
+
+@dataclass
+class TrainConfig:
+    """Options of :func:`train` (the ``train-retrieval`` command's flags).
+
+    ``curriculum``: ``(max_length, steps)`` stages; a stage's batches have lengths drawn uniformly between
+    the previous stage's ``max_length`` (half its own for the first) and its own. ``batch_tokens``: tokens
+    per batch (batch size = ``batch_tokens // length``, at least 1)."""
+
+    seed: int = 0
+    curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))
+    batch_tokens: int = 8192
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    lm_weight: float = 0.1
+    tasks: tuple = TASKS
+    threads: int = 1
+    eval_lengths: tuple = (2048, 4096, 8192)
+    eval_samples: int = 16
+    model: dict = field(default_factory=dict)    # overrides of MODEL_DEFAULTS
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s for _, s in self.curriculum)
+
+
