@@ -324,3 +324,35 @@ def test_question_of_the_shipped_tasks():
     name = s.text.rsplit("What is the pass key of ", 1)[1][:3]
     question = f"\nWhat is the pass key of {name}? {name} has the same pass key as "
     assert _prefill_length(s, "multihop", "question", nl) == 600 - len(question)
+
+
+# ---------------------------------------------------------------------------------------------- hybrid models
+@pytest.fixture(scope="module")
+def hybrid():
+    """The shipped model's architecture in small: sliding-window RoPE layers around a full-attention NoPE layer."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(dim=32, hidden_dim=48, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=128,
+                      layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=6,
+                      nope_layers=(1,))
+    m = LlamaModel(cfg)
+    for p in m.parameters():
+        p.data.normal_(0, 0.4)
+    return m.eval()
+
+
+@pytest.mark.parametrize("policy", ["quest", "h2o", "streaming", "oracle"])
+def test_hybrid_model_matches_the_runtime(hybrid, policy):
+    """On a sliding + NoPE model the chunked prefill (chunks of 5 tokens, shorter than the window) and the
+    rolled-back cache give LlamaRuntime.generate's tokens for every budget."""
+    from tinyattn.retrieval.evaluate import _Config, _run_sample
+
+    sample = fake_make_sample("passkey", context_tokens=70, depth=0.2, seed=9)
+    budgets = [2, 4]
+    configs = [_Config("dense", None, None)] + [_Config(policy, Fraction(b, 18), b) for b in budgets]
+    for i, b in enumerate([None] + budgets):
+        rt = LlamaRuntime(hybrid, page_size=4, page_budget=b, backend="torch", policy=policy)
+        expected = rt.generate([sample.prompt], max_new_tokens=5, eos_id=None).tokens[0]
+        target = FakeSample("passkey", sample.prompt, expected, 70, 0.2, [])
+        outcomes = _run_sample(hybrid, target, 4, configs, seed=0, num_sink_pages=0, num_recent_pages=1,
+                               dense_layers=0, backend="torch", prefill_tokens=70, prefill_chunk=5)
+        assert outcomes[i] == (True, 1.0), (policy, b, outcomes)
