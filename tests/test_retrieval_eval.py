@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from tinyattn.models import LlamaConfig, LlamaModel, LlamaRuntime
+from tinyattn.models import LlamaConfig, LlamaModel, LlamaRuntime, SparsityConfig
 from tinyattn.retrieval.evaluate import (TASK_FIELDS, TaskResult, evaluate_tasks, greedy_decode, page_budget_for,
                                          parse_fraction, prefill, sample_seed)
 from tinyattn.retrieval.report import format_task_table, plot_task_results
@@ -190,8 +190,8 @@ def test_dense_equals_a_budget_covering_every_page(model):
         sid = cache.add_sequence()
         from tinyattn.layer import PagedAttention
         logits = prefill(model, cache, sid, s.prompt[:-1], attention=PagedAttention(backend="torch"))
-        ans = greedy_decode(model, cache, sid, s.prompt[-1:], 5, attention=PagedAttention(backend="torch"),
-                            first_logits=logits)
+        (ans,) = greedy_decode(model, cache, [sid], [s.prompt[-1:]], [5], attention=PagedAttention(backend="torch"),
+                               first_logits=logits[None])
         return FakeSample(task, s.prompt, ans, s.context_tokens, s.depth, [])
 
     res = evaluate_tasks(model, **dict(SMALL, budgets=["1"], page_sizes=[8], contexts=[35, 59],
@@ -203,6 +203,36 @@ def test_dense_equals_a_budget_covering_every_page(model):
 def test_deterministic_across_runs(model, small):
     again = evaluate_tasks(model, policies=["dense", "quest", "h2o", "random"], **SMALL)
     assert [r.as_dict() for r in again.rows] == [r.as_dict() for r in small.rows]
+
+
+def test_batch_size_does_not_change_the_rows(model, small):
+    """Samples decoded together (rows of one batch leave it at different steps) score as decoded alone; only
+    random's draws depend on the batch."""
+    for batch_size in (1, 3):
+        res = evaluate_tasks(model, policies=["dense", "quest", "h2o", "random"], **dict(SMALL, batch_size=batch_size))
+        assert [r.as_dict() for r in res.rows if r.policy != "random"] == [
+            r.as_dict() for r in small.rows if r.policy != "random"]
+
+
+def test_greedy_decode_batch_of_ragged_rows(model):
+    """Rows with different feeds and answer lengths in one batch give the tokens of each row decoded alone."""
+    from tinyattn.layer import PagedAttention
+
+    prompts = [fake_make_sample("passkey", context_tokens=n, depth=0.5, seed=n) for n in (30, 41, 52)]
+    feeds, lengths, split = [[], [7, 8, 9], [5]], [4, 1, 6], [30, 38, 51]
+
+    def run(rows):
+        cache = model.new_cache(page_size=4, num_pages=60)
+        ids = [cache.add_sequence() for _ in rows]
+        attn = PagedAttention(SparsityConfig(page_budget=3), backend="torch")
+        first = torch.stack([prefill(model, cache, i, prompts[r].prompt[:split[r]], attention=PagedAttention(
+            backend="torch"), chunk=16) for i, r in zip(ids, rows)])
+        return greedy_decode(model, cache, ids, [feeds[r] for r in rows], [lengths[r] for r in rows],
+                             attention=attn, first_logits=first)
+
+    together = run([0, 1, 2])
+    assert [len(t) for t in together] == lengths
+    assert together == [run([r])[0] for r in range(3)]
 
 
 def test_samples_use_the_documented_seeds(model):

@@ -231,7 +231,7 @@ class _Tally:
 
 
 def _check_options(*, tasks, contexts, depths, budgets, page_sizes, policies, samples, num_sink_pages,
-                   num_recent_pages, dense_layers, decode_prompt_tokens, prefill_chunk, n_layers):
+                   num_recent_pages, dense_layers, decode_prompt_tokens, prefill_chunk, batch_size, n_layers):
     from tinyattn.layer import SparsityConfig
     from tinyattn.selection import POLICIES
 
@@ -257,7 +257,7 @@ def _check_options(*, tasks, contexts, depths, budgets, page_sizes, policies, sa
     policies = list(dict.fromkeys(policies))
     if any(p != DENSE for p in policies) and not fractions:
         raise ValueError("budgets: expected at least one fraction for the sparse policies, got none")
-    checks = [("samples", samples, 1), ("prefill_chunk", prefill_chunk, 1)]
+    checks = [("samples", samples, 1), ("prefill_chunk", prefill_chunk, 1), ("batch_size", batch_size, 1)]
     if decode_prompt_tokens != QUESTION:
         checks.append(("decode_prompt_tokens", decode_prompt_tokens, 0))
     for name, value, minimum in checks:
@@ -328,7 +328,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    policies: Sequence[str] = DEFAULT_POLICIES, samples: int = 4, seed: int = 0,
                    num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                    backend: str | None = None, decode_prompt_tokens: int | str = "question", prefill_chunk: int = 1024,
-                   make_sample: Callable | None = None, progress: bool = True) -> TaskResult:
+                   batch_size: int = 32, make_sample: Callable | None = None, progress: bool = True) -> TaskResult:
     """Greedy-answer accuracy of every (task, context, depth, page size, policy, budget) configuration.
 
     Args:
@@ -344,7 +344,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
         policies: ``"dense"`` and names of :data:`tinyattn.selection.POLICIES`.
         samples: samples per (task, context, depth); sample ``i`` uses the seed :func:`sample_seed` ``(seed,
             task, context, depth, i)``, the same for every policy, budget and page size.
-        seed: base seed; ``random``'s draws are seeded by the sample seed too, so a run is deterministic.
+        seed: base seed; ``random``'s draws are seeded from it too (per batch), so a run is deterministic.
         num_sink_pages, num_recent_pages, dense_layers, backend: as :class:`tinyattn.models.LlamaRuntime`.
         decode_prompt_tokens: the trailing prompt tokens fed through the sparse decode path before the answer:
             ``"question"`` (default) = from the prompt's last newline token on (``tokenizer.encode("\n")``, the
@@ -352,6 +352,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
             predicted by the dense prefill).
         prefill_chunk: tokens per dense prefill chunk (bounds the prefill's score matrix to
             ``prefill_chunk x context`` per head).
+        batch_size: samples decoded together (all depths and samples of a (task, context) share a budget; a
+            batch shares one cache: ``batch_size x (context + answer)`` tokens of K/V).
         make_sample: the sample generator, ``make_sample(task, *, context_tokens, depth, seed, tokenizer)`` ->
             an object with ``prompt`` and ``answer`` token-id lists (:class:`tinyattn.retrieval.tasks.Sample`);
             default :func:`tinyattn.retrieval.tasks.make_sample`.
@@ -373,7 +375,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
         tasks=tasks, contexts=contexts, depths=depths, budgets=budgets, page_sizes=page_sizes, policies=policies,
         samples=samples, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
         dense_layers=dense_layers, decode_prompt_tokens=decode_prompt_tokens, prefill_chunk=prefill_chunk,
-        n_layers=cfg.n_layers)
+        batch_size=batch_size, n_layers=cfg.n_layers)
     if make_sample is None:
         from .tasks import TASKS, make_sample, min_context_tokens
 
@@ -387,60 +389,83 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
     newline_id = _newline_id(tokenizer) if decode_prompt_tokens == QUESTION else None
     n_configs = {(c, ps): len(_configs(policies, fractions, c, ps, num_sink_pages, num_recent_pages))
                  for c in contexts for ps in page_sizes}
-    total = len(tasks) * len(depths) * samples * sum(n_configs.values())
-    bar = tqdm(total=total, desc="retrieval", unit="decode", disable=None if progress else True)
+    n_samples = len(depths) * samples              # per (task, context)
+    total = len(tasks) * n_samples * sum(1 + n for n in n_configs.values())
+    bar = tqdm(total=total, desc="retrieval", unit="sample-config", disable=None if progress else True)
     tallies: dict[tuple, _Tally] = {}
     t0 = time.perf_counter()
     for task in tasks:
         for context in contexts:
+            items, where = [], []
             for depth in depths:
                 for index in range(samples):
                     s_seed = sample_seed(seed, task, context, depth, index)
                     sample = make_sample(task, context_tokens=context, depth=depth, seed=s_seed, tokenizer=tokenizer)
                     _check_sample(sample, task, cfg.vocab_size)
-                    n_prefill = _prefill_length(sample, task, decode_prompt_tokens, newline_id)
-                    for ps in page_sizes:
-                        bar.set_postfix_str(f"{task} context={context} depth={depth:g} page_size={ps}")
-                        configs = _configs(policies, fractions, context, ps, num_sink_pages, num_recent_pages)
-                        outcomes = _run_sample(model, sample, ps, configs, seed=s_seed, num_sink_pages=num_sink_pages,
-                                               num_recent_pages=num_recent_pages, dense_layers=dense_layers,
-                                               backend=backend, prefill_tokens=n_prefill,
-                                               prefill_chunk=prefill_chunk, on_config=lambda: bar.update(1))
-                        for config, (exact, share) in zip(configs, outcomes):
+                    items.append((sample, _prefill_length(sample, task, decode_prompt_tokens, newline_id)))
+                    where.append(depth)
+            for ps in page_sizes:
+                configs = _configs(policies, fractions, context, ps, num_sink_pages, num_recent_pages)
+                for start in range(0, len(items), batch_size):
+                    chunk = slice(start, start + batch_size)
+                    bar.set_postfix_str(f"{task} context={context} page_size={ps}")
+                    outcomes = _run_batch(model, items[chunk], ps, configs, num_sink_pages=num_sink_pages,
+                                          seed=sample_seed(seed, task, context, -1.0, start),
+                                          num_recent_pages=num_recent_pages, dense_layers=dense_layers,
+                                          backend=backend, prefill_chunk=prefill_chunk,
+                                          on_prefill=lambda: bar.update(1), on_config=bar.update)
+                    for config, per_item in zip(configs, outcomes):
+                        for depth, (exact, share) in zip(where[chunk], per_item):
                             t = tallies.setdefault((task, context, depth, ps, config), _Tally())
                             t.exact += exact
                             t.token_share += share
                             t.samples += 1
     bar.close()
+    rank = {c: i for i, c in enumerate(dict.fromkeys(k[4] for k in tallies))}       # configs in policy order
+
+    def order(key):            # rows nest task, context, depth, page size, then the configs' order
+        task, context, depth, ps, c = key
+        return tasks.index(task), contexts.index(context), depths.index(depth), page_sizes.index(ps), rank[c]
+
     rows = [TaskRow(task=task, policy=c.policy, context=context, depth=depth, page_size=ps, page_budget=c.page_budget,
                     budget_fraction=None if c.fraction is None else float(c.fraction),
                     token_budget=None if c.page_budget is None else c.page_budget * ps,
                     accuracy=t.exact / t.samples, token_accuracy=t.token_share / t.samples, samples=t.samples)
-            for (task, context, depth, ps, c), t in tallies.items()]
+            for (task, context, depth, ps, c), t in sorted(tallies.items(), key=lambda kv: order(kv[0]))]
     options = dict(tasks=tasks, contexts=contexts, depths=depths, budgets=[format_fraction(f) for f in fractions],
                    page_sizes=page_sizes, policies=policies, samples=samples, seed=seed,
                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                    backend=backend, decode_prompt_tokens=decode_prompt_tokens, prefill_chunk=prefill_chunk,
-                   model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   batch_size=batch_size, model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                               vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                               parameters=sum(p.numel() for p in model.parameters())),
                    seconds=round(time.perf_counter() - t0, 1))
     return TaskResult(rows=rows, options=options)
 
 
-def _run_sample(model, sample, page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
-                num_recent_pages: int, dense_layers: int, backend, prefill_tokens: int, prefill_chunk: int,
-                on_config=lambda: None) -> list[tuple[bool, float]]:
-    """Prefill the first ``prefill_tokens`` of ``sample.prompt`` once (dense), then decode the rest of the prompt
-    and greedily the answer under each config from the prefilled cache; ``(exact match, share of answer tokens
-    matched)`` per config."""
+def _run_sample(model, sample, page_size: int, configs: list[_Config], *, prefill_tokens: int, **kw
+                ) -> list[tuple[bool, float]]:
+    """:func:`_run_batch` of one sample: ``(exact match, share of answer tokens matched)`` per config."""
+    return [o[0] for o in _run_batch(model, [(sample, prefill_tokens)], page_size, configs, **kw)]
+
+
+def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
+               num_recent_pages: int, dense_layers: int, backend, prefill_chunk: int, on_prefill=lambda: None,
+               on_config=lambda n: None) -> list[list[tuple[bool, float]]]:
+    """``items``: ``(sample, prefill_tokens)`` pairs of one (task, context). Each sample's first
+    ``prefill_tokens`` prompt tokens are prefilled once (dense) into a sequence of one shared cache; then, per
+    config, the rest of every prompt and the answers are decoded greedily, all samples as one batch, from the
+    prefilled cache, which is rolled back after each config. ``[config][item]`` ->
+    ``(exact match, share of answer tokens matched)``."""
     from tinyattn.layer import PagedAttention, SparsityConfig
     from tinyattn.selection import H2OPolicy, RandomPolicy, get_policy
 
-    prompt, answer = list(sample.prompt), list(sample.answer)
-    n_prefill = prefill_tokens
-    cache = model.new_cache(page_size=page_size, num_pages=-(-(len(prompt) + len(answer)) // page_size))
-    sid = cache.add_sequence()
+    prompts = [list(s.prompt) for s, _ in items]
+    answers = [list(s.answer) for s, _ in items]
+    n_prefill = [n for _, n in items]
+    cache = model.new_cache(page_size=page_size, num_pages=sum(-(-(len(p) + len(a)) // page_size)
+                                                               for p, a in zip(prompts, answers)))
+    seq_ids = [cache.add_sequence() for _ in items]
 
     def sparsity(budget, policy):
         return SparsityConfig(page_budget=budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
@@ -450,7 +475,11 @@ def _run_sample(model, sample, page_size: int, configs: list[_Config], *, seed: 
     observer = H2OPolicy() if any(c.policy == "h2o" for c in configs) else None
     prefill_attention = PagedAttention(sparsity(num_sink_pages + max(num_recent_pages, 1), observer)
                                        if observer is not None else None, backend=backend)
-    logits = prefill(model, cache, sid, prompt[:n_prefill], attention=prefill_attention, chunk=prefill_chunk)
+    first = []
+    for sid, prompt, n in zip(seq_ids, prompts, n_prefill):
+        first.append(prefill(model, cache, sid, prompt[:n], attention=prefill_attention, chunk=prefill_chunk))
+        on_prefill()
+    first_logits = torch.stack(first)
     outcomes = []
     for c in configs:
         if c.policy == DENSE:
@@ -459,12 +488,12 @@ def _run_sample(model, sample, page_size: int, configs: list[_Config], *, seed: 
             policy = (copy.deepcopy(observer) if c.policy == "h2o" else RandomPolicy(seed=seed)
                       if c.policy == "random" else get_policy(c.policy))
             attention = PagedAttention(sparsity(c.page_budget, policy), backend=backend)
-        got = greedy_decode(model, cache, sid, prompt[n_prefill:], len(answer), attention=attention,
-                            first_logits=logits)
-        cache.truncate(sid, n_prefill)                    # back to the prefilled prompt for the next config
-        matched = sum(a == b for a, b in zip(got, answer))
-        outcomes.append((got == answer, matched / len(answer)))
-        on_config()
+        got = greedy_decode(model, cache, seq_ids, [p[n:] for p, n in zip(prompts, n_prefill)],
+                            [len(a) for a in answers], attention=attention, first_logits=first_logits)
+        for sid, n in zip(seq_ids, n_prefill):
+            cache.truncate(sid, n)                   # back to the prefilled prompt for the next config
+        outcomes.append([(g == a, sum(x == y for x, y in zip(g, a)) / len(a)) for g, a in zip(got, answers)])
+        on_config(len(items))
     return outcomes
 
 
@@ -479,22 +508,36 @@ def prefill(model, cache, seq_id: int, tokens: list[int], *, attention, chunk: i
     return logits
 
 
-def greedy_decode(model, cache, seq_id: int, feed: list[int], num_tokens: int, *, attention,
-                  first_logits: torch.Tensor | None = None) -> list[int]:
-    """Feed ``feed`` one token per decode step, then generate ``num_tokens`` tokens greedily (argmax), each step
-    through ``attention`` (sparse decode). With an empty ``feed`` the first token is the argmax of
-    ``first_logits`` (the prefill's). Returns the generated token ids."""
-    logits = first_logits
-    out: list[int] = []
+def greedy_decode(model, cache, seq_ids: list[int], feeds: list[list[int]], num_tokens: list[int], *, attention,
+                  first_logits: torch.Tensor | None = None) -> list[list[int]]:
+    """Greedy decoding of a batch, one token per row and step through ``attention`` (sparse decode).
 
-    def step(token: int) -> torch.Tensor:
-        t = torch.tensor([[token]], dtype=torch.long, device=model.device)
-        return model(t, cache, [seq_id], sparse=True, attention=attention, last_only=True)[0]
+    Row ``b`` (sequence ``seq_ids[b]`` of ``cache``) is first fed ``feeds[b]``, one token per step, then generates
+    ``num_tokens[b]`` tokens (argmax of the logits). A row with an empty feed starts from the argmax of
+    ``first_logits[b]`` (``[B, V]``, the prefill's last logits). Rows leave the batch when done. Returns the
+    generated token ids per row.
+    """
+    B = len(seq_ids)
+    out: list[list[int]] = [[] for _ in range(B)]
+    fed = [0] * B
+    pending: dict[int, int] = {}                  # row -> the token it feeds at the next step
 
-    for token in feed:
-        logits = step(token)
-    while len(out) < num_tokens:
-        out.append(int(logits.argmax()))
-        if len(out) < num_tokens:
-            logits = step(out[-1])
+    def advance(row: int, logits_row: torch.Tensor | None) -> None:
+        if fed[row] < len(feeds[row]):
+            pending[row] = feeds[row][fed[row]]
+            fed[row] += 1
+            return
+        out[row].append(int(logits_row.argmax()))
+        if len(out[row]) < num_tokens[row]:
+            pending[row] = out[row][-1]
+
+    for b in range(B):
+        if num_tokens[b] > 0:
+            advance(b, None if first_logits is None else first_logits[b])
+    while pending:
+        rows = sorted(pending)
+        tokens = torch.tensor([[pending.pop(r)] for r in rows], dtype=torch.long, device=model.device)
+        logits = model(tokens, cache, [seq_ids[r] for r in rows], sparse=True, attention=attention, last_only=True)
+        for i, r in enumerate(rows):
+            advance(r, logits[i])
     return out
