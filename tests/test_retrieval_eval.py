@@ -386,3 +386,9 @@ def test_hybrid_model_matches_the_runtime(hybrid, policy):
         outcomes = _run_sample(hybrid, target, 4, configs, seed=0, num_sink_pages=0, num_recent_pages=1,
                                dense_layers=0, backend="torch", prefill_tokens=70, prefill_chunk=5)
         assert outcomes[i] == (True, 1.0), (policy, b, outcomes)
+
+
+def test_contexts_past_the_training_length_warn(model):
+    with pytest.warns(UserWarning, match="contexts reach 200 tokens, past the model's training context max_seq_len=128"):
+        evaluate_tasks(model, **dict(SMALL, contexts=[200], tasks=["passkey"], depths=[0.5], samples=1,
+                                     page_sizes=[16]), policies=["dense"])

@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     tok = CharTokenizer()
     model = LlamaModel(LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                                   vocab_size=tok.vocab_size, max_seq_len=256))
+                                   vocab_size=tok.vocab_size, max_seq_len=512))
     return save_retrieval_model(model, tok, tmp_path_factory.mktemp("ckpt"))
 
 

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -386,6 +387,9 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
             if min(contexts) < min_context_tokens(task):
                 raise ValueError(f"contexts: the {task} task needs prompts of at least {min_context_tokens(task)} "
                                  f"tokens (its needles and question), got {min(contexts)}")
+    if max(contexts) > cfg.max_seq_len:
+        warnings.warn(f"contexts reach {max(contexts)} tokens, past the model's training context max_seq_len="
+                      f"{cfg.max_seq_len}; accuracy may degrade", stacklevel=2)
     newline_id = _newline_id(tokenizer) if decode_prompt_tokens == QUESTION else None
     n_configs = {(c, ps): len(_configs(policies, fractions, c, ps, num_sink_pages, num_recent_pages))
                  for c in contexts for ps in page_sizes}
