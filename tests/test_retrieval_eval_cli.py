@@ -125,3 +125,11 @@ def test_missing_checkpoint(tmp_path, capsys):
     code, _, err = run(["eval", "--task", "passkey", "--model", str(tmp_path / "nope")], capsys)
     assert code == 2
     assert re.search(r"tinyattn eval: error: path: the retrieval checkpoint .*nope' has no config.json", err), err
+
+
+def test_task_all():
+    from tinyattn.retrieval import TASKS
+    from tinyattn.retrieval.eval_command import _task_list
+
+    assert _task_list("all") == list(TASKS)
+    assert _task_list(" Passkey , decoy,passkey") == ["passkey", "decoy"]

@@ -41,7 +41,7 @@ NLL_ONLY_OPTIONS = (
 
 def _task_list(text: str) -> list[str]:
     items = [t.strip().lower() for t in text.split(",")]
-    if [t for t in items if t == "all"] and len(items) == 1:
+    if items == ["all"]:
         return list(TASKS)
     bad = [t for t in items if t not in TASKS]
     if not text.strip() or bad:
