@@ -48,14 +48,14 @@ def test_normalize_text_maps_typography_to_ascii():
 def _expected_answer(task: str, text: str) -> str:
     """The answer, read back from the prompt text with regular expressions (independently of the generator)."""
     if task == "passkey":
-        (value,) = set(re.findall(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text))
+        (value,) = set(re.findall(r"The pass key is <(\d{5})>\. Remember it\. <\1> is the pass key\.", text))
         return value
     name = re.search(r"What is the pass key of (\w+)\?", text).group(1)
     if task == "multihop":
-        (via,) = re.findall(rf"\b{name} has the same pass key as (\w+)\.", text)
-        (value,) = re.findall(rf"The pass key of {via} is (\d{{5}})\.", text)
-        return f"{via}. The pass key of {via} is {value}"
-    (value,) = re.findall(rf"The pass key of {name} is (\d{{5}})\.", text)
+        (via,) = re.findall(rf"\b{name} has the same pass key as <(\w+)>\.", text)
+        (value,) = re.findall(rf"The pass key of {via} is <(\d{{5}})>\.", text)
+        return f"{via}>. The pass key of {via} is <{value}"
+    (value,) = re.findall(rf"The pass key of {name} is <(\d{{5}})>\.", text)
     return value
 
 
@@ -88,14 +88,14 @@ def test_sample_length_needle_depth_and_answer(task, context_tokens, depth):
 def test_decoy_repeats_a_similar_needle_and_multikey_has_similar_keys():
     s = make_sample("decoy", context_tokens=2048, depth=0.5, seed=3)
     name = re.search(r"What is the pass key of (\w+)\?", s.text).group(1)
-    decoys = re.findall(r"The pass key of (\w+) is (\d{5})\.", s.text)
+    decoys = re.findall(r"The pass key of (\w+) is <(\d{5})>\.", s.text)
     others = [d for d in decoys if d[0] != name]
     assert len(others) == 6 and len(set(others)) == 1                    # one needle, six times
     assert sum(a != b for a, b in zip(others[0][0], name)) == 1          # one letter apart
     m = make_sample("multikey", context_tokens=2048, depth=0.5, seed=3)
-    keys = re.findall(r"The pass key of (\w+) is \d{5}\.", m.text)
+    keys = re.findall(r"The pass key of (\w+) is <\d{5}>\.", m.text)
     assert len(keys) == len(set(keys)) == 4
-    assert len(re.findall(r"counted \d{5} stars", m.text)) == 2
+    assert len(re.findall(r"counted <\d{5}> stars", m.text)) == 2
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -240,7 +240,10 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
     from tinyattn.retrieval.recipe import TrainConfig
     from tinyattn.retrieval.train import make_batch, train
 
-    tokens, valid, _ = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    batch = make_batch(TASKS, 300, 4, 123, random.Random(0))
+    tokens, valid = batch.tokens, batch.valid
+    assert batch.tasks == [TASKS[(123 + b) % 4] for b in range(4)] and batch.is_answer.sum(-1).tolist() == [
+        len(make_sample(t, context_tokens=300, depth=0.5, seed=123 + b).answer) for b, t in enumerate(batch.tasks)]
 
     def loss(model):
         with torch.no_grad():
@@ -272,7 +275,14 @@ def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert model.config.n_layers == 2 and model.config.nope_layers == (1,)
 
 
-@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b"])
+def test_curriculum_parsing():
+    from tinyattn.retrieval.command import parse_curriculum
+
+    assert parse_curriculum("256:150:passkey,1024:300") == ((256, 150, ("passkey",)), (1024, 300))
+    assert parse_curriculum("512:2:passkey+decoy") == ((512, 2, ("passkey", "decoy")),)
+
+
+@pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b", "512:5:needle", "512:5:passkey:x"])
 def test_train_retrieval_rejects_a_bad_curriculum(bad, capsys):
     from tinyattn.cli import main
 

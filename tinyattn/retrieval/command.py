@@ -26,27 +26,30 @@ EPILOG = ("examples:\n"
           "then: tinyattn.retrieval.load_retrieval_model('my-retrieval') -> (LlamaModel, CharTokenizer)")
 
 
-def parse_curriculum(text: str) -> tuple[tuple[int, int], ...]:
-    """``"512:200,1024:150"`` -> ``((512, 200), (1024, 150))``: stages of (max length, steps), lengths
-    increasing."""
+def parse_curriculum(text: str) -> tuple:
+    """``"256:150:passkey,1024:300"`` -> ``((256, 150, ("passkey",)), (1024, 300))``: stages of max length,
+    steps and optionally the stage's tasks (joined by ``+``), lengths increasing."""
     stages = []
     for item in text.split(","):
         parts = item.strip().split(":")
         try:
-            length, steps = (int(p) for p in parts)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected LENGTH:STEPS[,LENGTH:STEPS...] of integers, got "
-                                             f"{text!r}") from None
-        if length < 1 or steps < 1 or (stages and length <= stages[-1][0]):
-            raise argparse.ArgumentTypeError(f"expected positive lengths and steps with increasing lengths, "
+            length, steps = int(parts[0]), int(parts[1])
+            if len(parts) > 3:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"expected LENGTH:STEPS[:TASK+TASK...][,...] with integer lengths and "
+                                             f"steps, got {text!r}") from None
+        if length < 1 or steps < 1 or (stages and length < stages[-1][0]):
+            raise argparse.ArgumentTypeError(f"expected positive lengths and steps with non-decreasing lengths, "
                                              f"got {text!r}")
-        stages.append((length, steps))
+        stages.append((length, steps) if len(parts) == 2 else (length, steps, _tasks(parts[2].replace("+", ","))))
     return tuple(stages)
 
 
 def _tasks(text: str) -> tuple[str, ...]:
     from .tasks import TASKS
 
+    TASKS = TASKS + ("copy",)      # tinyattn.retrieval.train.COPY, a training-only task
     items = tuple(dict.fromkeys(t.strip() for t in text.split(",")))
     bad = [t for t in items if t not in TASKS]
     if bad or not items:
@@ -59,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .recipe import MODEL_DEFAULTS as m, TrainConfig
 
     d = TrainConfig()
-    cur = ",".join(f"{n}:{s}" for n, s in d.curriculum)
+    cur = ",".join(":".join([str(st[0]), str(st[1])] + (["+".join(st[2])] if len(st) > 2 else []))
+                   for st in d.curriculum)
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="directory for the checkpoint (model.safetensors + config.json) and train_log.json "
@@ -71,9 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seeds the initialisation, the prompts (names, values, filler offsets, depths) and the "
                         f"lengths (default: {d.seed}); same seed, PyTorch build and --threads = same weights")
     g.add_argument("--curriculum", type=parse_curriculum, default=d.curriculum, metavar="LEN:STEPS,...",
-                   help=f"length curriculum: stages of (max prompt length in tokens, optimizer steps); a stage's "
-                        f"batches have lengths drawn uniformly between the previous stage's length (half the first "
-                        f"stage's, at least the tasks' minimum) and its own (default: {cur})")
+                   help=f"length curriculum: stages of max prompt length in tokens, optimizer steps and optionally "
+                        f"the stage's tasks (joined by +; default --tasks); a stage's batches have lengths drawn "
+                        f"uniformly between the previous stage's length (half the first stage's, at least the "
+                        f"tasks' minimum) and its own (default: {cur})")
     g.add_argument("--batch-tokens", type=positive_int, default=d.batch_tokens,
                    help=f"prompt tokens per batch; batch size = batch-tokens // length (default: {d.batch_tokens})")
     g.add_argument("--lr", type=positive_float, default=d.lr,
@@ -85,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"weight of the next-character loss on non-answer tokens (filler, needles, question) next "
                         f"to the answer tokens' loss (default: {d.lm_weight})")
     g.add_argument("--tasks", type=_tasks, default=d.tasks, metavar="T1,T2,...",
-                   help=f"tasks to train on, cycled within each batch (default: {','.join(d.tasks)})")
+                   help=f"tasks of the stages that name none, cycled within each batch (default: "
+                        f"{','.join(d.tasks)})")
     g.add_argument("--threads", type=positive_int, default=d.threads,
                    help=f"PyTorch CPU threads (default: {d.threads}; on a shared machine more threads can be slower)")
     g = p.add_argument_group("model (tinyattn.retrieval.train.default_model_config)")

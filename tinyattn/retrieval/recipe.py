@@ -16,11 +16,13 @@ MODEL_DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, hidden_dim=384, sliding_wi
 
 @dataclass
 class TrainConfig:
-    """Options of :func:`train` (the ``train-retrieval`` command's flags).
+    """Options of :func:`tinyattn.retrieval.train.train` (the ``train-retrieval`` command's flags).
 
-    ``curriculum``: ``(max_length, steps)`` stages; a stage's batches have lengths drawn uniformly between
-    the previous stage's ``max_length`` (half its own for the first) and its own. ``batch_tokens``: tokens
-    per batch (batch size = ``batch_tokens // length``, at least 1)."""
+    ``curriculum``: stages ``(max_length, steps)`` or ``(max_length, steps, tasks)``; a stage's batches have
+    lengths drawn uniformly between the previous stage's ``max_length`` (half its own for the first) and its
+    own (at least the longest :func:`~tinyattn.retrieval.tasks.min_context_tokens` of its tasks), and its rows
+    cycle over ``tasks`` (default: :attr:`tasks`). ``batch_tokens``: prompt tokens per batch (batch size =
+    ``batch_tokens // length``, at least 1)."""
 
     seed: int = 0
     curriculum: tuple = ((512, 150), (1024, 150), (1536, 100))

@@ -6,19 +6,24 @@ seeded offset and wrapping around) with one or more *needles* inserted at word b
 whose answer the model must produce greedily. The needle sentence is the one of passkey retrieval
 (Mohtashami & Jaggi 2023, "Landmark Attention", the test Quest, Tang et al. 2024, reports in its Fig. 6):
 
-* ``passkey``: one needle, ``The pass key is 48213. Remember it. 48213 is the pass key.``; the question
-  ``What is the pass key? The pass key is`` and the answer ``48213``.
-* ``multikey``: four needles ``The pass key of Tom is 48213.`` with similar three-letter names (one letter
+* ``passkey``: one needle, ``The pass key is <48213>. Remember it. <48213> is the pass key.``; the question
+  ``What is the pass key? The pass key is <`` and the answer ``48213``.
+* ``multikey``: four needles ``The pass key of Tom is <48213>.`` with similar three-letter names (one letter
   apart where the name list allows: Tom, Tim, Tam, ...) and different values, plus two distractor
-  sentences that pair the asked name with another five-digit number (``Tom counted 70215 stars.``); the
-  question asks for one name's key (``What is the pass key of Tom? The pass key of Tom is``).
-* ``multihop``: a link ``Tom has the same pass key as Sue.``, the value ``The pass key of Sue is 48213.``
+  sentences that pair the asked name with another five-digit number (``Tom counted <70215> stars.``); the
+  question asks for one name's key (``What is the pass key of Tom? The pass key of Tom is <``).
+* ``multihop``: a link ``Tom has the same pass key as <Sue>.``, the value ``The pass key of Sue is <48213>.``
   (anywhere in the filler) and two other ``pass key of`` needles; the question ``What is the pass key of
-  Tom? Tom has the same pass key as`` and the answer ``Sue. The pass key of Sue is 48213``: the model
+  Tom? Tom has the same pass key as <`` and the answer ``Sue>. The pass key of Sue is <48213``: the model
   retrieves twice, the second time with a query it wrote itself.
-* ``decoy``: the needle ``The pass key of Tom is 48213.`` and, elsewhere, a block of six copies of a
-  similar needle (``The pass key of Tim is 90357.``). The repeated block draws attention mass (and H2O's
+* ``decoy``: the needle ``The pass key of Tom is <48213>.`` and, elsewhere, a block of six copies of a
+  similar needle (``The pass key of Tim is <90357>.``). The repeated block draws attention mass (and H2O's
   heavy hitters) during the prompt while the answer lies in the single needle.
+
+Values are bracketed by ``<`` ``>``, characters the filler never contains (nor digits): a rare character
+before the value lets a small model learn to copy in minutes instead of hours (matching the one character
+before the answer is enough to start; matching the name is learnt next). Otherwise the sentence is the
+passkey test's.
 
 Lengths are exact: ``len(sample.prompt) == context_tokens`` (the filler is cut to fit). The values are
 five digits; the names, values, filler offset and distractor positions depend only on ``(task, seed)``, so a
@@ -77,15 +82,15 @@ class Sample:
 
 @lru_cache(maxsize=1)
 def filler_text() -> str:
-    """The filler: the shipped TinyStories text (sample, then the validation excerpt), normalized to the
-    tokenizer's characters, with runs of blank lines collapsed and no digits (so that the only numbers in a
+    """The filler: the shipped TinyStories text (sample, then the validation excerpt, stories separated by
+    blank lines), normalized to the tokenizer's characters, with runs of blank lines collapsed and no digits (so that the only numbers in a
     prompt are the task's)."""
     from tinyattn.assets import data_path
 
     parts = [data_path(n).read_text(encoding="utf-8") for n in ("tinystories_sample.txt",
                                                                  "tinystories_valid_excerpt.txt")]
-    text = normalize_text("\n\n".join(parts))
-    text = "".join(ch for ch in text if not ch.isdigit())
+    text = normalize_text("\n\n".join(parts).replace("<|endoftext|>", "\n\n"))   # the excerpt's separator
+    text = "".join(ch for ch in text if not ch.isdigit() and ch not in "<>")
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text
@@ -115,28 +120,28 @@ def _layout(task: str, rng: random.Random):
     taken: set[str] = set()
     if task == "passkey":
         v = _value(rng, taken)
-        return (f"The pass key is {v}. Remember it. {v} is the pass key.", [], [],
-                "What is the pass key? The pass key is ", v)
+        return (f"The pass key is <{v}>. Remember it. <{v}> is the pass key.", [], [],
+                "What is the pass key? The pass key is <", v)
     name = rng.choice(NAMES)
     if task == "multikey":
         v = _value(rng, taken)
-        pairs = [f"The pass key of {n} is {_value(rng, taken)}." for n in _similar_names(rng, name, _NUM_PAIRS - 1)]
-        distract = [f"{name} counted {_value(rng, taken)} stars." for _ in range(_NUM_DISTRACTORS)]
-        return (f"The pass key of {name} is {v}.", [], pairs + distract,
-                f"What is the pass key of {name}? The pass key of {name} is ", v)
+        pairs = [f"The pass key of {n} is <{_value(rng, taken)}>." for n in _similar_names(rng, name, _NUM_PAIRS - 1)]
+        distract = [f"{name} counted <{_value(rng, taken)}> stars." for _ in range(_NUM_DISTRACTORS)]
+        return (f"The pass key of {name} is <{v}>.", [], pairs + distract,
+                f"What is the pass key of {name}? The pass key of {name} is <", v)
     if task == "multihop":
         via, *others = _similar_names(rng, name, 3)
         v = _value(rng, taken)
-        pairs = [f"The pass key of {n} is {_value(rng, taken)}." for n in others]
-        return (f"{name} has the same pass key as {via}.", [f"The pass key of {via} is {v}."], pairs,
-                f"What is the pass key of {name}? {name} has the same pass key as ",
-                f"{via}. The pass key of {via} is {v}")
+        pairs = [f"The pass key of {n} is <{_value(rng, taken)}>." for n in others]
+        return (f"{name} has the same pass key as <{via}>.", [f"The pass key of {via} is <{v}>."], pairs,
+                f"What is the pass key of {name}? {name} has the same pass key as <",
+                f"{via}>. The pass key of {via} is <{v}")
     if task == "decoy":
         (similar,) = _similar_names(rng, name, 1)
         v, w = _value(rng, taken), _value(rng, taken)
-        block = " ".join([f"The pass key of {similar} is {w}."] * _NUM_DECOYS)
-        return (f"The pass key of {name} is {v}.", [], [block],
-                f"What is the pass key of {name}? The pass key of {name} is ", v)
+        block = " ".join([f"The pass key of {similar} is <{w}>."] * _NUM_DECOYS)
+        return (f"The pass key of {name} is <{v}>.", [], [block],
+                f"What is the pass key of {name}? The pass key of {name} is <", v)
     raise AssertionError(task)
 
 

@@ -20,7 +20,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
 from .recipe import MODEL_DEFAULTS, TrainConfig
-from .tasks import TASKS, make_sample, min_context_tokens
+from .tasks import TASKS, Sample, filler_text, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
-__all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch"]
+__all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch", "Batch", "COPY",
+           "copy_sample"]
 
 _TRAIN_SEED_BASE = 10 ** 9
 
@@ -53,15 +54,62 @@ def default_model_config(**overrides) -> LlamaConfig:
                        sliding_window=sliding_window, nope_layers=(nope_layer,))
 
 
-def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random, tokenizer=None):
-    """``(tokens [batch, length + answer], weights [batch, length + answer - 1], is_answer)``: prompts of
-    ``length`` tokens followed by their answers, padded with EOS to the longest answer; ``weights`` marks the
-    targets (``tokens[:, 1:]``) that are answer tokens (``is_answer``, bool) or padding (excluded)."""
-    samples = [make_sample(tasks[(first_seed + b) % len(tasks)], context_tokens=length, depth=rng.random(),
-                           seed=first_seed + b, tokenizer=tokenizer) for b in range(batch)]
+@dataclass
+class Batch:
+    """A training batch: ``tokens`` ``[B, W]`` (prompts of one length, then their answers, EOS-padded to the
+    longest answer); over the targets ``tokens[:, 1:]``, ``valid`` ``[B, W-1]`` (not padding) and ``is_answer``
+    (answer tokens), both bool; ``tasks``: each row's task."""
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    is_answer: torch.Tensor
+    tasks: list
+
+
+#: a training-only task: recall a random passage from its first characters (dense induction-head signal)
+COPY = "copy"
+_COPY_WORDS, _COPY_CUE = 20, 8
+
+
+def copy_sample(*, context_tokens: int, depth: float, seed: int) -> Sample:
+    """A training-only prompt: filler with a passage of random lowercase words in ``<`` ``>`` inserted at
+    ``depth``; the prompt ends with ``Recall: `` and the passage's first characters, the answer is the rest of
+    the passage.
+    Nothing but attention to the passage predicts the answer, and every answer character is a copy target,
+    which teaches the copying (induction) circuit the retrieval tasks need much faster than their few answer
+    digits do (Olsson et al. 2022 on induction heads)."""
+    rng = random.Random(f"{COPY}:{seed}")
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 6)))
+             for _ in range(_COPY_WORDS)]
+    passage = "<" + " ".join(words) + ">"
+    question = "\nRecall: " + passage[:_COPY_CUE]
+    n_fill = context_tokens - 1 - len(passage) - 1 - len(question)
+    if n_fill < 0:
+        raise ValueError(f"context_tokens: the copy task needs at least {context_tokens - n_fill} tokens, got "
+                         f"{context_tokens}")
+    text = filler_text()
+    start = rng.randrange(len(text))
+    filler = (text * (1 + (start + n_fill) // len(text)))[start:start + n_fill]
+    at = round(depth * n_fill)
+    body = filler[:at] + passage + " " + filler[at:] + question
+    tok = CharTokenizer()
+    return Sample(task=COPY, prompt=tok.encode(body), answer=tok.encode(passage[_COPY_CUE:], bos=False),
+                  context_tokens=context_tokens, depth=at / max(1, n_fill),
+                  needle_positions=[(1 + at, 1 + at + len(passage))], text=body)
+
+
+def _sample(task: str, **kw) -> Sample:
+    return copy_sample(**kw) if task == COPY else make_sample(task, **kw)
+
+
+def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Random) -> Batch:
+    """``batch`` prompts of ``length`` tokens with their answers (:class:`Batch`); row ``b`` is task
+    ``tasks[(first_seed + b) % len(tasks)]`` (one of :data:`~tinyattn.retrieval.TASKS` or :data:`COPY`) with
+    seed ``first_seed + b`` and a depth drawn from ``rng``."""
+    samples = [_sample(tasks[(first_seed + b) % len(tasks)], context_tokens=length, depth=rng.random(),
+                       seed=first_seed + b) for b in range(batch)]
     width = length + max(len(s.answer) for s in samples)
-    eos = CharTokenizer.eos_id
-    tokens = torch.full((batch, width), eos, dtype=torch.long)
+    tokens = torch.full((batch, width), CharTokenizer.eos_id, dtype=torch.long)
     is_answer = torch.zeros(batch, width - 1, dtype=torch.bool)
     valid = torch.zeros(batch, width - 1, dtype=torch.bool)
     for b, s in enumerate(samples):
@@ -69,7 +117,16 @@ def make_batch(tasks, length: int, batch: int, first_seed: int, rng: random.Rand
         tokens[b, :len(seq)] = torch.tensor(seq)
         is_answer[b, length - 1:len(seq) - 1] = True              # target t+1 is an answer token
         valid[b, :len(seq) - 1] = True
-    return tokens, valid, is_answer
+    return Batch(tokens, valid, is_answer, [s.task for s in samples])
+
+
+def _exact_by_task(logits: torch.Tensor, batch: Batch) -> dict:
+    """Per task, the fraction of rows whose every answer token is the argmax (teacher forced = greedy)."""
+    right = ((logits.argmax(-1) == batch.tokens[:, 1:]) | ~batch.is_answer).all(-1).tolist()
+    out = {}
+    for task, ok in zip(batch.tasks, right):
+        out.setdefault(task, []).append(ok)
+    return {t: round(sum(v) / len(v), 3) for t, v in out.items()}
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -80,11 +137,15 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def _schedule(cfg: TrainConfig, rng: random.Random):
-    """The length of every step's batch, from the curriculum."""
-    lo = max(cfg.curriculum[0][0] // 2, max(map(min_context_tokens, cfg.tasks)))
-    for hi, steps in cfg.curriculum:
+    """``(length, tasks)`` of every step's batch, from the curriculum: lengths uniform between the previous
+    stage's length (half the first stage's) and the stage's own, never below its tasks' minimum."""
+    lo = cfg.curriculum[0][0] // 2
+    for stage in cfg.curriculum:
+        hi, steps = stage[0], stage[1]
+        tasks = tuple(stage[2]) if len(stage) > 2 else tuple(cfg.tasks)
+        floor = max(min_context_tokens(t) if t != COPY else 160 for t in tasks)
         for _ in range(steps):
-            yield rng.randint(lo, hi)
+            yield max(floor, rng.randint(min(lo, hi), hi)), tasks
         lo = hi
 
 
@@ -109,7 +170,7 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
     """Train a model per ``cfg``; returns ``(model, log)``. With ``out_dir``, writes the checkpoint
     (:func:`tinyattn.retrieval.save_retrieval_model`) and ``train_log.json`` there (the log also after every
     50 steps). ``log["steps"]``: per step ``{step, length, batch, loss, answer_loss, answer_token_acc, lr,
-    elapsed_s}``; ``log["eval"]``: per task and length the greedy answer accuracy (:func:`answer_accuracy`)."""
+    answer_exact (per task), elapsed_s}``; ``log["eval"]``: per task and length the greedy answer accuracy (:func:`answer_accuracy`)."""
     from tqdm.auto import tqdm
 
     from tinyattn.models.llama import LlamaModel
@@ -131,9 +192,10 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
     t0 = time.perf_counter()
     counter = _TRAIN_SEED_BASE + cfg.seed * 10 ** 7
     bar = tqdm(total=cfg.total_steps, disable=not progress, desc="train-retrieval", unit="step")
-    for step, length in enumerate(_schedule(cfg, rng)):
+    for step, (length, tasks) in enumerate(_schedule(cfg, rng)):
         batch = max(1, cfg.batch_tokens // length)
-        tokens, valid, is_answer = make_batch(cfg.tasks, length, batch, counter, rng)
+        b = make_batch(tasks, length, batch, counter, rng)
+        tokens, valid, is_answer = b.tokens, b.valid, b.is_answer
         counter += batch
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
@@ -149,6 +211,7 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
         acc = (logits.argmax(-1) == tokens[:, 1:])[is_answer].float().mean().item()
         log["steps"].append({"step": step, "length": length, "batch": batch, "loss": round(loss.item(), 4),
                              "answer_loss": round(ans_loss.item(), 4), "answer_token_acc": round(acc, 4),
+                             "answer_exact": _exact_by_task(logits, b),
                              "lr": round(_lr(cfg, step), 6), "elapsed_s": round(time.perf_counter() - t0, 1)})
         bar.set_postfix(len=length, ans_loss=f"{ans_loss.item():.3f}", acc=f"{acc:.2f}")
         bar.update()
