@@ -344,16 +344,16 @@ def test_question_is_decoded_from_the_last_newline(model):
 
 
 def test_question_of_the_shipped_tasks():
-    from tinyattn.retrieval import make_sample
+    """The shipped tasks' prompts end with a newline and the question: the prefill stops right before it."""
+    from tinyattn.retrieval import TASKS, make_sample
     from tinyattn.retrieval.evaluate import _newline_id, _prefill_length
 
     nl = _newline_id(None)
-    s = make_sample("passkey", context_tokens=600, depth=0.5, seed=3)
-    assert _prefill_length(s, "passkey", "question", nl) == 600 - len("\nWhat is the pass key? The pass key is ")
-    s = make_sample("multihop", context_tokens=600, depth=0.5, seed=3)
-    name = s.text.rsplit("What is the pass key of ", 1)[1][:3]
-    question = f"\nWhat is the pass key of {name}? {name} has the same pass key as "
-    assert _prefill_length(s, "multihop", "question", nl) == 600 - len(question)
+    for task in TASKS:
+        s = make_sample(task, context_tokens=600, depth=0.5, seed=3)
+        n = _prefill_length(s, task, "question", nl)
+        question = s.text[n - 1:]                     # the text has no BOS: prompt token n is character n - 1
+        assert question.startswith("\nWhat is the pass key") and "\n" not in question[1:], (task, question)
 
 
 # ---------------------------------------------------------------------------------------------- hybrid models

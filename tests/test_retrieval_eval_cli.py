@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from tinyattn.cli import main
+from tinyattn.retrieval.tasks import min_context_tokens
+
+MIN_PASSKEY = min_context_tokens("passkey")
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +108,8 @@ def test_argument_errors(args, pattern, capsys):
     (["--tokenizer", "tok.bin"], r"--tokenizer applies to the NLL evaluation, not to --task; the retrieval "
                                  r"checkpoint brings its character tokenizer"),
     (["--max-context", "512"], r"--max-context applies .*; give --contexts"),
-    (["--contexts", "90"], r"contexts: the passkey task needs prompts of at least 99 tokens \(its needles and "
-                            r"question\), got 90"),
+    (["--contexts", str(MIN_PASSKEY - 1)], rf"contexts: the passkey task needs prompts of at least {MIN_PASSKEY} "
+                                           rf"tokens \(its needles and question\), got {MIN_PASSKEY - 1}"),
     (["--num-sink-pages", "2", "--num-recent-pages", "0", "--budgets", "1/128"], None),
 ])
 def test_run_errors(checkpoint, args, pattern, capsys):
