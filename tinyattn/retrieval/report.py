@@ -22,6 +22,8 @@ __all__ = ["format_task_table", "plot_depth_heatmaps", "plot_budget_curves", "pl
 #: Colour and marker of each policy in every plot (the colours of docs/accuracy.md's other plots).
 POLICY_STYLES = {"quest": ("C0", "o"), "meanstd": ("C9", "s"), "oracle": ("k", "*"), "streaming": ("C1", "v"),
                  "h2o": ("C3", "^"), "random": ("C7", "x")}
+#: Line styles that keep overlapping curves (quest, meanstd and oracle often coincide) visible.
+_LINESTYLES = {"quest": ("-", 9, 2.4), "meanstd": ("--", 6, 1.6), "oracle": (":", 7, 1.6)}
 
 
 def _pct(x: float) -> str:
@@ -146,7 +148,9 @@ def plot_budget_curves(result: TaskResult, out_dir: str | os.PathLike, prefix: s
                     ys = [result.accuracy(task=task, policy=policy, context=context, page_size=ps,
                                           budget_fraction=f) for f in fractions]
                     color, marker = POLICY_STYLES.get(policy, (f"C{i}", "o"))
-                    ax.plot(fractions, ys, marker=marker, color=color, label=policy, linewidth=1.6, markersize=6)
+                    style, size, width = _LINESTYLES.get(policy, ("-", 6, 1.6))
+                    ax.plot(fractions, ys, marker=marker, color=color, label=policy, linestyle=style, linewidth=width,
+                            markersize=size, markerfacecolor="none" if policy == "quest" else color)
                 dense = result.accuracy(task=task, policy=DENSE, context=context, page_size=ps)
                 if not math.isnan(dense):
                     ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense")
