@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from .tasks import NAMES, filler_text
+from .tasks import NAMES, _word_boundary, filler_text
 from .tokenizer import CharTokenizer
 
 __all__ = ["recall_sequence", "recall_batch"]
@@ -28,13 +28,6 @@ def _check_fraction(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
     return float(value)
-
-
-def _boundary(text: str, index: int) -> int:
-    """The first index ``>= index`` just after a space or newline (or the end)."""
-    while 0 < index < len(text) and text[index - 1] not in " \n":
-        index += 1
-    return min(index, len(text))
 
 
 def recall_sequence(*, seq_len: int, seed: int, num_keys: int = 4, num_questions: int = 4, keys_end: float = 0.1,
@@ -83,9 +76,9 @@ def recall_sequence(*, seq_len: int, seed: int, num_keys: int = 4, num_questions
     text = filler_text()
     start = rng.randrange(len(text))
     filler = (text * (2 + (start + n_fill) // len(text)))[start:start + n_fill]
-    key_at = sorted(_boundary(filler, rng.randrange(max(1, round(keys_end * n_fill)))) for _ in keys)
+    key_at = sorted(_word_boundary(filler, rng.randrange(max(1, round(keys_end * n_fill)))) for _ in keys)
     span = max(0.0, 1.0 - first_question)
-    q_at = [_boundary(filler, round(n_fill * (first_question + span * j / num_questions)))
+    q_at = [_word_boundary(filler, round(n_fill * (first_question + span * j / num_questions)))
             for j in range(num_questions)]
     inserts = sorted([(p, 0, k) for p, k in zip(key_at, keys)] + [(p, 1, q) for p, q in zip(q_at, questions)],
                      key=lambda x: (x[0], x[1]))
