@@ -10,12 +10,14 @@ Two tables (CSV + PNG + Markdown printed for docs/benchmarks.md), 1 CPU thread b
      into rows (the fastest SDPA form on a CPU) - the baselines;
    - ``paged_attention`` and ``sparse_paged_attention`` (the public ops: validate, plan and run every call);
    - ``plan.run dense`` / ``plan.run sparse``: one :class:`tinyattn.PagedAttentionPlan` run, the per-layer cost a
-     model pays (the plan is built once per step and shared by the layers; ``plan`` is its cost).
+     model pays (the plan is built once per step and shared by the layers; ``plan`` is its cost);
+   - ``... (torch ops)``: the public ops with the compiled CPU kernel switched off (``tinyattn.kernels_cpu.disabled``):
+     the PyTorch implementation, what a machine without a C++ compiler runs.
 
 2. **end to end**, stories260K greedy decode from BOS, 200 new tokens, budget 4 pages of 16: tokens/s of
    Hugging Face ``generate`` with stock SDPA attention, of the same model with ``attn_implementation="tinyattn"`` +
-   ``TinyAttnCache(page_budget=4)``, and of the tinyattn runtime (``LlamaRuntime``). Needs transformers (the
-   ``hf`` extra); skipped without it.
+   ``TinyAttnCache(page_budget=4)``, and of the tinyattn runtime (``LlamaRuntime``, also with the kernel off).
+   Needs transformers (the ``hf`` extra); skipped without it.
 
     python bench/overhead.py                      # writes out/bench/overhead*.csv|png (scratch)
     python bench/overhead.py --out docs/bench     # the committed figures
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 import tinyattn  # noqa: E402
+import tinyattn.kernels_cpu as kernels_cpu  # noqa: E402
 
 PROBLEMS = {   # name: (batch, context, Hq, Hkv, head_dim, page_budget)
     "tiny": (1, 200, 8, 4, 8, 4),           # one stories260K layer at 200 tokens
@@ -56,6 +59,14 @@ def _median_us(fn, repeats: int, inner: int) -> float:
             fn()
         times.append((time.perf_counter() - t0) / inner * 1e6)
     return statistics.median(times)
+
+
+def _torch_ops(fn):
+    """``fn`` with the compiled CPU kernel switched off: the PyTorch implementation of the torch backend."""
+    def run():
+        with kernels_cpu.disabled():
+            return fn()
+    return run
 
 
 def per_call_rows(names, repeats: int) -> list[dict]:
@@ -93,6 +104,10 @@ def per_call_rows(names, repeats: int) -> list[dict]:
             "plan": planned,
             "plan.run dense": lambda: plan.run(q, kc, vc),
             "plan.run sparse": lambda: plan.run(q, kc, vc, k_min=k_min, k_max=k_max),
+            # the same public ops on the PyTorch implementation only (the compiled CPU kernel switched off)
+            "paged_attention (torch ops)": _torch_ops(lambda: tinyattn.paged_attention(q, kc, vc, bt, sl)),
+            "sparse_paged_attention (torch ops)": _torch_ops(lambda: tinyattn.sparse_paged_attention(
+                q, kc, vc, bt, sl, k_min=k_min, k_max=k_max, page_budget=budget)),
         }
         inner = max(1, int(2000 / (B * L * Hq * D / 12800) ** 0.5))
         for fn in methods.values():                                    # warm up (tables, allocator)
@@ -132,6 +147,7 @@ def end_to_end_rows(repeats: int, new_tokens: int, budget: int) -> list[dict]:
     model = LlamaModel.from_llama2c(default_model_path())
     runtime = LlamaRuntime(model, page_size=PAGE_SIZE, page_budget=budget)
     runners["tinyattn runtime"] = lambda: runtime.generate([[1]], max_new_tokens=new_tokens, eos_id=None)
+    runners["tinyattn runtime (torch ops)"] = _torch_ops(runners["tinyattn runtime"])
     try:
         from tinyattn.integrations.hf import TinyAttnCache
         stock, ours = _hf_models()

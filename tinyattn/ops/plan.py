@@ -48,6 +48,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import kernels_cpu
 from . import chunked, core, quant, tables
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
@@ -194,6 +195,7 @@ class PagedAttentionPlan:
         elif page_budget is not None and num_query_tokens > 1 and self._lens is not None:
             V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
         self._sparse = self._last_selection = None   # torch-backend tables, built on first use
+        self._cpu_tables = None                      # int32 tables of the compiled CPU kernel, built on first use
         self._dense: dict = {}                       # window_left -> dense tables of the step (torch backend)
         self._window_blocks: dict = {}               # window_left -> [(t0, t1, plan)] of a long windowed prefill
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
@@ -208,6 +210,7 @@ class PagedAttentionPlan:
     def rebind(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> "PagedAttentionPlan":
         """Point the plan at new tensors holding the same values as the planned ones (their tables stand)."""
         self.block_table, self.seq_lens = block_table, seq_lens
+        self._cpu_tables = None
         if self.backend == "triton":
             self._bt32 = block_table.to(torch.int32).contiguous()
             self._sl32 = seq_lens.to(torch.int32).contiguous()
@@ -299,6 +302,8 @@ class PagedAttentionPlan:
         blocks = self._query_blocks(window_left, q, k_cache, v_cache, k_min, page_indices, windowed_selection)
         if blocks is not None:
             return self._run_query_blocks(blocks, q, k_cache, v_cache, window_left, return_lse, out, k_scale, v_scale)
+        if self._cpu_kernel_ok(q, k_cache, v_cache, k_min, k_max, page_indices, scales):
+            return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left)
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
@@ -329,6 +334,53 @@ class PagedAttentionPlan:
             else:
                 result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales, window_left)
         return self._finish(q, *result, return_lse, out)
+
+    # ------------------------------------------------------------------------- compiled CPU kernel
+    def _cpu_kernel_ok(self, q, k_cache, v_cache, k_min, k_max, page_indices, scales) -> bool:
+        """Whether this run goes to :mod:`tinyattn.kernels_cpu` (one fused call): a CPU plan on the torch backend
+        (unless :func:`tinyattn.kernels_cpu.disabled`), few queries per row, float pools in ``q``'s dtype with
+        unit stride in ``D``, nothing needing autograd, and something to attend to (the empty cases keep their one
+        code path). Not under :mod:`tinyattn.profiler`: the kernel fuses the phases (score, top-k, attention) that
+        the profiler times one by one, so a profiled run takes the PyTorch implementation."""
+        if (not kernels_cpu.enabled or self.backend != "torch" or self.device.type != "cpu"
+                or _spans.recorder is not None or scales is not None or self._nothing
+                or self.num_query_tokens > kernels_cpu.MAX_QUERY_TOKENS or q.dtype not in kernels_cpu.DTYPES
+                or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.shape[0] == 0
+                or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+                or (page_indices is not None and page_indices.shape[-1] == 0)):
+            return False
+        if k_min is not None and (k_min.dtype not in kernels_cpu.DTYPES or k_max.dtype != k_min.dtype
+                                  or k_min.stride(-1) != 1 or k_max.stride() != k_min.stride()):
+            return False
+        if needs_grad(q, k_cache, v_cache) or torch.compiler.is_compiling():
+            return False
+        return kernels_cpu.available()
+
+    def _run_cpu_kernel(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left):
+        """Quest selection (when boxes are given and some row exceeds the budget) and attention in one call."""
+        q4 = (q.unsqueeze(1) if q.dim() == 3 else q).contiguous()
+        if out is not None and out.is_contiguous() and out.dtype == q.dtype:
+            o4 = out.view(q4.shape)
+        else:
+            o4 = torch.empty_like(q4)
+        lse = torch.empty(q4.shape[:3], dtype=torch.float32) if return_lse else None
+        if self._cpu_tables is None:          # int32 tables once per step (the kernel reads them directly)
+            self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
+                                self.seq_lens.to(torch.int32).contiguous())
+        select = k_min is not None and self._selects
+        selected = None
+        if select:
+            selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget), torch.int32)
+            self._cpu_selected = selected     # ascending, -1 padded
+        elif page_indices is not None:
+            page_indices = page_indices.to(torch.int32).contiguous()
+        kernels_cpu.paged_decode(q4, k_cache, v_cache, *self._cpu_tables, o4,
+                                 k_min=k_min if select else None, k_max=k_max if select else None,
+                                 page_indices=page_indices, selected=selected,
+                                 page_budget=self.page_budget if select else 0, num_sink_pages=self.num_sink_pages,
+                                 num_recent_pages=self.num_recent_pages, scale=self.scale, window_left=window_left,
+                                 lse=lse)
+        return self._finish(q, o4, lse, return_lse, out)
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
         """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""
@@ -599,6 +651,8 @@ class PagedAttentionPlan:
             bias = bias[:, :, :, None].expand(B, Hkv, Tq, G, K * S).reshape(B, Hkv, Tq * G, K * S)
         return rows.reshape(-1), bias, K * S
 
+    _cpu_tables = None         # (block_table, seq_lens) as contiguous int32 for the compiled CPU kernel
+    _cpu_selected = None       # the compiled CPU kernel's last selection [B, Hkv, page_budget]
     _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
     _selected = None           # the Triton path's selection buffer (preallocated by _plan_triton)
     _last_selection = None     # the pages the torch path selected last (their rows come from the tables)

@@ -1,0 +1,509 @@
+// Fused CPU decode kernel of tinyattn: Quest page scoring + top-k selection + paged attention in one call.
+//
+// Why a compiled kernel: on a CPU every PyTorch call costs 1-5 us whatever its size, and a sparse decode layer
+// written with PyTorch ops is ~29 calls (docs/benchmarks.md, "Per-call overhead"); this kernel is one call per
+// layer. It also reads each selected page in place (no gather into a copy) and reads every K/V row once for all
+// query heads of its group.
+//
+// Work item: one (row b, KV head h). For it:
+//   1. the pages to attend: the listed `page_indices` (sorted, de-duplicated, -1 / past-the-end dropped), or the
+//      Quest selection (score every valid page by ub = q+ . k_max + q- . k_min, max over the group's query heads
+//      and the Tq queries; forced recent pages, then sink pages, then the highest bounds, ties to the lower page;
+//      NaN counts as -inf), or every valid page (dense);
+//   2. attention over those pages with an online softmax per page (Milakov & Gimelshein 2018; FlashAttention's
+//      recurrence): causal bottom-right for Tq > 1, sliding window `window_left` (FlashInfer's convention).
+// A query that sees no key gets out = 0 and lse = -inf (never NaN).
+//
+// Layouts (DESIGN.md §2): q [B, Tq, Hq, D] contiguous; k_cache / v_cache [num_pages, page_size, Hkv, D] with unit
+// stride in D (other strides free); k_min / k_max [num_pages, Hkv, D] (unit stride in D); block_table [B, M]
+// int32, seq_lens [B] int32, page_indices [B, Hkv, K] int32 (all contiguous); out like q; lse [B, Tq, Hq] fp32.
+// Offsets are int64 throughout. The Python side (tinyattn/kernels_cpu/__init__.py) checks what this file assumes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr float kSinkKey = std::numeric_limits<float>::max();   // recent (+inf) > sink (FLT_MAX) > any bound
+constexpr float kScoreCap = 3.0e38f;                            // +inf bounds rank below the sink key
+
+// exp(x) for x <= 0 (logit - running max), 0 for x < -87 (and -inf): Cephes' expf polynomial, branch-free so the
+// page loop vectorises (std::exp does not), ~2 ulp.
+inline float exp_nonpos(float x) {
+  const float masked = x < -87.0f ? 0.0f : 1.0f;
+  x = std::max(x, -87.0f);
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;   // 2^fx, fx in [-126, 0]
+  float pow2;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return y * pow2 * masked;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// D values of a row as fp32: the row itself for fp32 storage, else converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+
+struct Problem {
+  int64_t B, Tq, Hq, Hkv, G, D, S, M, Mp;    // M = Tq * G queries per (row, KV head), Mp = M padded to 4
+  int64_t max_pages;                          // columns of block_table
+  int64_t k_sP, k_sS, k_sH, v_sP, v_sS, v_sH; // pool strides (elements)
+  int64_t b_sP, b_sH;                         // box strides
+  int64_t budget, num_sink, num_recent, K_listed;
+  int64_t window_left;
+  float scale;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* page_indices;               // nullptr unless listed
+  int32_t* selected;                         // nullptr, or [B, Hkv, budget] output of the Quest selection
+  bool select;
+  int64_t n_pages(int64_t b) const { return (std::max<int32_t>(seq_lens[b], 0) + S - 1) / S; }
+  // first page a query's window can reach: dense runs and the selection skip the pages wholly before it
+  int64_t first_page(int64_t b) const {
+    return window_left < 0 ? 0 : std::max<int64_t>(seq_lens[b] - Tq - window_left, 0) / S;
+  }
+  bool selects(int64_t b) const { return select && n_pages(b) > budget; }
+};
+
+// ------------------------------------------------------------------------------------------------ selection
+// Quest bound of every page of the selecting rows, [B, Hkv, max_pages]: pages outer, heads inner, so that the
+// boxes are read in their memory order ([num_pages, Hkv, D]: the heads of a page are adjacent).
+template <typename BT>
+void score_pages(const Problem& p, int64_t b, int64_t j0, int64_t j1, const float* q_neg, const float* q_pos,
+                 const BT* k_min, const BT* k_max, float* scores) {
+  const int64_t D = p.D, Mp = p.Mp;
+  std::vector<float> box(2 * D);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t phys = p.block_table[b * p.max_pages + j];
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      const float* __restrict lo = as_float(k_min + phys * p.b_sP + h * p.b_sH, box.data(), D);
+      const float* __restrict hi = as_float(k_max + phys * p.b_sP + h * p.b_sH, box.data() + D, D);
+      float key = kNegInf;
+      // ub = q- . k_min + q+ . k_max, four queries per pass over the box (padding queries are 0: ub 0, skipped)
+      for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
+        const int64_t o = ((b * p.Hkv + h) * Mp + m0) * D;
+        const float* __restrict n0 = q_neg + o;
+        const float* __restrict p0 = q_pos + o;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t d = 0; d < D; ++d) {
+          const float l = lo[d], u = hi[d];
+          a0 += n0[d] * l + p0[d] * u;
+          a1 += n0[D + d] * l + p0[D + d] * u;
+          a2 += n0[2 * D + d] * l + p0[2 * D + d] * u;
+          a3 += n0[3 * D + d] * l + p0[3 * D + d] * u;
+        }
+        const float a[4] = {a0, a1, a2, a3};
+        for (int64_t k = 0; k < 4 && m0 + k < p.M; ++k)
+          if (a[k] > key) key = a[k];                 // NaN never wins: stays -inf
+      }
+      scores[(b * p.Hkv + h) * p.max_pages + j] = std::min(key, kScoreCap);
+    }
+  }
+}
+
+// The pages (row b, KV head h) attends to, marked in flags[b, j, h]: the listed pages, the Quest selection
+// (forced recent pages, then sinks, then the highest bounds, ties to the lower page), or every page (dense).
+void choose_pages(const Problem& p, int64_t b, int64_t h, const float* scores, uint8_t* flags) {
+  const int64_t np = p.n_pages(b), n = p.seq_lens[b];
+  uint8_t* f = flags + b * p.max_pages * p.Hkv + h;
+  auto mark = [&](int64_t j) { f[j * p.Hkv] = 1; };
+  if (p.page_indices != nullptr) {
+    const int32_t* list = p.page_indices + (b * p.Hkv + h) * p.K_listed;
+    for (int64_t k = 0; k < p.K_listed; ++k)
+      if (list[k] >= 0 && list[k] < np) mark(list[k]);          // a duplicate marks the same page: counts once
+    return;
+  }
+  const int64_t first = p.first_page(b);
+  if (!p.selects(b)) {
+    for (int64_t j = first; j < np; ++j) mark(j);
+    if (p.selected != nullptr) {                       // a row that fits its budget keeps all its pages
+      int32_t* sel = p.selected + (b * p.Hkv + h) * p.budget;
+      for (int64_t k = 0; k < p.budget; ++k) sel[k] = k < np ? static_cast<int32_t>(k) : -1;
+    }
+    return;
+  }
+  const int64_t recent = std::max<int64_t>(np - std::max<int64_t>(n - p.Tq, 0) / p.S,
+                                           std::max<int64_t>(p.num_recent, 1));
+  const float* sc = scores + (b * p.Hkv + h) * p.max_pages;
+  std::vector<std::pair<float, int64_t>> keyed(np);
+  for (int64_t j = 0; j < np; ++j) {
+    float key = sc[j];
+    if (j >= np - recent) key = kPosInf;
+    else if (j < p.num_sink) key = kSinkKey;
+    else if (j < first) key = kNegInf;                // wholly before the earliest query's window
+    keyed[j] = {key, j};
+  }
+  auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  };
+  std::nth_element(keyed.begin(), keyed.begin() + (p.budget - 1), keyed.end(), better);
+  std::vector<int64_t> chosen(p.budget);
+  for (int64_t k = 0; k < p.budget; ++k) chosen[k] = keyed[k].second;
+  std::sort(chosen.begin(), chosen.end());
+  for (int64_t j : chosen) mark(j);
+  if (p.selected != nullptr) {
+    int32_t* sel = p.selected + (b * p.Hkv + h) * p.budget;
+    for (int64_t k = 0; k < p.budget; ++k) sel[k] = static_cast<int32_t>(chosen[k]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+// Running softmax state of every (KV head, query) of one row over a span of its pages.
+struct State {
+  std::vector<float> m, l, acc;                // [Hkv * Mp], [Hkv * Mp], [Hkv * Mp * D]
+  State(int64_t Hkv, int64_t Mp, int64_t D) : m(Hkv * Mp, kNegInf), l(Hkv * Mp, 0.0f), acc(Hkv * Mp * D, 0.0f) {}
+};
+
+// Prefetch the rows of the next listed page that some head reads, when it does not follow the current one: the
+// rows of one head are Hkv * D elements apart (4 KiB at 8 x 128 fp32), each on another 4 KiB page, where the
+// hardware prefetcher stops; consecutive pages are one stream it follows by itself.
+template <typename T>
+inline void prefetch_page(const Problem& p, int64_t b, int64_t j, const uint8_t* flags, const T* k_cache,
+                          const T* v_cache) {
+  const uint8_t* f = flags + (b * p.max_pages + j) * p.Hkv;
+  const int64_t phys = p.block_table[b * p.max_pages + j];
+  const int64_t n_tok = std::min<int64_t>(p.S, p.seq_lens[b] - j * p.S);
+  const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(T));
+  for (int64_t s = 0; s < n_tok; ++s)
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      if (!f[h]) continue;
+      const char* kr = reinterpret_cast<const char*>(k_cache + phys * p.k_sP + s * p.k_sS + h * p.k_sH);
+      const char* vr = reinterpret_cast<const char*>(v_cache + phys * p.v_sP + s * p.v_sS + h * p.v_sH);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kr + off, 0, 3);
+        __builtin_prefetch(vr + off, 0, 3);
+      }
+    }
+}
+
+// Attention of row b over `pages` (ascending; flags say which heads read each), all heads per page: a page's
+// rows are read in memory order ([page_size, Hkv, D]), so the hardware prefetcher streams them.
+// kD: the head dim as a compile-time constant for the common sizes (0: read it from the problem): with a
+// constant bound the short loops of small heads unroll into whole vectors instead of a scalar tail.
+template <typename T, int kD>
+void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_list, const uint8_t* flags,
+                  const float* qs, const T* k_cache, const T* v_cache, State& st) {
+  const int64_t D = kD > 0 ? kD : p.D;
+  const int64_t S = p.S, Mp = p.Mp, M = p.M, G = p.G, Hkv = p.Hkv;
+  const int64_t n = p.seq_lens[b];
+  const bool simple = p.Tq == 1 && p.window_left < 0;   // decode: every key before n is visible
+  std::vector<float> logits(Hkv * Mp * S), k_buf(D), v_buf(D);
+  for (int64_t pi = 0; pi < n_list; ++pi) {
+    const int64_t j = pages[pi];
+    const uint8_t* f = flags + (b * p.max_pages + j) * Hkv;
+    const int64_t phys = p.block_table[b * p.max_pages + j];
+    const int64_t n_tok = std::min<int64_t>(S, n - j * S);
+    const T* kp = k_cache + phys * p.k_sP;
+    const T* vp = v_cache + phys * p.v_sP;
+    if (pi + 1 < n_list && pages[pi + 1] != j + 1) prefetch_page(p, b, pages[pi + 1], flags, k_cache, v_cache);
+    // logits[h, m, s]: four queries per pass over a key row (one load of K for four dots)
+    for (int64_t s = 0; s < n_tok; ++s)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (!f[h]) continue;
+        const float* __restrict krow = as_float(kp + s * p.k_sS + h * p.k_sH, k_buf.data(), D);
+        float* lg = logits.data() + h * Mp * S + s;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
+          const float* __restrict q0 = qs + ((b * Hkv + h) * Mp + m0) * D;
+          const float* __restrict q1 = q0 + D;
+          const float* __restrict q2 = q1 + D;
+          const float* __restrict q3 = q2 + D;
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+          for (int64_t d = 0; d < D; ++d) {
+            const float kd = krow[d];
+            a0 += q0[d] * kd;
+            a1 += q1[d] * kd;
+            a2 += q2[d] * kd;
+            a3 += q3[d] * kd;
+          }
+          lg[(m0 + 0) * S] = a0;
+          lg[(m0 + 1) * S] = a1;
+          lg[(m0 + 2) * S] = a2;
+          lg[(m0 + 3) * S] = a3;
+        }
+      }
+    // online softmax per (head, query): rescale the running sum to the page's max, add the page's weights
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (!f[h]) continue;
+      for (int64_t m = 0; m < Mp; ++m) {
+        float* lm = logits.data() + (h * Mp + m) * S;
+        if (m < M && !simple) {                       // causal (Tq > 1) and sliding-window masks
+          const int64_t qpos = n - p.Tq + m / G;
+          for (int64_t s = 0; s < n_tok; ++s) {
+            const int64_t kpos = j * S + s;
+            if (kpos > qpos || (p.window_left >= 0 && kpos < qpos - p.window_left)) lm[s] = kNegInf;
+          }
+        }
+        float page_max = kNegInf;
+        for (int64_t s = 0; s < n_tok; ++s) page_max = std::max(page_max, lm[s]);
+        if (m >= M || page_max == kNegInf) {          // padding, or nothing visible on this page: weights 0
+          std::fill(lm, lm + n_tok, 0.0f);
+          continue;
+        }
+        const int64_t i = h * Mp + m;
+        const float new_max = std::max(st.m[i], page_max);
+        const float alpha = exp_nonpos(st.m[i] - new_max);   // 0 on the first visible page
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t s = 0; s < n_tok; ++s) {
+          lm[s] = exp_nonpos(lm[s] - new_max);
+          l += lm[s];
+        }
+        st.l[i] = st.l[i] * alpha + l;
+        st.m[i] = new_max;
+        if (alpha != 1.0f) {
+          float* __restrict am = st.acc.data() + i * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) am[d] *= alpha;
+        }
+      }
+    }
+    // acc[h, m] += w[h, m, s] * v[s, h], four queries per pass over a value row
+    for (int64_t s = 0; s < n_tok; ++s)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (!f[h]) continue;
+        const float* __restrict vrow = as_float(vp + s * p.v_sS + h * p.v_sH, v_buf.data(), D);
+        const float* lg = logits.data() + h * Mp * S + s;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
+          const float w0 = lg[(m0 + 0) * S], w1 = lg[(m0 + 1) * S], w2 = lg[(m0 + 2) * S], w3 = lg[(m0 + 3) * S];
+          float* __restrict c0 = st.acc.data() + (h * Mp + m0) * D;
+          float* __restrict c1 = c0 + D;
+          float* __restrict c2 = c1 + D;
+          float* __restrict c3 = c2 + D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) {
+            const float vd = vrow[d];
+            c0[d] += w0 * vd;
+            c1[d] += w1 * vd;
+            c2[d] += w2 * vd;
+            c3[d] += w3 * vd;
+          }
+        }
+      }
+  }
+}
+
+// out = acc / l and lse = m + log(l) of row b from its chunks' states (merged by their maxima); 0 / -inf where
+// a query saw no key.
+template <typename T>
+void finish_row(const Problem& p, int64_t b, const State* states, int64_t n_states, T* out, float* lse) {
+  const int64_t D = p.D, Mp = p.Mp, G = p.G;
+  std::vector<float> acc(D);
+  for (int64_t h = 0; h < p.Hkv; ++h)
+    for (int64_t m = 0; m < p.M; ++m) {
+      const int64_t i = h * Mp + m;
+      float mx = kNegInf;
+      for (int64_t c = 0; c < n_states; ++c) mx = std::max(mx, states[c].m[i]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (mx != kNegInf)
+        for (int64_t c = 0; c < n_states; ++c) {
+          if (states[c].m[i] == kNegInf) continue;
+          const float w = std::exp(states[c].m[i] - mx);
+          l += w * states[c].l[i];
+          const float* a = states[c].acc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * a[d];
+        }
+      const int64_t t = m / G, g = m % G;
+      const int64_t o = (b * p.Tq + t) * p.Hq + h * G + g;
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < D; ++d) out[o * D + d] = static_cast<T>(acc[d] * inv);
+      if (lse != nullptr) lse[o] = l > 0.0f ? mx + std::log(l) : kNegInf;
+    }
+}
+
+template <typename T, typename BT>
+void run_all(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const c10::optional<at::Tensor>& k_min, const c10::optional<at::Tensor>& k_max, at::Tensor& out,
+             const c10::optional<at::Tensor>& lse) {
+  const int64_t B = p.B, Hkv = p.Hkv, M = p.M, Mp = p.Mp, D = p.D, G = p.G;
+  const T* qp = q.data_ptr<T>();
+  // the queries of each (row, KV head), m = t * G + g, padded to 4-query blocks: split by sign for the bound,
+  // scaled for the logits
+  std::vector<float> q_neg(B * Hkv * Mp * D, 0.0f), q_pos(B * Hkv * Mp * D, 0.0f), qs(B * Hkv * Mp * D, 0.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < p.Tq; ++t)
+      for (int64_t hq = 0; hq < p.Hq; ++hq) {
+        const int64_t h = hq / G, m = t * G + hq % G;
+        const T* src = qp + ((b * p.Tq + t) * p.Hq + hq) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = static_cast<float>(src[d]);
+          const int64_t i = ((b * Hkv + h) * Mp + m) * D + d;
+          q_neg[i] = std::min(x, 0.0f);
+          q_pos[i] = std::max(x, 0.0f);
+          qs[i] = x * p.scale;
+        }
+      }
+  // 1. the Quest bound of every page of the rows that select, in tasks of page chunks
+  constexpr int64_t kScoreChunk = 64;
+  std::vector<int64_t> score_tasks;                    // (row, first page) pairs
+  for (int64_t b = 0; b < B; ++b)
+    if (p.selects(b))
+      for (int64_t j = 0; j < p.n_pages(b); j += kScoreChunk) score_tasks.insert(score_tasks.end(), {b, j});
+  std::vector<float> scores;
+  if (!score_tasks.empty()) {
+    scores.assign(B * Hkv * p.max_pages, kNegInf);
+    const BT* lo = k_min->data_ptr<BT>();
+    const BT* hi = k_max->data_ptr<BT>();
+    at::parallel_for(0, static_cast<int64_t>(score_tasks.size() / 2), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = score_tasks[2 * i], j0 = score_tasks[2 * i + 1];
+        score_pages(p, b, j0, std::min(j0 + kScoreChunk, p.n_pages(b)), q_neg.data(), q_pos.data(), lo, hi,
+                    scores.data());
+      }
+    });
+  }
+  // 2. the pages of each (row, KV head)
+  std::vector<uint8_t> flags(B * p.max_pages * Hkv, 0);
+  at::parallel_for(0, B * Hkv, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) choose_pages(p, i / Hkv, i % Hkv, scores.data(), flags.data());
+  });
+  // 3. attention over the pages some head of the row reads, split into chunks when rows are fewer than threads
+  //    (split-K: each chunk keeps its own softmax state, merged by finish_row)
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> pages, tasks;                   // tasks: (row, first index, end index) into `pages`
+  std::vector<int64_t> row_task(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = static_cast<int64_t>(pages.size());
+    for (int64_t j = 0; j < p.n_pages(b); ++j) {
+      const uint8_t* f = flags.data() + (b * p.max_pages + j) * Hkv;
+      if (std::any_of(f, f + Hkv, [](uint8_t x) { return x != 0; })) pages.push_back(j);
+    }
+    const int64_t len = static_cast<int64_t>(pages.size()) - start;
+    int64_t chunks = B >= threads ? 1 : (threads + B - 1) / B;
+    chunks = std::max<int64_t>(1, std::min(chunks, len / 8));    // at least 8 pages per chunk
+    for (int64_t c = 0; c < chunks; ++c)
+      tasks.insert(tasks.end(), {b, start + len * c / chunks, start + len * (c + 1) / chunks});
+    row_task[b + 1] = row_task[b] + chunks;
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size() / 3);
+  std::vector<State> states(n_tasks, State(Hkv, Mp, D));
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  auto attend = &attend_pages<T, 0>;
+  switch (D) {
+    case 8: attend = &attend_pages<T, 8>; break;
+    case 16: attend = &attend_pages<T, 16>; break;
+    case 32: attend = &attend_pages<T, 32>; break;
+    case 64: attend = &attend_pages<T, 64>; break;
+    case 128: attend = &attend_pages<T, 128>; break;
+    case 256: attend = &attend_pages<T, 256>; break;
+    default: break;
+  }
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      attend(p, tasks[3 * i], pages.data() + tasks[3 * i + 1], tasks[3 * i + 2] - tasks[3 * i + 1], flags.data(),
+             qs.data(), kp, vp, states[i]);
+  });
+  T* op = out.data_ptr<T>();
+  float* lp = lse ? lse->data_ptr<float>() : nullptr;
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      finish_row<T>(p, b, states.data() + row_task[b], row_task[b + 1] - row_task[b], op, lp);
+  });
+}
+
+template <typename T>
+void dispatch_boxes(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const c10::optional<at::Tensor>& k_min, const c10::optional<at::Tensor>& k_max,
+                    at::Tensor& out, const c10::optional<at::Tensor>& lse) {
+  const auto bt = k_min ? k_min->scalar_type() : at::kFloat;
+  switch (bt) {
+    case at::kFloat: return run_all<T, float>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    case at::kBFloat16: return run_all<T, at::BFloat16>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    case at::kHalf: return run_all<T, at::Half>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    default: TORCH_CHECK(false, "k_min: expected fp32, bf16 or fp16 boxes, got ", bt);
+  }
+}
+
+// The one entry point (see the file header). `selected` ([B, Hkv, page_budget] int32) receives the Quest
+// selection when given; page_budget <= 0 or no boxes means dense (or the listed pages).
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& k_min,
+                  const c10::optional<at::Tensor>& k_max, const c10::optional<at::Tensor>& page_indices,
+                  const c10::optional<at::Tensor>& selected, int64_t page_budget, int64_t num_sink_pages,
+                  int64_t num_recent_pages, double scale, int64_t window_left, at::Tensor out,
+                  const c10::optional<at::Tensor>& lse) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q: expected a contiguous [B, Tq, Hq, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "k_cache, v_cache: expected [num_pages, page_size, Hkv, D] with unit stride in D");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "block_table, seq_lens: expected contiguous int32");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out: expected a contiguous tensor like q");
+  Problem p{};
+  p.B = q.size(0); p.Tq = q.size(1); p.Hq = q.size(2); p.D = q.size(3);
+  p.S = k_cache.size(1); p.Hkv = k_cache.size(2); p.G = p.Hq / p.Hkv; p.M = p.Tq * p.G;
+  p.Mp = (p.M + 3) / 4 * 4;
+  p.max_pages = block_table.size(1);
+  p.k_sP = k_cache.stride(0); p.k_sS = k_cache.stride(1); p.k_sH = k_cache.stride(2);
+  p.v_sP = v_cache.stride(0); p.v_sS = v_cache.stride(1); p.v_sH = v_cache.stride(2);
+  p.window_left = window_left;
+  p.scale = static_cast<float>(scale);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.select = k_min.has_value() && page_budget > 0;
+  p.budget = page_budget; p.num_sink = num_sink_pages; p.num_recent = num_recent_pages;
+  if (k_min) {
+    TORCH_CHECK(k_min->stride(2) == 1 && k_max->stride(2) == 1 && k_min->strides() == k_max->strides() &&
+                    k_min->scalar_type() == k_max->scalar_type(),
+                "k_min, k_max: expected [num_pages, Hkv, D] of one dtype and layout, unit stride in D");
+    p.b_sP = k_min->stride(0); p.b_sH = k_min->stride(1);
+  }
+  if (page_indices) {
+    TORCH_CHECK(page_indices->scalar_type() == at::kInt && page_indices->is_contiguous(),
+                "page_indices: expected contiguous int32");
+    p.page_indices = page_indices->data_ptr<int32_t>();
+    p.K_listed = page_indices->size(2);
+  }
+  if (selected && p.select) {
+    TORCH_CHECK(selected->scalar_type() == at::kInt && selected->is_contiguous() &&
+                    selected->numel() == p.B * p.Hkv * page_budget,
+                "selected: expected a contiguous int32 [B, Hkv, page_budget] tensor");
+    p.selected = selected->data_ptr<int32_t>();
+  }
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache, v_cache: expected the dtype of q");
+  switch (q.scalar_type()) {
+    case at::kFloat: return dispatch_boxes<float>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    case at::kBFloat16: return dispatch_boxes<at::BFloat16>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    case at::kHalf: return dispatch_boxes<at::Half>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
+    default: TORCH_CHECK(false, "q: expected fp32, bf16 or fp16, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Quest selection + paged attention, one (row, KV head) per task");
+}
