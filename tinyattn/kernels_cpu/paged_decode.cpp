@@ -51,9 +51,7 @@ inline float exp_nonpos(float x) {
   y = y * x + 5.0000001201e-1f;
   y = y * x * x + x + 1.0f;
   const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;   // 2^fx, fx in [-126, 0]
-  float pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return y * pow2 * masked;
+  return y * __builtin_bit_cast(float, bits) * masked;
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -73,7 +71,8 @@ template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 
 struct Problem {
-  int64_t B, Tq, Hq, Hkv, G, D, S, M, Mp;    // M = Tq * G queries per (row, KV head), Mp = M padded to 4
+  int64_t B, Tq, Hq, Hkv, G, D, S, M, Mp, Ms;  // M = Tq * G queries per (row, KV head); Mp, Ms: M padded for
+                                              // the attention's and the bound's query blocks
   int64_t max_pages;                          // columns of block_table
   int64_t k_sP, k_sS, k_sH, v_sP, v_sS, v_sH; // pool strides (elements)
   int64_t b_sP, b_sH;                         // box strides
@@ -99,7 +98,7 @@ struct Problem {
 template <typename BT>
 void score_pages(const Problem& p, int64_t b, int64_t j0, int64_t j1, const float* q_neg, const float* q_pos,
                  const BT* k_min, const BT* k_max, float* scores) {
-  const int64_t D = p.D, Mp = p.Mp;
+  const int64_t D = p.D, Ms = p.Ms;
   std::vector<float> box(2 * D);
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t phys = p.block_table[b * p.max_pages + j];
@@ -108,8 +107,8 @@ void score_pages(const Problem& p, int64_t b, int64_t j0, int64_t j1, const floa
       const float* __restrict hi = as_float(k_max + phys * p.b_sP + h * p.b_sH, box.data() + D, D);
       float key = kNegInf;
       // ub = q- . k_min + q+ . k_max, four queries per pass over the box (padding queries are 0: ub 0, skipped)
-      for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
-        const int64_t o = ((b * p.Hkv + h) * Mp + m0) * D;
+      for (int64_t m0 = 0; m0 < Ms; m0 += 4) {
+        const int64_t o = ((b * p.Hkv + h) * Ms + m0) * D;
         const float* __restrict n0 = q_neg + o;
         const float* __restrict p0 = q_pos + o;
         float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
@@ -209,7 +208,8 @@ inline void prefetch_page(const Problem& p, int64_t b, int64_t j, const uint8_t*
 // rows are read in memory order ([page_size, Hkv, D]), so the hardware prefetcher streams them.
 // kD: the head dim as a compile-time constant for the common sizes (0: read it from the problem): with a
 // constant bound the short loops of small heads unroll into whole vectors instead of a scalar tail.
-template <typename T, int kD>
+// QB: queries per pass over a K / V row (4, or 2 / 1 when the group holds fewer: no work on padding).
+template <typename T, int kD, int QB>
 void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_list, const uint8_t* flags,
                   const float* qs, const T* k_cache, const T* v_cache, State& st) {
   const int64_t D = kD > 0 ? kD : p.D;
@@ -231,24 +231,15 @@ void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_l
         if (!f[h]) continue;
         const float* __restrict krow = as_float(kp + s * p.k_sS + h * p.k_sH, k_buf.data(), D);
         float* lg = logits.data() + h * Mp * S + s;
-        for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
+        for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
           const float* __restrict q0 = qs + ((b * Hkv + h) * Mp + m0) * D;
-          const float* __restrict q1 = q0 + D;
-          const float* __restrict q2 = q1 + D;
-          const float* __restrict q3 = q2 + D;
-          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
+          float a[QB] = {};
+#pragma omp simd reduction(+ : a[:QB])
           for (int64_t d = 0; d < D; ++d) {
             const float kd = krow[d];
-            a0 += q0[d] * kd;
-            a1 += q1[d] * kd;
-            a2 += q2[d] * kd;
-            a3 += q3[d] * kd;
+            for (int k = 0; k < QB; ++k) a[k] += q0[k * D + d] * kd;
           }
-          lg[(m0 + 0) * S] = a0;
-          lg[(m0 + 1) * S] = a1;
-          lg[(m0 + 2) * S] = a2;
-          lg[(m0 + 3) * S] = a3;
+          for (int k = 0; k < QB; ++k) lg[(m0 + k) * S] = a[k];
         }
       }
     // online softmax per (head, query): rescale the running sum to the page's max, add the page's weights
@@ -264,6 +255,7 @@ void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_l
           }
         }
         float page_max = kNegInf;
+#pragma omp simd reduction(max : page_max)
         for (int64_t s = 0; s < n_tok; ++s) page_max = std::max(page_max, lm[s]);
         if (m >= M || page_max == kNegInf) {          // padding, or nothing visible on this page: weights 0
           std::fill(lm, lm + n_tok, 0.0f);
@@ -293,19 +285,14 @@ void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_l
         if (!f[h]) continue;
         const float* __restrict vrow = as_float(vp + s * p.v_sS + h * p.v_sH, v_buf.data(), D);
         const float* lg = logits.data() + h * Mp * S + s;
-        for (int64_t m0 = 0; m0 < Mp; m0 += 4) {
-          const float w0 = lg[(m0 + 0) * S], w1 = lg[(m0 + 1) * S], w2 = lg[(m0 + 2) * S], w3 = lg[(m0 + 3) * S];
+        for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
+          float w[QB];
+          for (int k = 0; k < QB; ++k) w[k] = lg[(m0 + k) * S];
           float* __restrict c0 = st.acc.data() + (h * Mp + m0) * D;
-          float* __restrict c1 = c0 + D;
-          float* __restrict c2 = c1 + D;
-          float* __restrict c3 = c2 + D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) {
             const float vd = vrow[d];
-            c0[d] += w0 * vd;
-            c1[d] += w1 * vd;
-            c2[d] += w2 * vd;
-            c3[d] += w3 * vd;
+            for (int k = 0; k < QB; ++k) c0[k * D + d] += w[k] * vd;
           }
         }
       }
@@ -341,6 +328,22 @@ void finish_row(const Problem& p, int64_t b, const State* states, int64_t n_stat
     }
 }
 
+template <typename T, int QB>
+auto pick_attend_qb(int64_t D) {
+  switch (D) {
+    case 8: return &attend_pages<T, 8, QB>;
+    case 32: return &attend_pages<T, 32, QB>;
+    case 64: return &attend_pages<T, 64, QB>;
+    case 128: return &attend_pages<T, 128, QB>;
+    default: return &attend_pages<T, 0, QB>;
+  }
+}
+
+template <typename T>
+auto pick_attend(int64_t D, int QB) {
+  return QB == 4 ? pick_attend_qb<T, 4>(D) : QB == 2 ? pick_attend_qb<T, 2>(D) : pick_attend_qb<T, 1>(D);
+}
+
 template <typename T, typename BT>
 void run_all(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const c10::optional<at::Tensor>& k_min, const c10::optional<at::Tensor>& k_max, at::Tensor& out,
@@ -349,7 +352,8 @@ void run_all(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, c
   const T* qp = q.data_ptr<T>();
   // the queries of each (row, KV head), m = t * G + g, padded to 4-query blocks: split by sign for the bound,
   // scaled for the logits
-  std::vector<float> q_neg(B * Hkv * Mp * D, 0.0f), q_pos(B * Hkv * Mp * D, 0.0f), qs(B * Hkv * Mp * D, 0.0f);
+  const int64_t Ms = p.Ms;
+  std::vector<float> q_neg(B * Hkv * Ms * D, 0.0f), q_pos(B * Hkv * Ms * D, 0.0f), qs(B * Hkv * Mp * D, 0.0f);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < p.Tq; ++t)
       for (int64_t hq = 0; hq < p.Hq; ++hq) {
@@ -357,10 +361,10 @@ void run_all(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, c
         const T* src = qp + ((b * p.Tq + t) * p.Hq + hq) * D;
         for (int64_t d = 0; d < D; ++d) {
           const float x = static_cast<float>(src[d]);
-          const int64_t i = ((b * Hkv + h) * Mp + m) * D + d;
+          const int64_t i = ((b * Hkv + h) * Ms + m) * D + d;
           q_neg[i] = std::min(x, 0.0f);
           q_pos[i] = std::max(x, 0.0f);
-          qs[i] = x * p.scale;
+          qs[((b * Hkv + h) * Mp + m) * D + d] = x * p.scale;
         }
       }
   // 1. the Quest bound of every page of the rows that select, in tasks of page chunks
@@ -409,16 +413,7 @@ void run_all(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, c
   std::vector<State> states(n_tasks, State(Hkv, Mp, D));
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  auto attend = &attend_pages<T, 0>;
-  switch (D) {
-    case 8: attend = &attend_pages<T, 8>; break;
-    case 16: attend = &attend_pages<T, 16>; break;
-    case 32: attend = &attend_pages<T, 32>; break;
-    case 64: attend = &attend_pages<T, 64>; break;
-    case 128: attend = &attend_pages<T, 128>; break;
-    case 256: attend = &attend_pages<T, 256>; break;
-    default: break;
-  }
+  const auto attend = pick_attend<T>(D, p.Mp == M ? (M % 4 == 0 ? 4 : M % 2 == 0 ? 2 : 1) : 4);
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       attend(p, tasks[3 * i], pages.data() + tasks[3 * i + 1], tasks[3 * i + 2] - tasks[3 * i + 1], flags.data(),
@@ -464,7 +459,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   Problem p{};
   p.B = q.size(0); p.Tq = q.size(1); p.Hq = q.size(2); p.D = q.size(3);
   p.S = k_cache.size(1); p.Hkv = k_cache.size(2); p.G = p.Hq / p.Hkv; p.M = p.Tq * p.G;
-  p.Mp = (p.M + 3) / 4 * 4;
+  // queries padded to whole 4-query blocks, except groups of 1 or 2 (or any even count): blocks of 1 or 2
+  p.Mp = p.M % 4 == 0 || p.M % 2 == 0 || p.M == 1 ? p.M : (p.M + 3) / 4 * 4;
+  p.Ms = (p.M + 3) / 4 * 4;
   p.max_pages = block_table.size(1);
   p.k_sP = k_cache.stride(0); p.k_sS = k_cache.stride(1); p.k_sH = k_cache.stride(2);
   p.v_sP = v_cache.stride(0); p.v_sS = v_cache.stride(1); p.v_sH = v_cache.stride(2);
