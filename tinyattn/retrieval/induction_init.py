@@ -101,9 +101,10 @@ def _offset_qk(head_dim: int, theta: float, offsets, pairs: int, r: float) -> tu
     for i in range(pairs):
         f = theta ** (-2 * i / head_dim)
         a = sum(math.cos(f * (o - c)) for o in offsets)          # amplitude of frequency i, phase at the middle
-        k[2 * i] = r * math.sqrt(abs(a))
+        m = r * math.sqrt(abs(a))
         sign = 1.0 if a >= 0 else -1.0
-        q[2 * i], q[2 * i + 1] = sign * r * math.sqrt(abs(a)) * math.cos(f * c), -sign * r * math.sqrt(abs(a)) * math.sin(f * c)
+        k[2 * i] = m
+        q[2 * i], q[2 * i + 1] = sign * m * math.cos(f * c), -sign * m * math.sin(f * c)
     return q, k
 
 
@@ -190,10 +191,10 @@ def write_context_induction_circuit(model, *, nope_layer: int, tokenizer=None, o
         ln.wq.weight[hd + j, S + j] = context_scale
         ln.wk.weight[hd + j, S + j] = context_scale
     gate = [tok.encode(ch, bos=False)[0] for ch in gate_chars]
-    g = E[gate, :C].sum(0)                                         # [C]: the "< or digit" direction
+    g = E[gate, :C].sum(0)                                         # [C]: the gate characters' direction
     ln.wq.weight[hd + NS, :C] = gate_scale * g
     ln.wk.weight[hd + NS, PREV:PREV + C] = gate_scale * g
     # an attention sink: every query scores BOS (position 0, value 0) above an ungated match of the context, so
-    # head 1 copies only where the gate holds (after a "<" or a digit, for a "<" or a digit)
+    # head 1 copies only where the gate holds (a gate-character query, a key right after a gate character)
     ln.wq.weight[hd + NS + 1, D - 1] = sink_scale
     ln.wk.weight[hd + NS + 1, C - 1] = sink_scale
