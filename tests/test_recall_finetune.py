@@ -96,3 +96,32 @@ def test_finetune_recall_rejects_text_options(tiny_checkpoint, capsys):
                "--chunk-size", "32", "--retention", "full", "--steps", "1"])
     assert rc == 2
     assert "--data and --tokenizer do not apply to --task recall" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("retention", ["recency", "gradient"])
+@pytest.mark.parametrize("train", [True, False])
+def test_run_sequences_frees_its_graphs(retention, train):
+    """A chunk without counted targets builds a graph but runs no backward; that graph (it saves the attention's
+    own outputs) and the weights it reaches must be freed with the model. They were not when the activation meter's
+    pack hook returned the saved tensor itself: node -> saved output -> grad_fn = node, a cycle through C++ that
+    Python's gc cannot collect, which grew bench/retention_recall.py to 23 GB over repeated fine-tuning runs."""
+    import gc
+    import weakref
+
+    from tinyattn.training.chunked import run_sequences
+    from tinyattn.training.retention import make_policy
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=TOK.vocab_size,
+                      max_seq_len=1024, layer_types=("sliding_attention", "full_attention"), sliding_window=32,
+                      nope_layers=(1,))
+    model = LlamaModel(cfg).requires_grad_(train)
+    tokens, mask = recall_batch(2, seq_len=320, num_keys=2, num_questions=2)
+    assert not bool(mask[:, :32].any())                  # the first chunk counts nothing: forward only
+    st = run_sequences(model, tokens, make_policy(retention), chunk_size=32, page_size=16, capacity=12,
+                       train=train, backend="torch", loss_mask=mask)
+    assert st.num_tokens == 2 * 2 * 5
+    refs = [weakref.ref(p) for p in model.parameters()]
+    del model
+    gc.collect()
+    assert all(r() is None for r in refs), "run_sequences left an autograd graph holding the weights"

@@ -252,7 +252,7 @@ def test_a_few_training_steps_lower_the_loss_on_a_fixed_batch():
 
     small = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=64, sliding_window=16, nope_layer=1)
     cfg = TrainConfig(curriculum=((300, 1),), batch_tokens=1200, lr=1e-2, warmup_steps=1, eval_samples=0,
-                      model=small)
+                      model=small, circuit="previous")
     before = loss(train(cfg, progress=False)[0])                    # one step from the seeded initialisation
     cfg.curriculum = ((300, 12),)
     model, log = train(cfg, progress=False)
@@ -269,7 +269,7 @@ def test_the_written_induction_circuit_copies_before_any_training():
     from tinyattn.retrieval.train import _init, default_model_config
 
     torch.manual_seed(0)
-    model = LlamaModel(default_model_config()).eval()
+    model = LlamaModel(default_model_config(dim=128, n_heads=4)).eval()     # the first model's shape
     _init(model)                                                     # the training's random start
     write_induction_circuit(model, nope_layer=2)
     g = torch.Generator().manual_seed(0)
@@ -280,12 +280,52 @@ def test_the_written_induction_circuit_copies_before_any_training():
     assert (pred == seq[:, -23:]).float().mean() > 0.1                # chance: 1/96
 
 
+def test_the_context_circuit_picks_the_asked_name_before_any_training():
+    """The context induction circuit (write_context_induction_circuit): at the ``<`` of the multikey question,
+    with no training, the matching head's attention lands on the first digit of the asked name's value, not on
+    the needles of names one letter apart or on the distractors, and the model's first answer digit is right:
+    at least 15 of 16 prompts of 1024 tokens (the previous-token circuit: 0 of 16)."""
+    import math
+
+    from tinyattn.retrieval.forward import _rms_norm, attention
+    from tinyattn.retrieval.induction_init import write_context_induction_circuit
+    from tinyattn.retrieval.train import _init, default_model_config
+    from tinyattn.models.llama import apply_rope, rope_tables
+
+    torch.manual_seed(0)
+    model = LlamaModel(default_model_config()).eval()
+    _init(model)
+    write_context_induction_circuit(model, nope_layer=2)
+    cfg, L = model.config, 1024
+    right = landed = 0
+    for i in range(16):
+        s = make_sample("multikey", context_tokens=L, depth=(i + 0.5) / 16, seed=i)
+        digit = s.needle_positions[0][0] + s.text[s.needle_positions[0][0] - 1:].index("<") + 1  # first value digit
+        x = model.tok_embeddings(torch.tensor([s.prompt])).float()
+        cos, sin = (t[None] for t in rope_tables(cfg.head_dim, L, cfg.rope_theta))
+        with torch.no_grad():
+            for li, layer in enumerate(model.layers):
+                h = _rms_norm(x, layer.attention_norm)
+                q, k, v = (w(h).view(1, L, cfg.n_heads, cfg.head_dim) for w in (layer.wq, layer.wk, layer.wv))
+                if cfg.uses_rope(li):
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                if li == 2:
+                    p = (q[0, -1, 1] @ k[0, :, 1].T / math.sqrt(cfg.head_dim)).softmax(-1)   # head 1, last query
+                    landed += int(p.argmax()) == digit
+                window = cfg.sliding_window if cfg.is_sliding(li) else None
+                x = x + layer.wo(attention(q, k, v, window=window).reshape(1, L, -1))
+                x = x + layer.ffn(_rms_norm(x, layer.ffn_norm))
+            right += int(model.output(_rms_norm(x, model.norm))[0, -1].argmax()) == s.answer[0]
+    assert landed >= 15 and right >= 15, (landed, right)
+
+
 def test_train_retrieval_command_writes_a_loadable_checkpoint(tmp_path, capsys):
     from tinyattn.cli import main
 
     out = tmp_path / "m"
     rc = main(["train-retrieval", "--out", str(out), "--curriculum", "300:2", "--batch-tokens", "600", "--dim", "64",
-               "--layers", "2", "--heads", "4", "--hidden-dim", "64", "--nope-layer", "1", "--eval-lengths", "300",
+               "--layers", "2", "--heads", "4", "--hidden-dim", "64", "--nope-layer", "1", "--circuit", "previous",
+               "--eval-lengths", "300",
                "--eval-samples", "1", "--tasks", "passkey", "--no-progress"])
     assert rc == 0
     assert "passkey" in capsys.readouterr().out

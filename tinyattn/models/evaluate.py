@@ -26,8 +26,6 @@ Public names: :func:`evaluate`, :class:`EvalResult`, :class:`EvalRow`, :func:`fo
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import re
@@ -40,6 +38,7 @@ import torch
 
 import tinyattn
 
+from ..results_io import SavesRows
 from .llama import GenerationStats, LlamaModel, LlamaRuntime, SparsityConfig
 from .tokenizer import Tokenizer
 
@@ -145,8 +144,9 @@ class EvalRow:
 
 
 @dataclass
-class EvalResult:
-    """``rows[0]`` is the dense reference, then one row per (page size, policy, budget), in that order."""
+class EvalResult(SavesRows):
+    """``rows[0]`` is the dense reference, then one row per (page size, policy, budget), in that order;
+    ``save_json`` / ``save_csv`` from :class:`tinyattn.results_io.SavesRows`."""
 
     rows: list[EvalRow]
     num_stories: int
@@ -157,6 +157,7 @@ class EvalResult:
     page_sizes: list[int] = field(default_factory=list)
     policies: list[str] = field(default_factory=list)
     max_sequence_tokens: int = 0     # the longest sequence evaluated (BOS included, repeat probes too)
+    csv_fields = JSON_FIELDS
 
     @property
     def dense(self) -> EvalRow:
@@ -179,18 +180,6 @@ class EvalResult:
         return {"meta": dict(num_stories=self.num_stories, num_tokens=self.num_tokens, max_context=self.max_context,
                              page_sizes=self.page_sizes, policies=self.policies, **self.options),
                 "rows": [r.as_dict() for r in self.rows]}
-
-    def save_json(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-
-    def save_csv(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=JSON_FIELDS)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow(r.as_dict())
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

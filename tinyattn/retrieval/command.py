@@ -59,7 +59,7 @@ def _tasks(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``train-retrieval`` options."""
-    from .recipe import MODEL_DEFAULTS as m, TrainConfig
+    from .recipe import CIRCUITS, MODEL_DEFAULTS as m, TrainConfig
 
     d = TrainConfig()
     cur = ",".join(":".join([str(st[0]), str(st[1])] + (["+".join(st[2])] if len(st) > 2 else []))
@@ -107,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nope-layer", type=non_negative_int, default=m["nope_layer"],
                    help=f"index of the one full_attention layer, which has no positional encoding "
                         f"(default: {m['nope_layer']})")
+    g.add_argument("--circuit", choices=CIRCUITS, default=d.circuit,
+                   help=f"constructed starting circuit (tinyattn/retrieval/induction_init.py): context = the matching "
+                        f"head compares the characters 5-8 back as well as the previous one (needs --dim >= 192, "
+                        f"--heads <= dim / 64); previous = the previous character only, the first model's (default: "
+                        f"{d.circuit})")
     g = p.add_argument_group("final evaluation (greedy answer accuracy through the training forward)")
     g.add_argument("--eval-lengths", type=positive_int_list, default=list(d.eval_lengths), metavar="N1,N2,...",
                    help=f"context lengths in tokens (default: {','.join(map(str, d.eval_lengths))})")
@@ -126,7 +131,7 @@ def run(args) -> int:
     cfg = TrainConfig(seed=args.seed, curriculum=args.curriculum, batch_tokens=args.batch_tokens, lr=args.lr,
                       warmup_steps=args.warmup_steps, lm_weight=args.lm_weight, tasks=args.tasks,
                       threads=args.threads, eval_lengths=tuple(args.eval_lengths), eval_samples=args.eval_samples,
-                      model=dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, hidden_dim=args.hidden_dim,
+                      circuit=args.circuit, model=dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, hidden_dim=args.hidden_dim,
                                  sliding_window=args.sliding_window, nope_layer=args.nope_layer))
     _, log = train(cfg, args.out, progress=not args.no_progress)
     last = log["steps"][-1]

@@ -9,7 +9,6 @@ that ``--help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..argtypes import positive_int, positive_int_list
@@ -141,6 +140,7 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
     policies = args.policies or list(_POLICIES)
     page_sizes = args.page_sizes or [args.page_size]
     model, tokenizer = _load_model(args)
+    from ..results_io import write_result_files
     from .evaluate import evaluate_tasks
     from .report import format_task_table, plot_task_results
 
@@ -153,15 +153,8 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
     result.options["model_path"] = model_name
     print(f"model: {model_name}; {result.options['seconds']:.0f} s")
     print(format_task_table(result))
-    if args.json is not None:
-        result.save_json(args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.csv is not None:
-        result.save_csv(args.csv)
-        print(f"wrote {args.csv}", file=sys.stderr)
-    if args.plot_dir is not None:
-        for path in plot_task_results(result, args.plot_dir):
-            print(f"wrote {path}", file=sys.stderr)
+    write_result_files(result, json_path=args.json, csv_path=args.csv,
+                       plot=(lambda: plot_task_results(result, args.plot_dir)) if args.plot_dir is not None else None)
     return 0
 
 

@@ -38,7 +38,6 @@ Tables and plots: :mod:`tinyattn.retrieval.report`.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import math
 import os
@@ -51,6 +50,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+
+from ..results_io import SavesRows
 
 __all__ = ["TaskRow", "TaskResult", "evaluate_tasks", "page_budget_for", "parse_fraction", "sample_seed",
            "format_fraction", "prefill", "greedy_decode", "TASK_FIELDS", "DENSE", "QUESTION", "DEFAULT_BUDGETS", "DEFAULT_CONTEXTS", "DEFAULT_DEPTHS",
@@ -142,12 +143,14 @@ class TaskRow:
 
 
 @dataclass
-class TaskResult:
+class TaskResult(SavesRows):
     """The rows of :func:`evaluate_tasks` (dense first within each task, context, depth and page size) and the
-    run's options (``meta`` in JSON: model shape, sink / recent pages, dense layers, seed, seconds, ...)."""
+    run's options (``meta`` in JSON: model shape, sink / recent pages, dense layers, seed, seconds, ...);
+    ``save_json`` / ``save_csv`` from :class:`tinyattn.results_io.SavesRows`."""
 
     rows: list[TaskRow]
     options: dict = field(default_factory=dict)
+    csv_fields = TASK_FIELDS
 
     def _values(self, name: str) -> list:
         return list(dict.fromkeys(getattr(r, name) for r in self.rows))
@@ -194,18 +197,6 @@ class TaskResult:
     def to_json(self) -> dict:
         """``{"meta": {...}, "rows": [...]}``, rows as :meth:`TaskRow.as_dict`."""
         return {"meta": self.options, "rows": [r.as_dict() for r in self.rows]}
-
-    def save_json(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-
-    def save_csv(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=TASK_FIELDS)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow(r.as_dict())
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> "TaskResult":

@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 from .tasks import TASKS
 
-__all__ = ["TrainConfig", "MODEL_DEFAULTS"]
+__all__ = ["TrainConfig", "MODEL_DEFAULTS", "CIRCUITS"]
 
 #: the shipped model's shape (keyword arguments of :func:`tinyattn.retrieval.train.default_model_config`)
-MODEL_DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, hidden_dim=384, sliding_window=64, nope_layer=2,
+MODEL_DEFAULTS = dict(dim=192, n_layers=4, n_heads=3, hidden_dim=384, sliding_window=64, nope_layer=2,
                       max_seq_len=16384)
+
+#: the constructed circuits :func:`tinyattn.retrieval.train.train` can start from (``TrainConfig.circuit``)
+CIRCUITS = ("context", "previous")
 
 
 @dataclass
@@ -27,7 +30,7 @@ class TrainConfig:
     seed: int = 0
     curriculum: tuple = ((512, 300, ("copy",) + TASKS), (1024, 250, ("copy",) + TASKS))
     batch_tokens: int = 3072
-    lr: float = 4e-3
+    lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.01
@@ -39,6 +42,7 @@ class TrainConfig:
     eval_samples: int = 8
     model: dict = field(default_factory=dict)    # overrides of MODEL_DEFAULTS
     induction_init: bool = True                  # start from tinyattn.retrieval.induction_init's circuit
+    circuit: str = "context"                     # which one (CIRCUITS): the context match or the previous token
 
     @property
     def total_steps(self) -> int:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
-from .induction_init import write_induction_circuit
+from .induction_init import write_context_induction_circuit, write_induction_circuit
 from .recipe import MODEL_DEFAULTS, TrainConfig
 from .tasks import TASKS, Sample, filler_text, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
@@ -183,7 +183,9 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *, progress: bool
     rng = random.Random(cfg.seed)
     model = LlamaModel(default_model_config(**cfg.model)).train()
     _init(model)
-    if cfg.induction_init:
+    if cfg.induction_init and cfg.circuit == "context":
+        write_context_induction_circuit(model, nope_layer=model.config.nope_layers[0])
+    elif cfg.induction_init:
         write_induction_circuit(model, nope_layer=model.config.nope_layers[0])
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     rest = [p for n, p in model.named_parameters() if p.dim() <= 1]

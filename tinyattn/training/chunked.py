@@ -42,7 +42,11 @@ class SavedTensorMeter:
                 self.bytes += storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without storage (fake, sparse): not counted
             pass
-        return t
+        # a detached alias, never ``t`` itself: a saved *output* packed with its grad_fn would make a reference
+        # cycle node -> saved tensor -> node that Python's gc cannot see (it lives in C++), so a graph built
+        # without a backward (a chunk without counted targets) and everything it saves (the K/V pools, the
+        # weights through AccumulateGrad) would never be freed
+        return t.detach()
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
