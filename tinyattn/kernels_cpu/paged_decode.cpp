@@ -233,12 +233,29 @@ void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_l
         float* lg = logits.data() + h * Mp * S + s;
         for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
           const float* __restrict q0 = qs + ((b * Hkv + h) * Mp + m0) * D;
-          float a[QB] = {};
-#pragma omp simd reduction(+ : a[:QB])
-          for (int64_t d = 0; d < D; ++d) {
-            const float kd = krow[d];
-            for (int k = 0; k < QB; ++k) a[k] += q0[k * D + d] * kd;
+          // named accumulators: gcc keeps them in vector registers (an array reduction it reduces every step)
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+          if constexpr (QB == 4) {
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t d = 0; d < D; ++d) {
+              const float kd = krow[d];
+              a0 += q0[d] * kd;
+              a1 += q0[D + d] * kd;
+              a2 += q0[2 * D + d] * kd;
+              a3 += q0[3 * D + d] * kd;
+            }
+          } else if constexpr (QB == 2) {
+#pragma omp simd reduction(+ : a0, a1)
+            for (int64_t d = 0; d < D; ++d) {
+              const float kd = krow[d];
+              a0 += q0[d] * kd;
+              a1 += q0[D + d] * kd;
+            }
+          } else {
+#pragma omp simd reduction(+ : a0)
+            for (int64_t d = 0; d < D; ++d) a0 += q0[d] * krow[d];
           }
+          const float a[4] = {a0, a1, a2, a3};
           for (int k = 0; k < QB; ++k) lg[(m0 + k) * S] = a[k];
         }
       }
