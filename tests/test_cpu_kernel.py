@@ -188,3 +188,17 @@ def test_kernel_off_falls_back(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "off: TINYATTN_CPU_KERNEL=0 (1, 2, 8)"
+
+
+@pytest.mark.parametrize("bad", ["page_id", "seq_len"])
+def test_bad_tables_raise_even_with_value_checks_off(bad):
+    """With the ops' data checks off (a runtime trusting its tables), wrong tables still raise in the kernel
+    (naming the argument) instead of reading outside the pool."""
+    q = torch.randn(1, 4, 8)
+    k = torch.randn(3, 4, 2, 8)
+    table = torch.tensor([[0, 7 if bad == "page_id" else 1]], dtype=torch.int32)
+    lens = torch.tensor([6 if bad == "page_id" else 9], dtype=torch.int32)
+    with tinyattn.value_checks(False), pytest.raises(RuntimeError, match="block_table" if bad == "page_id"
+                                                     else "seq_lens"), counted() as calls:
+        tinyattn.paged_attention(q, k, k, table, lens, backend="torch")
+    assert calls

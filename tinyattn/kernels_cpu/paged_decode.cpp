@@ -457,6 +457,40 @@ void dispatch_boxes(const Problem& p, const at::Tensor& q, const at::Tensor& k_c
   }
 }
 
+// The last line of defence against out-of-bounds reads (the ops validate first, but a caller may turn value
+// checks off or trust tables that are wrong): shapes agree, and every page id a row reads lies in the pool.
+// O(valid pages), a few microseconds at 32K tokens.
+void check_bounds(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& k_min,
+                  const c10::optional<at::Tensor>& k_max, const c10::optional<at::Tensor>& page_indices) {
+  const int64_t num_pages = k_cache.size(0);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache: expected the shape of k_cache, got ", v_cache.sizes());
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == p.B && seq_lens.numel() == p.B,
+              "block_table, seq_lens: expected [B=", p.B, ", max_pages] and [B], got ", block_table.sizes(), " and ",
+              seq_lens.sizes());
+  TORCH_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k_cache.size(3) == p.D,
+              "q, k_cache: expected Hq a multiple of Hkv and one head_dim, got ", q.sizes(), " and ", k_cache.sizes());
+  for (const auto* box : {&k_min, &k_max})
+    if (box->has_value())
+      TORCH_CHECK((*box)->dim() == 3 && (*box)->size(0) == num_pages && (*box)->size(1) == p.Hkv &&
+                      (*box)->size(2) == p.D,
+                  "k_min, k_max: expected [num_pages=", num_pages, ", Hkv=", p.Hkv, ", D=", p.D, "], got ",
+                  (*box)->sizes());
+  if (page_indices)
+    TORCH_CHECK(page_indices->dim() == 3 && page_indices->size(0) == p.B && page_indices->size(1) == p.Hkv,
+                "page_indices: expected [B=", p.B, ", Hkv=", p.Hkv, ", K], got ", page_indices->sizes());
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t np = p.n_pages(b);
+    TORCH_CHECK(np <= p.max_pages, "seq_lens: row ", b, " holds ", p.seq_lens[b], " tokens, more than its ",
+                p.max_pages, " pages of ", p.S);
+    for (int64_t j = 0; j < np; ++j) {
+      const int64_t phys = p.block_table[b * p.max_pages + j];
+      TORCH_CHECK(phys >= 0 && phys < num_pages, "block_table: row ", b, " page ", j, " holds page id ", phys,
+                  ", expected [0, ", num_pages, ")");
+    }
+  }
+}
+
 // The one entry point (see the file header). `selected` ([B, Hkv, page_budget] int32) receives the Quest
 // selection when given; page_budget <= 0 or no boxes means dense (or the listed pages).
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -508,6 +542,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "k_cache, v_cache: expected the dtype of q");
+  check_bounds(p, q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, page_indices);
   switch (q.scalar_type()) {
     case at::kFloat: return dispatch_boxes<float>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
     case at::kBFloat16: return dispatch_boxes<at::BFloat16>(p, q, k_cache, v_cache, k_min, k_max, out, lse);
