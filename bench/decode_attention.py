@@ -73,16 +73,6 @@ def flash_attn_fn():
         return None
 
 
-def _torch_ops(fn):
-    """``fn`` with the compiled CPU kernel switched off (the torch backend's PyTorch implementation)."""
-    import tinyattn.kernels_cpu as kernels_cpu
-
-    def run():
-        with kernels_cpu.disabled():
-            return fn()
-    return run
-
-
 def run(args) -> list[dict]:
     import tinyattn
 
@@ -124,7 +114,7 @@ def run(args) -> list[dict]:
         if args.torch_ops and device.type == "cpu":    # the same ops with the compiled CPU kernel off
             for name in [m for m in methods if m == "dense_paged" or m.startswith("sparse@")]:
                 methods[name.replace("dense_paged", "dense_paged_torch").replace("sparse@", "sparse_torch@")] = \
-                    _torch_ops(methods[name])
+                    C.torch_ops(methods[name])
         with torch.no_grad(), tinyattn.value_checks(args.value_checks):
             check_outputs(p, methods, q_fold)
             idle = C.wait_quiet(args.wait_quiet) if device.type == "cpu" else 1.0

@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 import tinyattn  # noqa: E402
-import tinyattn.kernels_cpu as kernels_cpu  # noqa: E402
 
 PROBLEMS = {   # name: (batch, context, Hq, Hkv, head_dim, page_budget)
     "tiny": (1, 200, 8, 4, 8, 4),           # one stories260K layer at 200 tokens
@@ -59,14 +58,6 @@ def _median_us(fn, repeats: int, inner: int) -> float:
             fn()
         times.append((time.perf_counter() - t0) / inner * 1e6)
     return statistics.median(times)
-
-
-def _torch_ops(fn):
-    """``fn`` with the compiled CPU kernel switched off: the PyTorch implementation of the torch backend."""
-    def run():
-        with kernels_cpu.disabled():
-            return fn()
-    return run
 
 
 def per_call_rows(names, repeats: int) -> list[dict]:
@@ -105,8 +96,8 @@ def per_call_rows(names, repeats: int) -> list[dict]:
             "plan.run dense": lambda: plan.run(q, kc, vc),
             "plan.run sparse": lambda: plan.run(q, kc, vc, k_min=k_min, k_max=k_max),
             # the same public ops on the PyTorch implementation only (the compiled CPU kernel switched off)
-            "paged_attention (torch ops)": _torch_ops(lambda: tinyattn.paged_attention(q, kc, vc, bt, sl)),
-            "sparse_paged_attention (torch ops)": _torch_ops(lambda: tinyattn.sparse_paged_attention(
+            "paged_attention (torch ops)": C.torch_ops(lambda: tinyattn.paged_attention(q, kc, vc, bt, sl)),
+            "sparse_paged_attention (torch ops)": C.torch_ops(lambda: tinyattn.sparse_paged_attention(
                 q, kc, vc, bt, sl, k_min=k_min, k_max=k_max, page_budget=budget)),
         }
         inner = max(1, int(2000 / (B * L * Hq * D / 12800) ** 0.5))
@@ -147,7 +138,7 @@ def end_to_end_rows(repeats: int, new_tokens: int, budget: int) -> list[dict]:
     model = LlamaModel.from_llama2c(default_model_path())
     runtime = LlamaRuntime(model, page_size=PAGE_SIZE, page_budget=budget)
     runners["tinyattn runtime"] = lambda: runtime.generate([[1]], max_new_tokens=new_tokens, eos_id=None)
-    runners["tinyattn runtime (torch ops)"] = _torch_ops(runners["tinyattn runtime"])
+    runners["tinyattn runtime (torch ops)"] = C.torch_ops(runners["tinyattn runtime"])
     try:
         from tinyattn.integrations.hf import TinyAttnCache
         stock, ours = _hf_models()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import random
-from dataclasses import dataclass
 from fractions import Fraction
 
 import pytest
@@ -17,19 +16,13 @@ from tinyattn.models import LlamaConfig, LlamaModel, LlamaRuntime, SparsityConfi
 from tinyattn.retrieval.evaluate import (TASK_FIELDS, TaskResult, evaluate_tasks, greedy_decode, page_budget_for,
                                          parse_fraction, prefill, sample_seed)
 from tinyattn.retrieval.report import format_task_table, plot_task_results
+from tinyattn.retrieval.tasks import Sample
 from tinyattn.selection import RandomPolicy
 
 VOCAB = 32
 
 
-@dataclass(frozen=True)
-class FakeSample:
-    task: str
-    prompt: list[int]
-    answer: list[int]
-    context_tokens: int
-    depth: float
-    needle_positions: list[tuple[int, int]]
+FakeSample = Sample          # the real record, filled by the fake generator below
 
 
 def fake_make_sample(task, *, context_tokens, depth, seed, tokenizer=None):

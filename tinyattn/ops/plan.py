@@ -29,7 +29,10 @@ Sliding windows are a :meth:`~PagedAttentionPlan.run` argument (``window_left``,
 layers with different windows (Mistral / Gemma hybrids) share one plan; the torch backend builds the index
 tables of each window once per step, the Triton kernels take the window as a runtime argument.
 
-The torch backend (CPU) gathers the rows of the keys a step reads with one ``index_select`` per tensor
+On CPU tensors the torch backend runs decode-sized steps (up to 16 queries per row, no autograd, float pools) in
+the compiled CPU kernel (:mod:`tinyattn.kernels_cpu`: scoring, top-k and attention in one call); everything else,
+and every step where the kernel is unavailable or :func:`tinyattn.kernels_cpu.disabled`, runs the PyTorch
+implementation, which gathers the rows of the keys a step reads with one ``index_select`` per tensor
 and runs :func:`torch.nn.functional.scaled_dot_product_attention` over them (grouped query heads folded
 into the rows of their KV head), so that a decode step costs a handful of PyTorch calls. Selection is a
 stable descending sort of the Quest bound with forced pages keyed above every score: ties go to the lower

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from .tasks import NAMES, _word_boundary, filler_text
+from .tasks import NAMES, _word_boundary, filler_slice
 from .tokenizer import CharTokenizer
 
 __all__ = ["recall_sequence", "recall_batch"]
@@ -73,9 +73,7 @@ def recall_sequence(*, seq_len: int, seed: int, num_keys: int = 4, num_questions
     if n_fill < 0:
         raise ValueError(f"seq_len: {num_keys} keys and {num_questions} questions need at least {fixed} tokens, "
                          f"got {seq_len}")
-    text = filler_text()
-    start = rng.randrange(len(text))
-    filler = (text * (2 + (start + n_fill) // len(text)))[start:start + n_fill]
+    filler = filler_slice(rng, n_fill)
     key_at = sorted(_word_boundary(filler, rng.randrange(max(1, round(keys_end * n_fill)))) for _ in keys)
     span = max(0.0, 1.0 - first_question)
     q_at = [_word_boundary(filler, round(n_fill * (first_question + span * j / num_questions)))

@@ -113,11 +113,14 @@ def plot_depth_heatmaps(result: TaskResult, out_dir: str | os.PathLike, prefix: 
                 fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.5, label="accuracy (exact match)")
             fig.suptitle(f"{task}: accuracy by needle depth and context, page size {ps} "
                          f"({result.options.get('samples', '?')} samples per cell)", fontsize=10)
-            path = out_dir / f"{prefix}heatmap_{task}_ps{ps}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(_save(plt, fig, out_dir / f"{prefix}heatmap_{task}_ps{ps}.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _k(tokens: int) -> str:
@@ -168,10 +171,7 @@ def plot_budget_curves(result: TaskResult, out_dir: str | os.PathLike, prefix: s
             fig.legend(handles, labels, fontsize=8, loc="outside right center")
             fig.suptitle(f"{task}: accuracy vs budget, page size {ps} (mean over needle depths "
                          f"{', '.join(f'{d:.0%}' for d in result.depths)})", fontsize=10)
-            path = out_dir / f"{prefix}budget_{task}_ps{ps}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(_save(plt, fig, out_dir / f"{prefix}budget_{task}_ps{ps}.png"))
     return paths
 
 

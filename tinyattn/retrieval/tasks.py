@@ -38,7 +38,7 @@ from functools import lru_cache
 
 from .tokenizer import CharTokenizer, normalize_text
 
-__all__ = ["TASKS", "Sample", "make_sample", "min_context_tokens", "NAMES", "filler_text"]
+__all__ = ["TASKS", "Sample", "make_sample", "min_context_tokens", "NAMES", "filler_text", "filler_slice"]
 
 TASKS = ("passkey", "multikey", "multihop", "decoy")
 
@@ -81,8 +81,9 @@ class Sample:
 
 
 @lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
 def filler_text() -> str:
-    """The filler: the shipped TinyStories text (sample, then the validation excerpt, stories separated by
+    """The filler (read once per process): the shipped TinyStories text (sample, then the validation excerpt, stories separated by
     blank lines), normalized to the tokenizer's characters, with runs of blank lines collapsed and no digits (so that the only numbers in a
     prompt are the task's)."""
     from tinyattn.assets import data_path
@@ -94,6 +95,13 @@ def filler_text() -> str:
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text
+
+
+def filler_slice(rng: random.Random, n_chars: int) -> str:
+    """``n_chars`` characters of :func:`filler_text` from an offset drawn from ``rng`` (wrapping around)."""
+    text = filler_text()
+    start = rng.randrange(len(text))
+    return (text * (1 + (start + n_chars) // len(text)))[start:start + n_chars]
 
 
 def _value(rng: random.Random, taken: set[str]) -> str:
@@ -200,10 +208,8 @@ def make_sample(task: str, *, context_tokens: int, depth: float, seed: int, toke
     if context_tokens < need:
         raise ValueError(f"context_tokens: the {task} task needs at least {need} tokens (BOS, needles and "
                          f"question with no filler), got {context_tokens}")
-    text = filler_text()
     n_fill = context_tokens - need
-    start = rng.randrange(len(text))
-    filler = (text * (1 + (start + n_fill) // len(text)))[start:start + n_fill]
+    filler = filler_slice(rng, n_fill)
     # where each piece goes in the filler: the asked needle at depth, the others at seeded positions
     where = [_word_boundary(filler, round(depth * n_fill))]
     where += [_word_boundary(filler, rng.randrange(n_fill + 1)) for _ in pieces[1:]]

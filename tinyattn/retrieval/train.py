@@ -30,7 +30,7 @@ from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
 from .induction_init import write_context_induction_circuit, write_induction_circuit
 from .recipe import MODEL_DEFAULTS, TrainConfig
-from .tasks import TASKS, Sample, filler_text, make_sample, min_context_tokens
+from .tasks import TASKS, Sample, filler_slice, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
 __all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch", "Batch", "COPY",
@@ -89,9 +89,7 @@ def copy_sample(*, context_tokens: int, depth: float, seed: int) -> Sample:
     if n_fill < 0:
         raise ValueError(f"context_tokens: the copy task needs at least {context_tokens - n_fill} tokens, got "
                          f"{context_tokens}")
-    text = filler_text()
-    start = rng.randrange(len(text))
-    filler = (text * (1 + (start + n_fill) // len(text)))[start:start + n_fill]
+    filler = filler_slice(rng, n_fill)
     at = round(depth * n_fill)
     body = filler[:at] + passage + " " + filler[at:] + question
     tok = CharTokenizer()
