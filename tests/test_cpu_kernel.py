@@ -74,7 +74,8 @@ def test_dense_matches_reference(p, window, threads):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(p=problems(dtypes=("fp32", "bf16"), max_query_tokens=3, max_pages_per_row=12),
+@given(p=problems(dtypes=("fp32", "bf16"), max_query_tokens=3, max_pages_per_row=12,
+                 head_dims=(8, 16, 24, 32, 64, 128)),
        budget=st.integers(1, 6), sinks=st.integers(0, 2), recent=st.integers(0, 2),
        box_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_fused_selection_matches_reference(p, budget, sinks, recent, box_dtype, threads):
@@ -119,7 +120,8 @@ def test_selection_output_is_select_pages(threads):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(p=problems(dtypes=("fp32",), max_query_tokens=2, max_pages_per_row=8), data=st.data())
+@given(p=problems(dtypes=("fp32",), max_query_tokens=2, max_pages_per_row=8, head_dims=(8, 24, 32, 128)),
+       data=st.data())
 def test_listed_pages_with_duplicates_and_padding(p, data, threads):
     """Listed pages: -1 and past-the-end ids ignored, duplicates counted once (= the reference on the
     de-duplicated list)."""
@@ -188,6 +190,33 @@ def test_kernel_off_falls_back(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "off: TINYATTN_CPU_KERNEL=0 (1, 2, 8)"
+
+
+def test_portable_build_matches_reference():
+    """The portable loops (what CPUs without AVX-512 run; built here with -mno-avx512f) against the reference,
+    on the head sizes the AVX-512 micro-kernels take on this machine: dense, fused selection, Tq > 1."""
+    code = (
+        "import torch, tinyattn, tinyattn.kernels_cpu as K\n"
+        "from tinyattn import reference\n"
+        "from paged_problems import make_problem\n"
+        "assert K.status() == 'compiled (portable loops)', K.status()\n"
+        "for seed, (D, G, Tq) in enumerate([(64, 4, 1), (128, 2, 1), (32, 3, 2), (128, 1, 3)]):\n"
+        "    p = make_problem(seed, batch=2, seq_lens=[37, 70], page_size=8, num_kv_heads=2, group=G,\n"
+        "                     head_dim=D, num_query_tokens=Tq, dtype=torch.float32, poison=float('nan'))\n"
+        "    args = (p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)\n"
+        "    k_min, k_max = p.bounds()\n"
+        "    out = tinyattn.paged_attention(*args, backend='torch')\n"
+        "    torch.testing.assert_close(out, reference.paged_attention(*args), atol=2e-5, rtol=2e-5)\n"
+        "    opts = dict(k_min=k_min, k_max=k_max, page_budget=4, num_recent_pages=1)\n"
+        "    out = tinyattn.sparse_paged_attention(*args, backend='torch', **opts)\n"
+        "    ref = reference.sparse_paged_attention(*args, **opts)\n"
+        "    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)\n"
+        "print('ok')\n")
+    env = dict(os.environ, TINYATTN_CPU_KERNEL_SIMD="portable", TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
 
 
 @pytest.mark.parametrize("bad", ["page_id", "seq_len"])

@@ -32,9 +32,14 @@ import torch
 __all__ = ["available", "status", "disabled", "paged_decode", "enabled", "MAX_QUERY_TOKENS", "DTYPES"]
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+HEADERS = (Path(__file__).with_name("paged_decode_avx512.h"),)
 MAX_QUERY_TOKENS = 16          # more queries per row: the SDPA (GEMM) path of the plan is faster
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# TINYATTN_CPU_KERNEL_SIMD=portable builds without the AVX-512 micro-kernels (paged_decode_avx512.h): the loops
+# every other CPU runs, testable on an AVX-512 machine
+if os.environ.get("TINYATTN_CPU_KERNEL_SIMD") == "portable":
+    _CFLAGS.append("-mno-avx512f")
 _LDFLAGS = ["-fopenmp"]
 
 enabled = True                 # False: the torch backend runs its PyTorch implementation only (see disabled())
@@ -56,6 +61,8 @@ def _cpu_model() -> str:
 
 def _build_name() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
     h.update(" ".join(_CFLAGS + [torch.__version__, _cpu_model()]).encode())
     return f"tinyattn_cpu_{h.hexdigest()[:12]}"
 
@@ -86,8 +93,9 @@ def _load():
             print("tinyattn: compiling the CPU kernel for this machine (once, ~1 min)...", file=sys.stderr,
                   flush=True)
         _module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                                     extra_include_paths=[str(SOURCE.parent)],
                                      verbose=os.environ.get("TINYATTN_CPU_KERNEL_VERBOSE") == "1")
-        _status = "compiled"
+        _status = f"compiled ({_module.simd()})"
     except Exception as exc:          # no compiler / ninja / headers: the PyTorch path serves every op
         _status = f"unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''})"
         warnings.warn(f"tinyattn: the compiled CPU kernel is {_status}; CPU ops use the PyTorch path (slower per "
@@ -105,7 +113,8 @@ def available() -> bool:
 
 
 def status() -> str:
-    """``"compiled"``, ``"off: ..."`` or ``"unavailable (why)"`` (loads the kernel first)."""
+    """``"compiled (AVX-512 micro-kernels)"`` / ``"compiled (portable loops)"``, ``"off: ..."`` or
+    ``"unavailable (why)"`` (loads the kernel first)."""
     available()
     return _status
 

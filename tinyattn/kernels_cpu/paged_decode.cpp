@@ -14,6 +14,12 @@
 //      recurrence): causal bottom-right for Tq > 1, sliding window `window_left` (FlashInfer's convention).
 // A query that sees no key gets out = 0 and lse = -inf (never NaN).
 //
+// Speed (docs/benchmarks.md, "The compiled CPU kernel"): the kernel is bound by memory reads, so it reads boxes
+// and pages in memory order and prefetches the next page (software: each page sits at a random place of the
+// pool, where the hardware prefetcher does not follow); on AVX-512 CPUs the dot products, the exp and the value
+// sums run in the micro-kernels of paged_decode_avx512.h (16 dots per reduction tree, accumulators in
+// registers), elsewhere in the portable `omp simd` loops below.
+//
 // Layouts (DESIGN.md §2): q [B, Tq, Hq, D] contiguous; k_cache / v_cache [num_pages, page_size, Hkv, D] with unit
 // stride in D (other strides free); k_min / k_max [num_pages, Hkv, D] (unit stride in D); block_table [B, M]
 // int32, seq_lens [B] int32, page_indices [B, Hkv, K] int32 (all contiguous); out like q; lse [B, Tq, Hq] fp32.
@@ -27,6 +33,8 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "paged_decode_avx512.h"
 
 namespace {
 
@@ -49,8 +57,11 @@ inline float exp_nonpos(float x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * x * x + x + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;   // 2^fx, fx in [-126, 0]
-  return y * __builtin_bit_cast(float, bits) * masked;
+  // 2^fx, fx in [-126, 0], through a union: gcc vectorises it (a __builtin_bit_cast became a memset that kept
+  // the page loop scalar)
+  union { int32_t i; float f; } two_fx;
+  two_fx.i = (static_cast<int32_t>(fx) + 127) << 23;
+  return y * two_fx.f * masked;
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -92,38 +103,73 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------------------------------------ selection
-// Quest bound of every page of the selecting rows, [B, Hkv, max_pages]: pages outer, heads inner, so that the
-// boxes are read in their memory order ([num_pages, Hkv, D]: the heads of a page are adjacent).
+constexpr int64_t kBoxPrefetchPages = 4;   // boxes prefetched this many pages ahead (one group of 4)
+
+// ub[m * 4 + t] = q-_m . k_min_t + q+_m . k_max_t: four queries (rows of n0 / p0, D apart) on the boxes of four
+// pages of one head (pages past n_pages repeat page 0; their bounds are ignored).
+inline void bounds_block(const float* const* lo, const float* const* hi, int64_t n_pages, const float* n0,
+                         const float* p0, int64_t D, float* ub) {
+#if TINYATTN_AVX512
+  if (D % 16 == 0) {
+    _mm512_storeu_ps(ub, avx512::block_bounds(lo, hi, n0, p0, D));
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n_pages; ++t) {
+    const float* __restrict l = lo[t];
+    const float* __restrict u = hi[t];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t d = 0; d < D; ++d) {
+      a0 += n0[d] * l[d];               // two statements: two FMAs (one expression became mul + fma + add)
+      a0 += p0[d] * u[d];
+      a1 += n0[D + d] * l[d];
+      a1 += p0[D + d] * u[d];
+      a2 += n0[2 * D + d] * l[d];
+      a2 += p0[2 * D + d] * u[d];
+      a3 += n0[3 * D + d] * l[d];
+      a3 += p0[3 * D + d] * u[d];
+    }
+    ub[t] = a0, ub[4 + t] = a1, ub[8 + t] = a2, ub[12 + t] = a3;
+  }
+}
+
+// Quest bound of pages [j0, j1) of row b, into scores [B, Hkv, max_pages]: groups of four pages, heads inner,
+// so that the boxes are read in their memory order ([num_pages, Hkv, D]: the heads of a page are adjacent).
 template <typename BT>
 void score_pages(const Problem& p, int64_t b, int64_t j0, int64_t j1, const float* q_neg, const float* q_pos,
                  const BT* k_min, const BT* k_max, float* scores) {
   const int64_t D = p.D, Ms = p.Ms;
-  std::vector<float> box(2 * D);
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t phys = p.block_table[b * p.max_pages + j];
+  const int32_t* table = p.block_table + b * p.max_pages;
+  std::vector<float> box(8 * D);
+  auto row = [&](const BT* pool, int64_t phys, int64_t h) { return pool + phys * p.b_sP + h * p.b_sH; };
+  for (int64_t j = j0; j < j1; j += 4) {
+    const int64_t nj = std::min<int64_t>(4, j1 - j);
     for (int64_t h = 0; h < p.Hkv; ++h) {
-      const float* __restrict lo = as_float(k_min + phys * p.b_sP + h * p.b_sH, box.data(), D);
-      const float* __restrict hi = as_float(k_max + phys * p.b_sP + h * p.b_sH, box.data() + D, D);
-      float key = kNegInf;
-      // ub = q- . k_min + q+ . k_max, four queries per pass over the box (padding queries are 0: ub 0, skipped)
+      // each page's boxes are a block of the pool at a random place, where the hardware prefetcher does not
+      // follow: prefetch those of the next group, a head at a time
+      for (int64_t a = j + kBoxPrefetchPages; a < std::min(j + kBoxPrefetchPages + 4, j1); ++a)
+        for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(BT)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(row(k_min, table[a], h)) + off, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(row(k_max, table[a], h)) + off, 0, 3);
+        }
+      const float* lo[4];
+      const float* hi[4];
+      for (int64_t t = 0; t < 4; ++t) {
+        lo[t] = t < nj ? as_float(row(k_min, table[j + t], h), box.data() + 2 * t * D, D) : lo[0];
+        hi[t] = t < nj ? as_float(row(k_max, table[j + t], h), box.data() + (2 * t + 1) * D, D) : hi[0];
+      }
+      float key[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+      // padding queries (m >= M) are 0 and skipped
       for (int64_t m0 = 0; m0 < Ms; m0 += 4) {
         const int64_t o = ((b * p.Hkv + h) * Ms + m0) * D;
-        const float* __restrict n0 = q_neg + o;
-        const float* __restrict p0 = q_pos + o;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int64_t d = 0; d < D; ++d) {
-          const float l = lo[d], u = hi[d];
-          a0 += n0[d] * l + p0[d] * u;
-          a1 += n0[D + d] * l + p0[D + d] * u;
-          a2 += n0[2 * D + d] * l + p0[2 * D + d] * u;
-          a3 += n0[3 * D + d] * l + p0[3 * D + d] * u;
-        }
-        const float a[4] = {a0, a1, a2, a3};
-        for (int64_t k = 0; k < 4 && m0 + k < p.M; ++k)
-          if (a[k] > key) key = a[k];                 // NaN never wins: stays -inf
+        alignas(64) float ub[16];
+        bounds_block(lo, hi, nj, q_neg + o, q_pos + o, D, ub);
+        for (int64_t m = 0; m < 4 && m0 + m < p.M; ++m)
+          for (int64_t t = 0; t < nj; ++t)
+            if (ub[m * 4 + t] > key[t]) key[t] = ub[m * 4 + t];    // NaN never wins: stays -inf
       }
-      scores[(b * p.Hkv + h) * p.max_pages + j] = std::min(key, kScoreCap);
+      for (int64_t t = 0; t < nj; ++t) scores[(b * p.Hkv + h) * p.max_pages + j + t] = std::min(key[t], kScoreCap);
     }
   }
 }
@@ -181,137 +227,227 @@ struct State {
   State(int64_t Hkv, int64_t Mp, int64_t D) : m(Hkv * Mp, kNegInf), l(Hkv * Mp, 0.0f), acc(Hkv * Mp * D, 0.0f) {}
 };
 
-// Prefetch the rows of the next listed page that some head reads, when it does not follow the current one: the
-// rows of one head are Hkv * D elements apart (4 KiB at 8 x 128 fp32), each on another 4 KiB page, where the
-// hardware prefetcher stops; consecutive pages are one stream it follows by itself.
+// The next page a task reads, for prefetching while it works on the current one: the hardware prefetcher stops
+// at every 4 KiB page of memory, and one token of a KV page is 4 KiB at 8 heads x 128 fp32 (a page of the pool
+// at 16 tokens is 16 such pages), so without help every token starts with a stall.
 template <typename T>
-inline void prefetch_page(const Problem& p, int64_t b, int64_t j, const uint8_t* flags, const T* k_cache,
-                          const T* v_cache) {
-  const uint8_t* f = flags + (b * p.max_pages + j) * p.Hkv;
-  const int64_t phys = p.block_table[b * p.max_pages + j];
-  const int64_t n_tok = std::min<int64_t>(p.S, p.seq_lens[b] - j * p.S);
+struct NextPage {
+  const T* k = nullptr;          // first element of the page in the pool (nullptr: no next page)
+  const T* v = nullptr;
+  const uint8_t* f = nullptr;    // which heads read it
+  int64_t n_tok = 0;
+};
+
+// Prefetch (into L2: a page is larger than L1) the rows of tokens [s0, s1) of head h of the next page.
+template <typename T>
+inline void prefetch_rows(const Problem& p, const T* base, int64_t sS, int64_t sH, const NextPage<T>& nx, int64_t h,
+                          int64_t s0, int64_t s1) {
+  if (base == nullptr || !nx.f[h]) return;
   const int64_t row_bytes = p.D * static_cast<int64_t>(sizeof(T));
-  for (int64_t s = 0; s < n_tok; ++s)
-    for (int64_t h = 0; h < p.Hkv; ++h) {
-      if (!f[h]) continue;
-      const char* kr = reinterpret_cast<const char*>(k_cache + phys * p.k_sP + s * p.k_sS + h * p.k_sH);
-      const char* vr = reinterpret_cast<const char*>(v_cache + phys * p.v_sP + s * p.v_sS + h * p.v_sH);
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        __builtin_prefetch(kr + off, 0, 3);
-        __builtin_prefetch(vr + off, 0, 3);
+  for (int64_t s = s0; s < std::min(s1, nx.n_tok); ++s) {
+    const char* r = reinterpret_cast<const char*>(base + s * sS + h * sH);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
+  }
+}
+
+// logits[h, m, s] = (scale * q_m) . k_s of one page for every head that reads it.
+template <typename T, int kD, int QB>
+void page_logits(const Problem& p, int64_t b, const T* kp, int64_t n_tok, const uint8_t* f, const float* qs,
+                 float* logits, float* k_buf, const NextPage<T>& nx) {
+  const int64_t D = kD > 0 ? kD : p.D;
+  const int64_t S = p.S, Mp = p.Mp, Hkv = p.Hkv;
+#if TINYATTN_AVX512
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    // 16 / QB tokens of one head at a time (16 dots per sum tree); tokens past the page's end repeat row 0 and
+    // their dots are dropped (the slots past n_tok may hold anything, NaN included)
+    constexpr int TG = 16 / QB;
+    for (int64_t s0 = 0; s0 < n_tok; s0 += TG) {
+      const int64_t valid = std::min<int64_t>(TG, n_tok - s0);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (!f[h]) continue;
+        const float* rows[TG];
+        for (int t = 0; t < TG; ++t)
+          rows[t] = t < valid ? as_float(kp + (s0 + t) * p.k_sS + h * p.k_sH, k_buf + t * D, D) : rows[0];
+        for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
+          alignas(64) float dots[16];
+          _mm512_store_ps(dots, avx512::block_dots<kD, QB>(rows, qs + ((b * Hkv + h) * Mp + m0) * D));
+          for (int m = 0; m < QB; ++m)
+            for (int64_t t = 0; t < valid; ++t) logits[(h * Mp + m0 + m) * S + s0 + t] = dots[m * TG + t];
+        }
+        prefetch_rows(p, nx.k, p.k_sS, p.k_sH, nx, h, s0, s0 + TG);
       }
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < n_tok; ++s)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (!f[h]) continue;
+      const float* __restrict krow = as_float(kp + s * p.k_sS + h * p.k_sH, k_buf, D);
+      float* lg = logits + h * Mp * S + s;
+      for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
+        const float* __restrict q0 = qs + ((b * Hkv + h) * Mp + m0) * D;
+        // named accumulators: gcc keeps them in vector registers (an array reduction it reduces every step)
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        if constexpr (QB == 4) {
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+          for (int64_t d = 0; d < D; ++d) {
+            const float kd = krow[d];
+            a0 += q0[d] * kd;
+            a1 += q0[D + d] * kd;
+            a2 += q0[2 * D + d] * kd;
+            a3 += q0[3 * D + d] * kd;
+          }
+        } else if constexpr (QB == 2) {
+#pragma omp simd reduction(+ : a0, a1)
+          for (int64_t d = 0; d < D; ++d) {
+            const float kd = krow[d];
+            a0 += q0[d] * kd;
+            a1 += q0[D + d] * kd;
+          }
+        } else {
+#pragma omp simd reduction(+ : a0)
+          for (int64_t d = 0; d < D; ++d) a0 += q0[d] * krow[d];
+        }
+        const float a[4] = {a0, a1, a2, a3};
+        for (int k = 0; k < QB; ++k) lg[(m0 + k) * S] = a[k];
+      }
+      prefetch_rows(p, nx.k, p.k_sS, p.k_sH, nx, h, s, s + 1);
+    }
+}
+
+// The page's max and exp-sum of n logits (in place: lm[s] becomes exp(lm[s] - new_max)).
+inline float page_max(const float* lm, int64_t n) {
+#if TINYATTN_AVX512
+  return avx512::max_n(lm, n);
+#else
+  float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+  for (int64_t s = 0; s < n; ++s) mx = std::max(mx, lm[s]);
+  return mx;
+#endif
+}
+
+inline float exp_sum(float* lm, int64_t n, float mx) {
+#if TINYATTN_AVX512
+  return avx512::exp_sum_n(lm, n, mx);
+#else
+  float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t s = 0; s < n; ++s) {
+    lm[s] = exp_nonpos(lm[s] - mx);
+    l += lm[s];
+  }
+  return l;
+#endif
+}
+
+// Online softmax per (head, query) over one page (Milakov & Gimelshein 2018): mask, rescale the running sum and
+// accumulator to the new max, turn the logits into weights.
+template <int kD>
+void page_softmax(const Problem& p, int64_t b, int64_t j, int64_t n_tok, const uint8_t* f, float* logits,
+                  State& st) {
+  const int64_t D = kD > 0 ? kD : p.D;
+  const int64_t S = p.S, Mp = p.Mp, M = p.M, G = p.G, n = p.seq_lens[b];
+  const bool simple = p.Tq == 1 && p.window_left < 0;   // decode: every key before n is visible
+  for (int64_t h = 0; h < p.Hkv; ++h) {
+    if (!f[h]) continue;
+    for (int64_t m = 0; m < Mp; ++m) {
+      float* lm = logits + (h * Mp + m) * S;
+      if (m < M && !simple) {                       // causal (Tq > 1) and sliding-window masks
+        const int64_t qpos = n - p.Tq + m / G;
+        for (int64_t s = 0; s < n_tok; ++s) {
+          const int64_t kpos = j * S + s;
+          if (kpos > qpos || (p.window_left >= 0 && kpos < qpos - p.window_left)) lm[s] = kNegInf;
+        }
+      }
+      const float mx = m < M ? page_max(lm, n_tok) : kNegInf;
+      if (mx == kNegInf) {                          // padding, or nothing visible on this page: weights 0
+        std::fill(lm, lm + n_tok, 0.0f);
+        continue;
+      }
+      const int64_t i = h * Mp + m;
+      const float new_max = std::max(st.m[i], mx);
+      const float alpha = exp_nonpos(st.m[i] - new_max);   // 0 on the first visible page
+      st.l[i] = st.l[i] * alpha + exp_sum(lm, n_tok, new_max);
+      st.m[i] = new_max;
+      if (alpha != 1.0f) {
+        float* __restrict am = st.acc.data() + i * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) am[d] *= alpha;
+      }
+    }
+  }
+}
+
+// acc[h, m] += w[h, m, s] * v[s, h] over one page.
+template <typename T, int kD, int QB>
+void page_values(const Problem& p, const T* vp, int64_t n_tok, const uint8_t* f, const float* logits, float* v_buf,
+                 State& st, const NextPage<T>& nx) {
+  const int64_t D = kD > 0 ? kD : p.D;
+  const int64_t S = p.S, Mp = p.Mp, Hkv = p.Hkv;
+#if TINYATTN_AVX512
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    std::vector<const float*> rows(n_tok);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (!f[h]) continue;
+      for (int64_t s = 0; s < n_tok; ++s) rows[s] = as_float(vp + s * p.v_sS + h * p.v_sH, v_buf + s * D, D);
+      for (int64_t m0 = 0; m0 < Mp; m0 += QB)
+        avx512::accumulate_values<kD, QB>(st.acc.data() + (h * Mp + m0) * D, logits + (h * Mp + m0) * S, S,
+                                          rows.data(), n_tok);
+      prefetch_rows(p, nx.v, p.v_sS, p.v_sH, nx, h, 0, S);
+    }
+    return;
+  }
+#endif
+  // four queries per pass over a value row
+  for (int64_t s = 0; s < n_tok; ++s)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if (!f[h]) continue;
+      const float* __restrict vrow = as_float(vp + s * p.v_sS + h * p.v_sH, v_buf, D);
+      const float* lg = logits + h * Mp * S + s;
+      for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
+        float w[QB];
+        for (int k = 0; k < QB; ++k) w[k] = lg[(m0 + k) * S];
+        float* __restrict c0 = st.acc.data() + (h * Mp + m0) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const float vd = vrow[d];
+          for (int k = 0; k < QB; ++k) c0[k * D + d] += w[k] * vd;
+        }
+      }
+      prefetch_rows(p, nx.v, p.v_sS, p.v_sH, nx, h, s, s + 1);
     }
 }
 
 // Attention of row b over `pages` (ascending; flags say which heads read each), all heads per page: a page's
-// rows are read in memory order ([page_size, Hkv, D]), so the hardware prefetcher streams them.
+// rows are read in memory order ([page_size, Hkv, D]) while the next page is prefetched.
 // kD: the head dim as a compile-time constant for the common sizes (0: read it from the problem): with a
-// constant bound the short loops of small heads unroll into whole vectors instead of a scalar tail.
+// constant bound the short loops of small heads unroll into whole vectors instead of a scalar tail, and
+// multiples of 16 take the AVX-512 micro-kernels where the CPU has them.
 // QB: queries per pass over a K / V row (4, or 2 / 1 when the group holds fewer: no work on padding).
 template <typename T, int kD, int QB>
 void attend_pages(const Problem& p, int64_t b, const int64_t* pages, int64_t n_list, const uint8_t* flags,
                   const float* qs, const T* k_cache, const T* v_cache, State& st) {
   const int64_t D = kD > 0 ? kD : p.D;
-  const int64_t S = p.S, Mp = p.Mp, M = p.M, G = p.G, Hkv = p.Hkv;
-  const int64_t n = p.seq_lens[b];
-  const bool simple = p.Tq == 1 && p.window_left < 0;   // decode: every key before n is visible
-  std::vector<float> logits(Hkv * Mp * S), k_buf(D), v_buf(D);
+  const int64_t S = p.S, Hkv = p.Hkv, n = p.seq_lens[b];
+  std::vector<float> logits(Hkv * p.Mp * S), k_buf(16 * D), v_buf(S * D);
+  auto page_start = [&](int64_t j, const T* pool, int64_t sP) {
+    return pool + static_cast<int64_t>(p.block_table[b * p.max_pages + j]) * sP;
+  };
   for (int64_t pi = 0; pi < n_list; ++pi) {
     const int64_t j = pages[pi];
     const uint8_t* f = flags + (b * p.max_pages + j) * Hkv;
-    const int64_t phys = p.block_table[b * p.max_pages + j];
     const int64_t n_tok = std::min<int64_t>(S, n - j * S);
-    const T* kp = k_cache + phys * p.k_sP;
-    const T* vp = v_cache + phys * p.v_sP;
-    if (pi + 1 < n_list && pages[pi + 1] != j + 1) prefetch_page(p, b, pages[pi + 1], flags, k_cache, v_cache);
-    // logits[h, m, s]: four queries per pass over a key row (one load of K for four dots)
-    for (int64_t s = 0; s < n_tok; ++s)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        if (!f[h]) continue;
-        const float* __restrict krow = as_float(kp + s * p.k_sS + h * p.k_sH, k_buf.data(), D);
-        float* lg = logits.data() + h * Mp * S + s;
-        for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
-          const float* __restrict q0 = qs + ((b * Hkv + h) * Mp + m0) * D;
-          // named accumulators: gcc keeps them in vector registers (an array reduction it reduces every step)
-          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-          if constexpr (QB == 4) {
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t d = 0; d < D; ++d) {
-              const float kd = krow[d];
-              a0 += q0[d] * kd;
-              a1 += q0[D + d] * kd;
-              a2 += q0[2 * D + d] * kd;
-              a3 += q0[3 * D + d] * kd;
-            }
-          } else if constexpr (QB == 2) {
-#pragma omp simd reduction(+ : a0, a1)
-            for (int64_t d = 0; d < D; ++d) {
-              const float kd = krow[d];
-              a0 += q0[d] * kd;
-              a1 += q0[D + d] * kd;
-            }
-          } else {
-#pragma omp simd reduction(+ : a0)
-            for (int64_t d = 0; d < D; ++d) a0 += q0[d] * krow[d];
-          }
-          const float a[4] = {a0, a1, a2, a3};
-          for (int k = 0; k < QB; ++k) lg[(m0 + k) * S] = a[k];
-        }
-      }
-    // online softmax per (head, query): rescale the running sum to the page's max, add the page's weights
-    for (int64_t h = 0; h < Hkv; ++h) {
-      if (!f[h]) continue;
-      for (int64_t m = 0; m < Mp; ++m) {
-        float* lm = logits.data() + (h * Mp + m) * S;
-        if (m < M && !simple) {                       // causal (Tq > 1) and sliding-window masks
-          const int64_t qpos = n - p.Tq + m / G;
-          for (int64_t s = 0; s < n_tok; ++s) {
-            const int64_t kpos = j * S + s;
-            if (kpos > qpos || (p.window_left >= 0 && kpos < qpos - p.window_left)) lm[s] = kNegInf;
-          }
-        }
-        float page_max = kNegInf;
-#pragma omp simd reduction(max : page_max)
-        for (int64_t s = 0; s < n_tok; ++s) page_max = std::max(page_max, lm[s]);
-        if (m >= M || page_max == kNegInf) {          // padding, or nothing visible on this page: weights 0
-          std::fill(lm, lm + n_tok, 0.0f);
-          continue;
-        }
-        const int64_t i = h * Mp + m;
-        const float new_max = std::max(st.m[i], page_max);
-        const float alpha = exp_nonpos(st.m[i] - new_max);   // 0 on the first visible page
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t s = 0; s < n_tok; ++s) {
-          lm[s] = exp_nonpos(lm[s] - new_max);
-          l += lm[s];
-        }
-        st.l[i] = st.l[i] * alpha + l;
-        st.m[i] = new_max;
-        if (alpha != 1.0f) {
-          float* __restrict am = st.acc.data() + i * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) am[d] *= alpha;
-        }
-      }
+    NextPage<T> nx;
+    if (pi + 1 < n_list) {
+      const int64_t jn = pages[pi + 1];
+      nx = {page_start(jn, k_cache, p.k_sP), page_start(jn, v_cache, p.v_sP), flags + (b * p.max_pages + jn) * Hkv,
+            std::min<int64_t>(S, n - jn * S)};
     }
-    // acc[h, m] += w[h, m, s] * v[s, h], four queries per pass over a value row
-    for (int64_t s = 0; s < n_tok; ++s)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        if (!f[h]) continue;
-        const float* __restrict vrow = as_float(vp + s * p.v_sS + h * p.v_sH, v_buf.data(), D);
-        const float* lg = logits.data() + h * Mp * S + s;
-        for (int64_t m0 = 0; m0 < Mp; m0 += QB) {
-          float w[QB];
-          for (int k = 0; k < QB; ++k) w[k] = lg[(m0 + k) * S];
-          float* __restrict c0 = st.acc.data() + (h * Mp + m0) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) {
-            const float vd = vrow[d];
-            for (int k = 0; k < QB; ++k) c0[k * D + d] += w[k] * vd;
-          }
-        }
-      }
+    page_logits<T, kD, QB>(p, b, page_start(j, k_cache, p.k_sP), n_tok, f, qs, logits.data(), k_buf.data(), nx);
+    page_softmax<kD>(p, b, j, n_tok, f, logits.data(), st);
+    page_values<T, kD, QB>(p, page_start(j, v_cache, p.v_sP), n_tok, f, logits.data(), v_buf.data(), st, nx);
   }
 }
 
@@ -554,4 +690,6 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Quest selection + paged attention, one (row, KV head) per task");
+  m.def("simd", [] { return TINYATTN_AVX512 ? "AVX-512 micro-kernels" : "portable loops"; },
+        "which inner loops this build runs");
 }
