@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import tinyattn
 import tinyattn.kernels_cpu as kernels_cpu
 from tinyattn import reference
-from paged_problems import problems
+from paged_problems import make_problem, problems
 
 pytestmark = pytest.mark.skipif(not kernels_cpu.available(), reason=f"CPU kernel {kernels_cpu.status()}")
 
@@ -190,6 +190,56 @@ def test_kernel_off_falls_back(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "off: TINYATTN_CPU_KERNEL=0 (1, 2, 8)"
+
+
+def _plan_problem():
+    p = make_problem(5, batch=2, seq_lens=[150, 61], page_size=16, num_kv_heads=2, group=4, head_dim=64)
+    plan = tinyattn.PagedAttentionPlan(backend="torch").plan(
+        p.block_table, p.seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, page_budget=4)
+    k_min, k_max = p.bounds()
+    return p, plan, k_min, k_max
+
+
+def test_run_with_out_allocates_nothing(monkeypatch, calls):
+    """Issue 9: with ``out=`` the kernel path of plan.run allocates no tensor (the int32 tables and the selection
+    buffer are the step's, made by its first run), and writes the answer into ``out``."""
+    p, plan, k_min, k_max = _plan_problem()
+    q = p.q[:, 0]
+    out = torch.empty_like(q)
+    for boxes in ({}, dict(k_min=k_min, k_max=k_max)):
+        plan.run(q, p.k_cache, p.v_cache, out=out, **boxes)               # the step's first run
+        made = []
+        for name in ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "ones", "tensor"):
+            real = getattr(torch, name)
+            monkeypatch.setattr(torch, name, lambda *a, _real=real, _n=name, **kw: (made.append(_n), _real(*a, **kw))[1])
+        got = plan.run(q, p.k_cache, p.v_cache, out=out, **boxes)
+        monkeypatch.undo()
+        assert made == [] and got is out
+        ref = (reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, page_budget=4,
+                                                **boxes) if boxes else
+               reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("bad", ["pool", "k_max", "q", "out"])
+def test_run_hot_path_still_names_the_argument(bad, calls):
+    """plan.run's decode hot path leaves the shape checks to the kernel; what the kernel refuses goes through the
+    checked path, so the error is the same ValueError naming the argument as before."""
+    p, plan, k_min, k_max = _plan_problem()
+    q, k, v = p.q[:, 0], p.k_cache, p.v_cache
+    kwargs = dict(k_min=k_min, k_max=k_max)
+    if bad == "pool":                  # fewer pages than the table's ids: the plan knows the largest id
+        k, v, kwargs = k[:3], v[:3], {}
+    elif bad == "k_max":
+        kwargs = dict(k_min=k_min)
+    elif bad == "q":
+        q = q[:, :4]
+    else:
+        kwargs["out"] = torch.empty(2, 8, 32)
+    match = {"pool": "block_table", "k_max": "k_min, k_max", "q": "q:", "out": "out:"}[bad]
+    with pytest.raises(ValueError, match=match):
+        plan.run(q, k, v, **kwargs)
 
 
 def test_portable_build_matches_reference():

@@ -138,7 +138,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Run the kernel (in place into ``out`` / ``lse`` / ``selected``).
 
     Args:
-        q: ``[B, Tq, Hq, D]`` contiguous fp32 / bf16 / fp16; ``out`` the same.
+        q: ``[B, Tq, Hq, D]`` or ``[B, Hq, D]`` (decode) contiguous fp32 / bf16 / fp16; ``out`` the same.
         k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, ``q``'s dtype, unit stride in ``D``.
         block_table ``[B, M]``, seq_lens ``[B]``: contiguous int32, already validated.
         k_min, k_max: ``[num_pages, Hkv, D]`` boxes (fp32 / bf16 / fp16, unit stride in ``D``): with
@@ -146,7 +146,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         page_indices: ``[B, Hkv, K]`` contiguous int32 logical pages to attend (sorted and de-duplicated inside).
         selected: ``[B, Hkv, page_budget]`` int32 receiving the selection (ascending, -1 padded).
         scale: softmax scale; window_left: FlashInfer's sliding window (-1: none).
-        lse: ``[B, Tq, Hq]`` fp32 receiving the natural-log log-sum-exp (-inf where no key is visible).
+        lse: ``[B, Tq, Hq]`` / ``[B, Hq]`` fp32 receiving the natural-log log-sum-exp (-inf where no key is
+            visible).
+
+    Raises:
+        RuntimeError naming the argument for shapes, dtypes or page ids the kernel cannot read (its last line
+        of defence: the ops raise ``ValueError`` / ``TypeError`` first).
     """
     if _module is None and not available():
         raise RuntimeError(f"tinyattn: the compiled CPU kernel is {_status}")

@@ -20,9 +20,10 @@
 // sums run in the micro-kernels of paged_decode_avx512.h (16 dots per reduction tree, accumulators in
 // registers), elsewhere in the portable `omp simd` loops below.
 //
-// Layouts (DESIGN.md §2): q [B, Tq, Hq, D] contiguous; k_cache / v_cache [num_pages, page_size, Hkv, D] with unit
-// stride in D (other strides free); k_min / k_max [num_pages, Hkv, D] (unit stride in D); block_table [B, M]
-// int32, seq_lens [B] int32, page_indices [B, Hkv, K] int32 (all contiguous); out like q; lse [B, Tq, Hq] fp32.
+// Layouts (DESIGN.md §2): q [B, Tq, Hq, D] (or [B, Hq, D]: Tq = 1) contiguous; k_cache / v_cache [num_pages,
+// page_size, Hkv, D] with unit stride in D (other strides free); k_min / k_max [num_pages, Hkv, D] (unit stride in
+// D); block_table [B, M] int32, seq_lens [B] int32, page_indices [B, Hkv, K] int32 (all contiguous); out like q;
+// lse [B, (Tq,) Hq] fp32.
 // Offsets are int64 throughout. The Python side (tinyattn/kernels_cpu/__init__.py) checks what this file assumes.
 
 #include <torch/extension.h>
@@ -634,7 +635,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const c10::optional<at::Tensor>& selected, int64_t page_budget, int64_t num_sink_pages,
                   int64_t num_recent_pages, double scale, int64_t window_left, at::Tensor out,
                   const c10::optional<at::Tensor>& lse) {
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q: expected a contiguous [B, Tq, Hq, D] tensor");
+  TORCH_CHECK((q.dim() == 4 || q.dim() == 3) && q.is_contiguous(),
+              "q: expected a contiguous [B, Tq, Hq, D] or [B, Hq, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "k_cache, v_cache: expected [num_pages, page_size, Hkv, D] with unit stride in D");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
@@ -643,7 +645,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "out: expected a contiguous tensor like q");
   Problem p{};
-  p.B = q.size(0); p.Tq = q.size(1); p.Hq = q.size(2); p.D = q.size(3);
+  p.B = q.size(0); p.Tq = q.dim() == 4 ? q.size(1) : 1; p.Hq = q.size(-2); p.D = q.size(-1);
   p.S = k_cache.size(1); p.Hkv = k_cache.size(2); p.G = p.Hq / p.Hkv; p.M = p.Tq * p.G;
   // queries padded to whole 4-query blocks, except groups of 1 or 2 (or any even count): blocks of 1 or 2
   p.Mp = p.M % 4 == 0 || p.M % 2 == 0 || p.M == 1 ? p.M : (p.M + 3) / 4 * 4;
@@ -657,6 +659,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.select = k_min.has_value() && page_budget > 0;
   p.budget = page_budget; p.num_sink = num_sink_pages; p.num_recent = num_recent_pages;
+  TORCH_CHECK(k_min.has_value() == k_max.has_value(), "k_min, k_max: expected both or neither");
+  if (lse)
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->numel() == p.B * p.Tq * p.Hq,
+                "lse: expected a contiguous fp32 tensor of B * Tq * Hq elements");
   if (k_min) {
     TORCH_CHECK(k_min->stride(2) == 1 && k_max->stride(2) == 1 && k_min->strides() == k_max->strides() &&
                     k_min->scalar_type() == k_max->scalar_type(),

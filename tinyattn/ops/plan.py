@@ -205,6 +205,14 @@ class PagedAttentionPlan:
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
         self._selects = self.selects
         self._fast_ok = not self._nothing and _sdpa_zeroes_empty_rows()
+        # run()'s hot path: a CPU step the compiled kernel serves, checked once here; per call run() compares
+        # shapes and flags and lets the kernel check the rest (see _run_cpu_direct)
+        self._cpu_direct = (self.backend == "torch" and self.device.type == "cpu" and not self._nothing
+                            and num_query_tokens <= kernels_cpu.MAX_QUERY_TOKENS)
+        self._q_shapes = ((self.batch, num_q_heads, head_dim) if num_query_tokens == 1 else None,
+                          (self.batch, num_query_tokens, num_q_heads, head_dim))
+        self._kv_tail = (page_size, num_kv_heads, head_dim)
+        self._cpu_selected = None
         if self.backend == "triton":
             self._plan_triton()
         self._planned = True
@@ -212,8 +220,9 @@ class PagedAttentionPlan:
 
     def rebind(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> "PagedAttentionPlan":
         """Point the plan at new tensors holding the same values as the planned ones (their tables stand)."""
+        if block_table is not self.block_table or seq_lens is not self.seq_lens:
+            self._cpu_tables = None       # may alias the old tensors (int32 already), whose values may change
         self.block_table, self.seq_lens = block_table, seq_lens
-        self._cpu_tables = None
         if self.backend == "triton":
             self._bt32 = block_table.to(torch.int32).contiguous()
             self._sl32 = seq_lens.to(torch.int32).contiguous()
@@ -271,6 +280,11 @@ class PagedAttentionPlan:
         needs its scales, ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``); differentiable in
         ``q``, ``k_cache``, ``v_cache`` (float pools).
         """
+        if (page_indices is None and scale is None and k_scale is None and v_scale is None
+                and type(window_left) is int and window_left == -1 and self._planned and self._cpu_direct):
+            result = self._run_cpu_direct(q, k_cache, v_cache, k_min, k_max, return_lse, out)
+            if result is not None:
+                return result
         if not self._planned:
             raise RuntimeError("PagedAttentionPlan.run: call plan(block_table, seq_lens, ...) first (once per step)")
         if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (self.page_size, self.num_kv_heads, self.head_dim):
@@ -359,31 +373,50 @@ class PagedAttentionPlan:
             return False
         return kernels_cpu.available()
 
+    def _run_cpu_direct(self, q, k_cache, v_cache, k_min, k_max, return_lse, out):
+        """The decode hot path of :meth:`run` (a planned CPU step, no options): the few checks whose answer can
+        change between layers, then the kernel, which checks shapes, dtypes, strides and page ids itself.
+        ``None`` when the call needs the general path (autograd, a profiler, the kernel off, another shape) or
+        the kernel refused it: the general path then raises the precise ``ValueError`` / ``TypeError`` (or takes
+        the PyTorch implementation, e.g. for strided rows), so nothing here changes what a call returns."""
+        if (not kernels_cpu.enabled or kernels_cpu._module is None or _spans.recorder is not None
+                or (q.shape != self._q_shapes[0] and q.shape != self._q_shapes[1])
+                or k_cache.shape[1:] != self._kv_tail or (k_min is None) != (k_max is None)
+                or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))
+                or torch.compiler.is_compiling()):
+            return None
+        try:
+            return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, None, return_lse, out, -1)
+        except RuntimeError:
+            return None
+
     def _run_cpu_kernel(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left):
         """Quest selection (when boxes are given and some row exceeds the budget) and attention in one call."""
-        q4 = (q.unsqueeze(1) if q.dim() == 3 else q).contiguous()
-        if out is not None and out.is_contiguous() and out.dtype == q.dtype:
-            o4 = out.view(q4.shape)
-        else:
-            o4 = torch.empty_like(q4)
-        lse = torch.empty(q4.shape[:3], dtype=torch.float32) if return_lse else None
+        q = q.contiguous()                     # [B, Hq, D] or [B, Tq, Hq, D]: the kernel reads both
+        o = out if out is not None and out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
         if self._cpu_tables is None:          # int32 tables once per step (the kernel reads them directly)
             self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
                                 self.seq_lens.to(torch.int32).contiguous())
         select = k_min is not None and self._selects
         selected = None
         if select:
-            selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget), torch.int32)
-            self._cpu_selected = selected     # ascending, -1 padded
+            if self._cpu_selected is None:    # ascending, -1 padded; one buffer per step, rewritten by each layer
+                self._cpu_selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget),
+                                                  torch.int32)
+            selected = self._cpu_selected
         elif page_indices is not None:
             page_indices = page_indices.to(torch.int32).contiguous()
-        kernels_cpu.paged_decode(q4, k_cache, v_cache, *self._cpu_tables, o4,
+        kernels_cpu.paged_decode(q, k_cache, v_cache, *self._cpu_tables, o,
                                  k_min=k_min if select else None, k_max=k_max if select else None,
                                  page_indices=page_indices, selected=selected,
                                  page_budget=self.page_budget if select else 0, num_sink_pages=self.num_sink_pages,
                                  num_recent_pages=self.num_recent_pages, scale=self.scale, window_left=window_left,
                                  lse=lse)
-        return self._finish(q, o4, lse, return_lse, out)
+        if out is not None and o is not out:
+            out.copy_(o)
+            o = out
+        return (o, lse) if return_lse else o
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
         """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""
