@@ -242,6 +242,41 @@ def test_run_hot_path_still_names_the_argument(bad, calls):
         plan.run(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_in_kernel_matches_torch_ops(dtype, monkeypatch):
+    """PagedKVCache.write through the kernel (rows + boxes in one call) = the index_copy_ / index_reduce_ path:
+    several tokens of one page in one call, pages of several rows, a NaN key (propagates into the box, as amin /
+    amax do), and slots that did not come from extend()."""
+    from tinyattn.cache import PagedKVCache
+
+    real, seen = kernels_cpu.write_kv, []
+    monkeypatch.setattr(kernels_cpu, "write_kv", lambda *a: (seen.append(1), real(*a))[1])
+    caches = [PagedKVCache(2, 3, 16, page_size=4, num_pages=12, dtype=dtype) for _ in range(2)]
+    for c in caches:
+        assert [c.add_sequence(), c.add_sequence()] == [0, 1]
+    g = torch.Generator().manual_seed(0)
+    for step, n in enumerate([7, 1, 3, 1]):
+        slots = [c.extend([0, 1], n) for c in caches]
+        k = torch.randn(2 * n, 3, 16, generator=g).to(dtype)
+        v = torch.randn(2 * n, 3, 16, generator=g).to(dtype)
+        if step == 2:
+            k[1, 2, 5] = float("nan")
+        for layer in range(2):
+            caches[0].write(layer, slots[0], k, v)                        # the kernel
+            with kernels_cpu.disabled():
+                caches[1].write(layer, slots[1], k, v)                    # the PyTorch ops
+    loose = torch.tensor([1, 5, 6], dtype=torch.int64)                    # not from extend(): checked, then written
+    k, v = torch.randn(2, 3, 3, 16, generator=g).to(dtype)
+    caches[0].write(0, loose, k, v)
+    with kernels_cpu.disabled():
+        caches[1].write(0, loose, k, v)
+    for name in ("k_cache", "v_cache", "k_min", "k_max"):
+        for a, b in zip(getattr(caches[0], name), getattr(caches[1], name)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+    assert torch.isnan(caches[0].k_min[0]).any()
+    assert len(seen) == 9                                                 # every write of caches[0] took the kernel
+
+
 def test_portable_build_matches_reference():
     """The portable loops (what CPUs without AVX-512 run; built here with -mno-avx512f) against the reference,
     on the head sizes the AVX-512 micro-kernels take on this machine: dense, fused selection, Tq > 1."""

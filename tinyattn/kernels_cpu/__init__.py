@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "status", "disabled", "paged_decode", "enabled", "MAX_QUERY_TOKENS", "DTYPES"]
+__all__ = ["available", "status", "disabled", "paged_decode", "write_kv", "enabled", "MAX_QUERY_TOKENS", "DTYPES"]
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 HEADERS = (Path(__file__).with_name("paged_decode_avx512.h"),)
@@ -158,3 +158,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _module.paged_decode(q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, page_indices, selected,
                          int(page_budget), int(num_sink_pages), int(num_recent_pages), float(scale),
                          int(window_left), out, lse)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_min, k_max, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store ``k``, ``v`` ``[N, Hkv, D]`` at token rows ``slots`` ``[N]`` (int64) of the contiguous pools
+    ``[num_pages, page_size, Hkv, D]`` and grow the boxes ``[num_pages, Hkv, D]`` (or ``None``) of their pages,
+    all in the pool's dtype: what :meth:`tinyattn.PagedKVCache.write` does with two ``index_copy_`` and two
+    ``index_reduce_``, in one call. Raises RuntimeError for other layouts or slots outside the pool."""
+    if _module is None and not available():
+        raise RuntimeError(f"tinyattn: the compiled CPU kernel is {_status}")
+    _module.write_kv(k_cache, v_cache, k_min, k_max, slots, k, v)

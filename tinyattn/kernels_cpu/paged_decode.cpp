@@ -692,10 +692,72 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 }
 
+// ------------------------------------------------------------------------------------------------ cache write
+// k, v [N, Hkv, D] stored at token rows `slots` [N] (int64) of the pools [num_pages, page_size, Hkv, D]
+// (contiguous), and the boxes [num_pages, Hkv, D] of their pages grown to hold the new keys (min / max, NaN
+// propagating like torch's amin / amax). One call instead of two index_copy_ and two index_reduce_ per layer.
+template <typename T>
+void write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const c10::optional<at::Tensor>& k_min,
+                const c10::optional<at::Tensor>& k_max, const int64_t* slots, const at::Tensor& k,
+                const at::Tensor& v) {
+  const int64_t N = k.size(0), HD = k.size(1) * k.size(2), S = k_cache.size(1);
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* lo = k_min ? k_min->data_ptr<T>() : nullptr;
+  T* hi = k_max ? k_max->data_ptr<T>() : nullptr;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t slot = slots[n];
+    std::copy(kp + n * HD, kp + (n + 1) * HD, kc + slot * HD);
+    std::copy(vp + n * HD, vp + (n + 1) * HD, vc + slot * HD);
+    if (lo == nullptr) continue;
+    T* l = lo + (slot / S) * HD;
+    T* h = hi + (slot / S) * HD;
+    for (int64_t i = 0; i < HD; ++i) {
+      const float x = static_cast<float>(kp[n * HD + i]);
+      if (x != x || x < static_cast<float>(l[i])) l[i] = kp[n * HD + i];
+      if (x != x || x > static_cast<float>(h[i])) h[i] = kp[n * HD + i];
+    }
+  }
+}
+
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const c10::optional<at::Tensor>& k_min,
+              const c10::optional<at::Tensor>& k_max, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache, v_cache: expected two contiguous [num_pages, page_size, Hkv, D] pools of one dtype");
+  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() && v.sizes() == k.sizes() &&
+                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) &&
+                  k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k, v: expected contiguous [N, Hkv, D] rows in the pool's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots: expected N contiguous int64 token rows");
+  TORCH_CHECK(k_min.has_value() == k_max.has_value(), "k_min, k_max: expected both or neither");
+  for (const auto* box : {&k_min, &k_max})
+    if (box->has_value())
+      TORCH_CHECK((*box)->is_contiguous() && (*box)->scalar_type() == k_cache.scalar_type() &&
+                      (*box)->dim() == 3 && (*box)->size(0) == k_cache.size(0) && (*box)->size(1) == k.size(1) &&
+                      (*box)->size(2) == k.size(2),
+                  "k_min, k_max: expected contiguous [num_pages, Hkv, D] boxes in the pool's dtype");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t rows = k_cache.size(0) * k_cache.size(1);
+  for (int64_t n = 0; n < slots.numel(); ++n)
+    TORCH_CHECK(sp[n] >= 0 && sp[n] < rows, "slots: expected token rows in [0, ", rows, "), got ", sp[n]);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return write_rows<float>(k_cache, v_cache, k_min, k_max, sp, k, v);
+    case at::kBFloat16: return write_rows<at::BFloat16>(k_cache, v_cache, k_min, k_max, sp, k, v);
+    case at::kHalf: return write_rows<at::Half>(k_cache, v_cache, k_min, k_max, sp, k, v);
+    default: TORCH_CHECK(false, "k_cache: expected fp32, bf16 or fp16, got ", k_cache.scalar_type());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Quest selection + paged attention, one (row, KV head) per task");
+  m.def("write_kv", &write_kv, "store K/V rows at token slots and grow their pages' boxes");
   m.def("simd", [] { return TINYATTN_AVX512 ? "AVX-512 micro-kernels" : "portable loops"; },
         "which inner loops this build runs");
 }

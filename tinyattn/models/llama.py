@@ -145,6 +145,8 @@ class ForwardStep:
     cis: torch.Tensor
     pools: list
     scales: list
+    weights: list = None          # each block's FusedWeights, then the folded classifier (LlamaModel._weights)
+    norm_eps: list = None         # each block's (attention_norm, ffn_norm) eps, then the final norm's
 
 
 def _derived(owner, name: str, weights, build):
@@ -296,7 +298,8 @@ class LlamaModel(nn.Module):
             pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)),
             scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
                                                                    getattr(cache, "v_scale", []))]
-            or [{}] * cfg.n_layers)                           # int8 / fp8 caches: per-(page, KV head) scales
+            or [{}] * cfg.n_layers,                           # int8 / fp8 caches: per-(page, KV head) scales
+            weights=self._weights(), norm_eps=self._norm_eps)
 
     def embed(self, step: "ForwardStep") -> torch.Tensor:
         """The step's token embeddings as rows ``[N, dim]``, ``N = B * T`` (row-major)."""
@@ -308,9 +311,9 @@ class LlamaModel(nn.Module):
         rotates neither."""
         cfg, B, T = self.config, step.batch, step.num_tokens
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        layer, n_qk = self.layers[li], (Hq + Hkv) * hd
+        n_qk = (Hq + Hkv) * hd
         # wq|wk|wv as one matmul with the RMSNorm weight folded in; q and k rotated together
-        qkv = torch.mm(x, layer.fused_weights().qkv).mul_(_inv_rms(x, layer.attention_norm.eps).to(x.dtype))
+        qkv = torch.mm(x, step.weights[li].qkv).mul_(_inv_rms(x, step.norm_eps[li][0]).to(x.dtype))
         qk = qkv[:, :n_qk].view(B * T, Hq + Hkv, hd)                                         # [N, Hq+Hkv, hd]
         if cfg.uses_rope(li):
             qk = _rotate(qk, step.cis)
@@ -322,7 +325,7 @@ class LlamaModel(nn.Module):
         attention through the step's attention layer (a sliding layer with its ``window_left``), FFN; residual adds
         fused into the output matmuls."""
         B, T = step.batch, step.num_tokens
-        w, norm_eps = self.layers[li].fused_weights(), self.layers[li].ffn_norm.eps
+        w, norm_eps = step.weights[li], step.norm_eps[li][1]
         q = self.write_kv(li, x, step)
         attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li))
         x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
@@ -335,8 +338,24 @@ class LlamaModel(nn.Module):
         B, T = step.batch, step.num_tokens
         if last_only:
             x = x.view(B, T, -1)[:, -1]
-        logits = torch.mm(x, self._folded_output()).mul_(_inv_rms(x, self.norm.eps).to(x.dtype))
+        logits = torch.mm(x, step.weights[-1]).mul_(_inv_rms(x, step.norm_eps[-1]).to(x.dtype))
         return (logits if last_only else logits.view(B, T, -1)).float()
+
+    def _weights(self) -> list:
+        """Every block's :class:`FusedWeights`, then the folded classifier: checked for changes once per step
+        (one pass over the parameters' version counters and storages) instead of at every use in every layer
+        (nine weights through ``nn.Module.__getattr__`` each time: ~10% of a stories260K decode step)."""
+        params = list(self.parameters())
+        key = None if any(p.is_inference() for p in params) else tuple((p._version, p.data_ptr()) for p in params)
+        cached = self.__dict__.get("_weights_cache")
+        if key is None or cached is None or cached[0] != key:
+            cached = (key, [layer.fused_weights() for layer in self.layers] + [self._folded_output()])
+            self.__dict__["_weights_cache"] = cached
+        return cached[1]
+
+    @property
+    def _norm_eps(self) -> list:
+        return [(b.attention_norm.eps, b.ffn_norm.eps) for b in self.layers] + [self.norm.eps]
 
     def _folded_output(self) -> torch.Tensor:
         """The classifier ``[dim, V]`` with the final RMSNorm weight folded in (as :meth:`LlamaBlock.fused_weights`)."""
