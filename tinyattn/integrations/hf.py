@@ -285,8 +285,10 @@ class TinyAttnCache(Cache):
         They are written into the page pool by the ``"tinyattn"`` attention function, which sees the
         attention mask (needed to leave left padding out of the pages).
         """
-        impl = getattr(self.config, "_attn_implementation", None)
-        if impl != ATTN_IMPLEMENTATION:
+        first = self._layer_chunk[layer_idx] == self._chunk if isinstance(layer_idx, int) and \
+            0 <= layer_idx < self.num_layers else True
+        impl = getattr(self.config, "_attn_implementation", None) if first else ATTN_IMPLEMENTATION
+        if impl != ATTN_IMPLEMENTATION:            # checked on the first layer of each forward pass
             raise ValueError(f"TinyAttnCache: expected a model loaded with attn_implementation="
                              f"'{ATTN_IMPLEMENTATION}' (after `import tinyattn.integrations.hf`), got "
                              f"attn_implementation={impl!r}; with another implementation the model would attend "
@@ -534,14 +536,14 @@ class TinyAttnCache(Cache):
                              "(right padding). TinyAttnCache supports left padding only: set "
                              "tokenizer.padding_side = 'left'")
         before = [self._pool.length(s) for s in self._seq_ids]
-        counts = real.sum(1).tolist()
+        counts = [T] * B if mask is None else real.sum(1).tolist()
         if self.attention_chunk is not None and max(b + c for b, c in zip(before, counts)) > self.attention_chunk:
             raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's attention chunk "
                                       f"({self.attention_chunk} tokens); chunked attention is not supported by "
                                       f"tinyattn's paged ops")
         self._slots = self._extend(counts)
         # row-major, like the slots; None when every new token is real (decode without padding)
-        self._gather = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
+        self._gather = None if mask is None or bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
         self._fresh = not any(before)
         self._planned = False
         self._block_table = self._pool.block_table(self._seq_ids)
@@ -582,9 +584,7 @@ class TinyAttnCache(Cache):
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                             scaling=scaling, **kwargs)
             return out, None
-        q = query.transpose(1, 2)                                               # [B, T, Hq, D]
-        if T == 1:
-            q = q[:, 0]                                                         # [B, Hq, D]
+        q = query[:, :, 0] if T == 1 else query.transpose(1, 2)                  # [B, Hq, D] / [B, T, Hq, D]
         if q.dtype != pool.dtype and not pool.quantized:
             q = q.to(pool.dtype)
         if not self._planned:       # first layer of this forward: one plan for every layer
