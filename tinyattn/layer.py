@@ -115,6 +115,7 @@ class PagedAttention:
         self.plan = PagedAttentionPlan(backend=backend)
         self.decode = False
         self.seq_ids = None
+        self._fused = False                  # set by begin(): fused Quest with no metrics (the fast path of __call__)
 
     def __repr__(self) -> str:
         s = self.sparsity
@@ -164,6 +165,12 @@ class PagedAttention:
         for a query at position ``p``; ``-1`` = full attention). A sliding layer attends densely over its window
         and never selects (see the module's table); ``TypeError`` / ``ValueError`` unless an int ``>= -1``.
         """
+        if (self._fused and page_indices is None and k_scale is None and v_scale is None and type(window_left) is int
+                and window_left == -1 and (scale is None or scale == self.plan.scale) and k_cache.dtype == q.dtype):
+            # the common decode / prefill layer under fused Quest: the decision of the table below, in one test
+            if self.decode and self.sparsity.layer_is_sparse(layer):
+                return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max)
+            return self.plan.run(q, k_cache, v_cache)
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
         if scale is not None and scale != self.plan.scale:

@@ -574,8 +574,11 @@ class TinyAttnCache(Cache):
         if not self._prepared:
             self._prepare_chunk(attention_mask, B, T, query.device, window)
         pool = self._pool
-        k = key.transpose(1, 2).reshape(B * T, Hkv, D)
-        v = value.transpose(1, 2).reshape(B * T, Hkv, D)
+        if T == 1:                                                              # decode: one view each
+            k, v = key[:, :, 0], value[:, :, 0]
+        else:
+            k = key.transpose(1, 2).reshape(B * T, Hkv, D)
+            v = value.transpose(1, 2).reshape(B * T, Hkv, D)
         if self._gather is not None:                                            # drop left padding
             k, v = k[self._gather], v[self._gather]
         pool.write(layer_idx, self._slots, k, v)
