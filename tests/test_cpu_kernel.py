@@ -28,15 +28,21 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3,
 
 @contextlib.contextmanager
 def counted():
-    """Counts the kernel's calls (the plan must route CPU runs to it)."""
+    """Counts the compiled kernel's calls (the plan must route CPU runs to it), at the extension module: the
+    decode hot path calls it directly, the other paths through ``kernels_cpu.paged_decode``."""
     seen = []
-    real = kernels_cpu.paged_decode
+    kernels_cpu.available()
+    real = kernels_cpu._module
 
-    def counting(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
 
-    with mock.patch.object(kernels_cpu, "paged_decode", counting):
+        def paged_decode(self, *args):
+            seen.append(args)
+            return real.paged_decode(*args)
+
+    with mock.patch.object(kernels_cpu, "_module", Counting()):
         yield seen
 
 

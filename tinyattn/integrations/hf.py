@@ -269,6 +269,7 @@ class TinyAttnCache(Cache):
         self._chunk = 0
         self._layer_chunk = [0] * self.num_layers
         self._chunk_len = 0
+        self._chunk_shape = None
         self._prepared = False
         self._pending = None
 
@@ -285,6 +286,14 @@ class TinyAttnCache(Cache):
         They are written into the page pool by the ``"tinyattn"`` attention function, which sees the
         attention mask (needed to leave left padding out of the pages).
         """
+        if (type(layer_idx) is int and 0 < layer_idx < self.num_layers and self._layer_chunk[layer_idx] != self._chunk
+                and self._layer_chunk[layer_idx - 1] == self._chunk and key_states.shape == self._chunk_shape
+                and value_states.shape == self._chunk_shape):
+            # the next layer of the pass in progress, with the states' shape its first layer was checked with
+            self._layer_chunk[layer_idx] = self._chunk
+            self._pending = (layer_idx, key_states, value_states)
+            _CURRENT.cache = weakref.ref(self)
+            return key_states, value_states
         first = self._layer_chunk[layer_idx] == self._chunk if isinstance(layer_idx, int) and \
             0 <= layer_idx < self.num_layers else True
         impl = getattr(self.config, "_attn_implementation", None) if first else ATTN_IMPLEMENTATION
@@ -311,6 +320,7 @@ class TinyAttnCache(Cache):
         if self._layer_chunk[layer_idx] == self._chunk:          # first layer of a new forward pass
             self._chunk += 1
             self._chunk_len = T
+            self._chunk_shape = key_states.shape       # the fast path above serves the pass's later layers
             self._hf_len += T
             self._prepared = False
         elif T != self._chunk_len:
@@ -574,8 +584,8 @@ class TinyAttnCache(Cache):
         if not self._prepared:
             self._prepare_chunk(attention_mask, B, T, query.device, window)
         pool = self._pool
-        if T == 1:                                                              # decode: one view each
-            k, v = key[:, :, 0], value[:, :, 0]
+        if T == 1:                                      # decode: one view each (squeeze: the cheapest view op)
+            k, v = key.squeeze(2), value.squeeze(2)
         else:
             k = key.transpose(1, 2).reshape(B * T, Hkv, D)
             v = value.transpose(1, 2).reshape(B * T, Hkv, D)
@@ -587,7 +597,7 @@ class TinyAttnCache(Cache):
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                             scaling=scaling, **kwargs)
             return out, None
-        q = query[:, :, 0] if T == 1 else query.transpose(1, 2)                  # [B, Hq, D] / [B, T, Hq, D]
+        q = query.squeeze(2) if T == 1 else query.transpose(1, 2)               # [B, Hq, D] / [B, T, Hq, D]
         if q.dtype != pool.dtype and not pool.quantized:
             q = q.to(pool.dtype)
         if not self._planned:       # first layer of this forward: one plan for every layer
@@ -599,7 +609,8 @@ class TinyAttnCache(Cache):
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
                               pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling,
                               window_left=-1 if window is None else window - 1, **scales)
-        return out.reshape(B, T, Hq, D).to(query.dtype), None
+        out = out.view(B, T, Hq, D) if out.is_contiguous() else out.reshape(B, T, Hq, D)
+        return (out if out.dtype == query.dtype else out.to(query.dtype)), None
 
 
 def _window(sliding_window) -> int | None:

@@ -186,9 +186,11 @@ class PagedAttentionPlan:
         self.page_size, self.num_query_tokens = page_size, num_query_tokens
         self.page_budget, self.num_sink_pages, self.num_recent_pages = page_budget, num_sink_pages, num_recent_pages
         self.block_table, self.seq_lens = block_table, seq_lens
-        # the torch backend builds its index tables on the host (one device -> host copy off the CPU)
-        self._host = (tables.host_copy(block_table), tables.host_copy(seq_lens)) if self.backend == "torch" else None
-        if self._host is not None:
+        # the torch backend builds its index tables on the host (one device -> host copy off the CPU); on the CPU
+        # the copy waits for the PyTorch path's first use (_host_tables): the compiled kernel reads the tensors
+        self._host = None
+        if self.backend == "torch" and self.device.type != "cpu":
+            self._host = (tables.host_copy(block_table), tables.host_copy(seq_lens))
             self._lens = self._host[1].tolist()
         else:
             self._lens = None if trusted and self.device.type != "cpu" else seq_lens.tolist()
@@ -213,6 +215,7 @@ class PagedAttentionPlan:
                           (self.batch, num_query_tokens, num_q_heads, head_dim))
         self._kv_tail = (page_size, num_kv_heads, head_dim)
         self._cpu_selected = None
+        self._cpu_step_args = None                   # the decode hot path's kernel arguments, built on first use
         if self.backend == "triton":
             self._plan_triton()
         self._planned = True
@@ -222,6 +225,7 @@ class PagedAttentionPlan:
         """Point the plan at new tensors holding the same values as the planned ones (their tables stand)."""
         if block_table is not self.block_table or seq_lens is not self.seq_lens:
             self._cpu_tables = None       # may alias the old tensors (int32 already), whose values may change
+            self._cpu_step_args = None
         self.block_table, self.seq_lens = block_table, seq_lens
         if self.backend == "triton":
             self._bt32 = block_table.to(torch.int32).contiguous()
@@ -386,9 +390,36 @@ class PagedAttentionPlan:
                 or torch.compiler.is_compiling()):
             return None
         try:
+            if out is None and not return_lse and q.is_contiguous():
+                # the decode layer as models call it: straight to the kernel with the step's arguments (one
+                # Python frame less per layer: at stories260K's size the frames cost as much as the kernel)
+                args = self._cpu_step_args if self._cpu_step_args is not None else self._make_cpu_step_args()
+                o = torch.empty_like(q)
+                if k_min is not None and self._selects:
+                    kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], k_min, k_max, None,
+                                                     *args[2:], o, None)
+                else:
+                    kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], None, None, None, None,
+                                                     0, *args[4:], o, None)
+                return o
             return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, None, return_lse, out, -1)
         except RuntimeError:
             return None
+
+    def _make_cpu_step_args(self) -> tuple:
+        """The step's constant kernel arguments: int32 tables, the selection buffer and the scalars."""
+        if self._cpu_tables is None:
+            self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
+                                self.seq_lens.to(torch.int32).contiguous())
+        selected = None
+        if self._selects:
+            if self._cpu_selected is None:
+                self._cpu_selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget),
+                                                  torch.int32)
+            selected = self._cpu_selected
+        self._cpu_step_args = (*self._cpu_tables, selected, int(self.page_budget or 0), int(self.num_sink_pages),
+                               int(self.num_recent_pages), float(self.scale), -1)
+        return self._cpu_step_args
 
     def _run_cpu_kernel(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left):
         """Quest selection (when boxes are given and some row exceeds the budget) and attention in one call."""
@@ -689,6 +720,7 @@ class PagedAttentionPlan:
 
     _cpu_tables = None         # (block_table, seq_lens) as contiguous int32 for the compiled CPU kernel
     _cpu_selected = None       # the compiled CPU kernel's last selection [B, Hkv, page_budget]
+    _cpu_step_args = None      # the decode hot path's kernel arguments (_make_cpu_step_args)
     _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
     _selected = None           # the Triton path's selection buffer (preallocated by _plan_triton)
     _last_selection = None     # the pages the torch path selected last (their rows come from the tables)
