@@ -305,6 +305,9 @@ def test_errors_are_clear():
         tiny(ids, cache=c, use_cache=True)
         with pytest.raises(ValueError, match="batch size changed"):
             tiny(torch.cat([ids, ids]), cache=c, use_cache=True)
+    k = torch.zeros(1, tiny.config.num_key_value_heads, 1, tiny.config.hidden_size // tiny.config.num_attention_heads)
+    with pytest.raises(ValueError, match="layer_idx"):          # a bool is no layer index (True is not layer 1)
+        c.update(k, k, True)
 
 
 def test_past_key_values_alias_and_multi_turn_continuation():

@@ -355,3 +355,58 @@ def test_float_order_key_orders_like_the_scores(values, dtype):
             assert (key[i] < key[j]) == (as_f32[i] < as_f32[j])
             assert (key[i] == key[j]) == (as_f32[i] == as_f32[j])
     assert torch.equal(x.nan_to_num(), before.nan_to_num()) and torch.equal(x.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("boxes", [False, True], ids=["dense", "sparse"])
+def test_a_layer_scale_is_not_kept_for_the_next_layers(boxes):
+    """A layer with its own softmax scale (GPT-2's per-layer scaling) runs with it, and the layers after it with the
+    plan's scale again, whatever order the decode hot path saw them in (its cached step arguments hold no scale)."""
+    q, k, v, table, sl, k_min, k_max = _problem(7, 2, 8, 4, 16, 4, [30, 13])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=8, num_kv_heads=4, head_dim=16,
+                                                    page_size=4, page_budget=3)
+    kw = dict(k_min=k_min, k_max=k_max) if boxes else {}
+
+    def ref(scale=None):
+        if boxes:
+            return R.sparse_paged_attention(q[:, 0], k, v, table, sl, page_budget=3, scale=scale, **kw)
+        return R.paged_attention(q[:, 0], k, v, table, sl, scale=scale)
+
+    for order in (("plan", 0.5, "plan"), (0.5, "plan", 0.5)):
+        for scale in order:
+            got = plan.run(q[:, 0], k, v, **kw) if scale == "plan" else plan.run(q[:, 0], k, v, scale=scale, **kw)
+            torch.testing.assert_close(got, ref(None if scale == "plan" else scale), atol=2e-5, rtol=1e-4)
+
+
+def test_a_failed_plan_does_not_run_the_last_step():
+    """plan() that raises leaves the plan unplanned: run raises instead of answering with the last step's tables."""
+    q, k, v, table, sl, k_min, k_max = _problem(8, 2, 4, 2, 8, 4, [9, 5])
+    plan = PagedAttentionPlan(backend="torch")
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, num_pages=k.shape[0])
+    plan.plan(table, sl, **kw).run(q[:, 0], k, v)
+    bad = table.clone()
+    bad[0, 0] = 999
+    with pytest.raises(ValueError, match="block_table"):
+        plan.plan(bad, sl, **kw)
+    with pytest.raises(RuntimeError, match="plan"):
+        plan.run(q[:, 0], k, v)
+
+
+def test_public_op_reads_the_tables_it_is_given_after_buffer_reuse():
+    """The public ops reuse a plan while the table values repeat; a caller that then rewrites its old int64 buffers
+    and passes new tensors gets the answer of the new tensors (the plan's host tables are copies, not views)."""
+    q, k, v, table, sl, _, _ = _problem(9, 2, 4, 2, 8, 4, [13, 7])
+    q, k, v = q[:, 0].double(), k.double(), v.double()
+    a, lens = table.long(), sl.long()
+    tinyattn.paged_attention(q, k, v, a, lens)                      # fp64: the PyTorch path builds host tables
+    b, lens_b = a.clone(), lens.clone()
+    a[:] = a.flip(0)
+    lens[:] = lens.flip(0)
+    got = tinyattn.paged_attention(q, k, v, b, lens_b, window_left=3)
+    torch.testing.assert_close(got, R.paged_attention(q, k, v, b, lens_b, window_left=3))
+
+
+def test_run_refuses_an_integer_query():
+    q, k, v, table, sl, _, _ = _problem(10, 1, 4, 2, 8, 4, [9])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+    with pytest.raises(TypeError, match="q: expected a floating dtype"):
+        plan.run(q[:, 0].to(torch.int32), k, v)

@@ -294,7 +294,7 @@ class TinyAttnCache(Cache):
             self._pending = (layer_idx, key_states, value_states)
             _CURRENT.cache = weakref.ref(self)
             return key_states, value_states
-        first = self._layer_chunk[layer_idx] == self._chunk if isinstance(layer_idx, int) and \
+        first = self._layer_chunk[layer_idx] == self._chunk if type(layer_idx) is int and \
             0 <= layer_idx < self.num_layers else True
         impl = getattr(self.config, "_attn_implementation", None) if first else ATTN_IMPLEMENTATION
         if impl != ATTN_IMPLEMENTATION:            # checked on the first layer of each forward pass
@@ -302,7 +302,7 @@ class TinyAttnCache(Cache):
                              f"'{ATTN_IMPLEMENTATION}' (after `import tinyattn.integrations.hf`), got "
                              f"attn_implementation={impl!r}; with another implementation the model would attend "
                              f"only to the new tokens")
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+        if type(layer_idx) is not int or not 0 <= layer_idx < self.num_layers:      # a bool is no layer index
             raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}")
         if key_states.dim() != 4 or value_states.shape != key_states.shape:
             raise ValueError(f"key_states/value_states: expected two [B, Hkv, T, D] tensors of one shape, got "

@@ -88,11 +88,13 @@ def _planned(backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan
         setattr(_plans, backend, plan)
     if plan._api_key is checked:
         return plan.rebind(block_table, seq_lens)
-    plan._api_key = checked
+    plan._api_key = None            # set once planning succeeded: a failed plan is never reused
     shapes, scale, selection = checked.shapes, checked.scale, checked.selection
-    return plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
-                     head_dim=shapes.head_dim, page_size=shapes.page_size,
-                     num_query_tokens=shapes.num_query_tokens, scale=scale, trusted=True, **selection)
+    plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
+              head_dim=shapes.head_dim, page_size=shapes.page_size,
+              num_query_tokens=shapes.num_query_tokens, scale=scale, trusted=True, **selection)
+    plan._api_key = checked
+    return plan
 
 
 class _Checked(NamedTuple):

@@ -163,6 +163,7 @@ class PagedAttentionPlan:
         Raises:
             TypeError / ValueError naming the argument, the expected and the actual value.
         """
+        self._planned = False         # until this step's checks pass: a plan that failed must not run the last step
         for name, value, low in (("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                                  ("head_dim", head_dim, 1), ("page_size", page_size, 1),
                                  ("num_query_tokens", num_query_tokens, 0)):
@@ -299,6 +300,8 @@ class PagedAttentionPlan:
                 q.dim() == 4 and q.shape[1] != self.num_query_tokens) or (q.dim() == 3 and self.num_query_tokens != 1):
             raise ValueError(f"q: expected shape [B={self.batch}, Hq={self.num_q_heads}, D={self.head_dim}] or "
                              f"[B, Tq={self.num_query_tokens}, Hq, D] (the plan's), got {tuple(q.shape)}")
+        if not q.is_floating_point():
+            raise TypeError(f"q: expected a floating dtype (fp32 / bf16 / fp16 / fp64), got {q.dtype}")
         window_left = V.check_window_left(window_left)
         if scale is not None and scale != self.scale:
             saved, self.scale = self.scale, float(scale)
@@ -386,6 +389,7 @@ class PagedAttentionPlan:
         if (not kernels_cpu.enabled or kernels_cpu._module is None or _spans.recorder is not None
                 or (q.shape != self._q_shapes[0] and q.shape != self._q_shapes[1])
                 or k_cache.shape[1:] != self._kv_tail or (k_min is None) != (k_max is None)
+                or q.dtype not in kernels_cpu.DTYPES
                 or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))
                 or torch.compiler.is_compiling()):
             return None
@@ -395,19 +399,21 @@ class PagedAttentionPlan:
                 # Python frame less per layer: at stories260K's size the frames cost as much as the kernel)
                 args = self._cpu_step_args if self._cpu_step_args is not None else self._make_cpu_step_args()
                 o = torch.empty_like(q)
+                # the scale is read per call: a layer with its own scale swaps self.scale around its run
                 if k_min is not None and self._selects:
                     kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], k_min, k_max, None,
-                                                     *args[2:], o, None)
+                                                     *args[2:], float(self.scale), -1, o, None)
                 else:
                     kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], None, None, None, None,
-                                                     0, *args[4:], o, None)
+                                                     0, *args[4:], float(self.scale), -1, o, None)
                 return o
             return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, None, return_lse, out, -1)
         except RuntimeError:
             return None
 
     def _make_cpu_step_args(self) -> tuple:
-        """The step's constant kernel arguments: int32 tables, the selection buffer and the scalars."""
+        """The step's constant kernel arguments: int32 tables, the selection buffer and the selection scalars (not
+        the scale, which a layer may override for its own call)."""
         if self._cpu_tables is None:
             self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
                                 self.seq_lens.to(torch.int32).contiguous())
@@ -418,7 +424,7 @@ class PagedAttentionPlan:
                                                   torch.int32)
             selected = self._cpu_selected
         self._cpu_step_args = (*self._cpu_tables, selected, int(self.page_budget or 0), int(self.num_sink_pages),
-                               int(self.num_recent_pages), float(self.scale), -1)
+                               int(self.num_recent_pages))
         return self._cpu_step_args
 
     def _run_cpu_kernel(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left):

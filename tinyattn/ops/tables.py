@@ -192,6 +192,7 @@ def _sparse_page_tables(table: np.ndarray, n: np.ndarray, recent: np.ndarray, Pv
 
 
 def host_copy(x: torch.Tensor) -> np.ndarray:
-    """The tensor's values as an int64 NumPy array (a device -> host copy for tensors off the CPU)."""
-    return x.detach().to("cpu", torch.int64).numpy()
+    """The tensor's values as an int64 NumPy array, always a copy: a view of a CPU int64 table would change under
+    the plan when the caller reuses its buffer for the next step."""
+    return x.detach().to("cpu", torch.int64, copy=True).numpy()
 
