@@ -410,3 +410,13 @@ def test_run_refuses_an_integer_query():
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
     with pytest.raises(TypeError, match="q: expected a floating dtype"):
         plan.run(q[:, 0].to(torch.int32), k, v)
+
+
+def test_run_names_mismatched_pool_and_box_dtypes():
+    q, k, v, table, sl, k_min, k_max = _problem(11, 1, 4, 2, 8, 4, [9])
+    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
+                                                    page_budget=1)
+    with pytest.raises(TypeError, match="v_cache: expected dtype torch.float32"):
+        plan.run(q[:, 0], k, v.half())
+    with pytest.raises(TypeError, match="k_max: expected dtype torch.float32"):
+        plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max.half())

@@ -469,6 +469,10 @@ class PagedAttentionPlan:
         if v_cache.shape != k_cache.shape:
             raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got "
                              f"{tuple(v_cache.shape)}")
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
+        if k_min is not None and k_max is not None and k_max.dtype != k_min.dtype:
+            raise TypeError(f"k_max: expected dtype {k_min.dtype} (that of k_min), got {k_max.dtype}")
         if self._max_page_id is not None and self._max_page_id >= k_cache.shape[0]:
             raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
                              f"k_cache), got {self._max_page_id}")
