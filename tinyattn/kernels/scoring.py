@@ -23,6 +23,55 @@ TILE_ELEMS = 8192
 
 
 @triton.jit
+def _page_bounds(
+    p_qb,  # q + row offset: [TQ, HQ, D] of one row
+    k_min,  # [num_pages, Hkv, D]
+    k_max,  # [num_pages, Hkv, D]
+    o_p,  # [BP] int64 physical pages
+    m_j,  # [BP] pages to score (others: -inf, nothing loaded)
+    i_h,  # int64 KV head
+    stride_qt, stride_qh, stride_qd,
+    stride_np, stride_nh, stride_nd,
+    stride_xp, stride_xh, stride_xd,
+    TQ, D,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """``[BP]`` Quest bound of pages ``o_p`` for the ``TQ * G`` queries of KV head ``i_h`` (max over them).
+
+    Shared by ``_page_scores_kernel`` and the fused chunk kernel of ``chunk_topk.py``, so that both compute
+    every bound with the same tiles and the same order of the channel sum.
+    """
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_box = m_j[:, None] & m_d[None, :]  # [BP, BD]
+    # padded channels load 0 on both sides, so they add 0 to the bound
+    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
+    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
+    b_min = tl.load(p_n, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+    b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+
+    b_s = tl.full([BP], float("-inf"), tl.float32)
+    # rows m of the group: query token m // G, query head i_h * G + m % G
+    for m0 in range(0, TQ * G, BM):
+        o_m = m0 + tl.arange(0, BM)  # [BM]
+        m_m = o_m < TQ * G
+        o_t = (o_m // G).to(tl.int64)
+        o_hq = i_h * G + o_m % G
+        p_q = p_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
+        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
+        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
+        b_ub = tl.sum(tl.maximum(b_lo, b_hi), axis=2)  # [BM, BP]
+        # padded query rows would score 0 and could beat a negative bound: exclude them
+        b_ub = tl.where(m_m[:, None], b_ub, float("-inf"))
+        b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
+    return tl.where(m_j, b_s, float("-inf"))
+
+
+@triton.jit
 def _page_scores_kernel(
     q,  # [B, TQ, HQ, D]
     k_min,  # [num_pages, Hkv, D]
@@ -50,32 +99,9 @@ def _page_scores_kernel(
     o_j = i_pb * BP + tl.arange(0, BP)  # [BP] logical pages
     m_j = (o_j < MAXP) & (o_j * PAGE_SIZE < seq_len)
     o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_j, other=0).to(tl.int64)  # [BP]
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_box = m_j[:, None] & m_d[None, :]  # [BP, BD]
-    # padded channels load 0 on both sides, so they add 0 to the bound
-    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
-    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
-    b_min = tl.load(p_n, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
-    b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
-
-    b_s = tl.full([BP], float("-inf"), tl.float32)
-    # rows m of the group: query token m // G, query head i_h * G + m % G
-    for m0 in range(0, TQ * G, BM):
-        o_m = m0 + tl.arange(0, BM)  # [BM]
-        m_m = o_m < TQ * G
-        o_t = (o_m // G).to(tl.int64)
-        o_hq = i_h * G + o_m % G
-        p_q = q + i_b * stride_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
-        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
-        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
-        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
-        b_ub = tl.sum(tl.maximum(b_lo, b_hi), axis=2)  # [BM, BP]
-        # padded query rows would score 0 and could beat a negative bound: exclude them
-        b_ub = tl.where(m_m[:, None], b_ub, float("-inf"))
-        b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
-
-    b_s = tl.where(m_j, b_s, float("-inf"))
+    b_s = _page_bounds(q + i_b * stride_qb, k_min, k_max, o_p, m_j, i_h,
+                       stride_qt, stride_qh, stride_qd, stride_np, stride_nh, stride_nd,
+                       stride_xp, stride_xh, stride_xd, TQ, D, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
     p_o = out + i_b * stride_ob + i_h * stride_oh + o_j * stride_oj
     tl.store(p_o, b_s, mask=o_j < MAXP)
 
