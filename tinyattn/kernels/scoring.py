@@ -10,7 +10,8 @@ For GQA the score of KV head ``h`` is the max over its ``G = Hq // Hkv`` query h
 
 Grid: ``(B, Hkv, cdiv(max_pages, BP))``; each program scores ``BP`` pages (a ``[BP, BD]`` box tile)
 against all ``Tq * G`` queries of the group, ``BM`` queries at a time (a ``[BM, BP, BD]`` product).
-Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``.
+Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``; a page whose box holds a NaN
+scores NaN for its KV head (as the reference; selection ranks it as ``-inf``).
 """
 import torch
 import triton
@@ -54,6 +55,7 @@ def _page_bounds(
     b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
 
     b_s = tl.full([BP], float("-inf"), tl.float32)
+    m_nan = tl.zeros([BP], tl.int32)  # [BP] some query's bound is NaN (a NaN box channel)
     # rows m of the group: query token m // G, query head i_h * G + m % G
     for m0 in range(0, TQ * G, BM):
         o_m = m0 + tl.arange(0, BM)  # [BM]
@@ -64,10 +66,14 @@ def _page_bounds(
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
         b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
         b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
-        b_ub = tl.sum(tl.maximum(b_lo, b_hi), axis=2)  # [BM, BP]
-        # padded query rows would score 0 and could beat a negative bound: exclude them
-        b_ub = tl.where(m_m[:, None], b_ub, float("-inf"))
+        # a NaN in a box gives a NaN bound, as in the reference (torch.maximum), even where q_i == 0 makes the
+        # other side 0; max and reductions drop NaN on a GPU and in the interpreter, so it is carried in m_nan
+        b_ub = tl.sum(tl.maximum(b_lo, b_hi, propagate_nan=tl.PropagateNan.ALL), axis=2)  # [BM, BP]
+        m_nan = tl.maximum(m_nan, tl.max((m_m[:, None] & (b_ub != b_ub)).to(tl.int32), axis=0))
+        # padded query rows would score 0 and could beat a negative bound: exclude them (and NaN, flagged above)
+        b_ub = tl.where(m_m[:, None] & (b_ub == b_ub), b_ub, float("-inf"))
         b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
+    b_s = tl.where(m_nan > 0, float("nan"), b_s)
     return tl.where(m_j, b_s, float("-inf"))
 
 
