@@ -9,10 +9,12 @@ is what runs.
     python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
 
 Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (25 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page
+representative subset (31 kernels, backward included, the two-stage selection at B = 1 32K / 128K among them: every dtype, head dims padded to 16 / 128 / 256, page
 sizes 1 / 16 / 256, dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, attention and
 metadata on int8 K/V and, from sm_89 on, fp8 e4m3 K/V), about a minute and a half per arch on 2 cores;
 ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
+Each kernel's line ends with its registers per thread, spill stores / loads (bytes, ``ptxas -v``) and shared
+memory (bytes), e.g. ``ok regs=162 spills=0/0 smem=256``.
 """
 import argparse
 import itertools
