@@ -33,7 +33,8 @@ def test_specialisation_list_covers_every_kernel_and_dtype():
     result = _run("--list", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     names = result.stdout
-    for kernel in ("attention[", "merge[", "metadata[", "scores[", "topk[", "attention_bwd[", "page_grad_norm["):
+    for kernel in ("attention[", "merge[", "metadata[", "scores[", "topk[", "attention_bwd[", "page_grad_norm[",
+                   "chunk_topk[", "merge_chunks["):
         assert kernel in names
     for dtype in ("fp16", "bf16", "fp32"):
         assert f"attention[{dtype}," in names

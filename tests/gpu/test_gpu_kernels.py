@@ -99,6 +99,48 @@ def test_scores_and_selection_match_torch_backend(dtype):
                        tinyattn.select_pages(want, lens, **opts, backend="torch"))
 
 
+@pytest.mark.parametrize("lens,budget,sinks", [([32768], 128, 2), ([131072], 128, 0), ([32768, 3001], 8, 1)])
+def test_two_stage_selection_matches_one_stage(lens, budget, sinks):
+    """The two-stage selection (kernels/chunk_topk.py) with the GPU's own chunk sizes, against page_scores +
+    select_pages: the same pages, except (if the compiler summed some bound in another order) pages whose
+    one-stage bound is within float rounding of the last kept bound."""
+    import tinyattn
+    from tinyattn import kernels as K
+    from tinyattn.kernels import chunk_topk as C
+
+    q, k, v, table, lens_t = _problem(batch=len(lens), lens=lens, page_size=16, hkv=8, group=4, head_dim=128,
+                                      dtype=torch.bfloat16, extra_pages=8)
+    k_min, k_max = _bounds(k, table, lens_t)
+    k_min, k_max = k_min.to(torch.bfloat16), k_max.to(torch.bfloat16)
+    q4 = q[:, None]
+    B, Hkv, maxp = len(lens), 8, table.shape[1]
+    opts = dict(page_size=16, page_budget=budget, num_sink_pages=sinks, num_recent_pages=1)
+    scores = torch.empty(B, Hkv, maxp, device="cuda")
+    K.page_scores(q4, k_min, k_max, table, lens_t, page_size=16, out=scores)
+    one = torch.empty(B, Hkv, budget, dtype=torch.int32, device="cuda")
+    K.select_pages(scores, lens_t, **opts, num_query_tokens=1, out=one)
+    meta = C.chunk_blocks(B, Hkv, maxp, budget, 1, 4, 128, 16, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    ws = [torch.empty(C.workspace_shape(B, Hkv, meta), dtype=torch.int32, device="cuda") for _ in range(2)]
+    two = torch.empty_like(one)
+    C.score_and_select_pages(q4, k_min, k_max, table, lens_t, **opts, meta=meta, ws_key=ws[0], ws_page=ws[1], out=two)
+    torch.cuda.synchronize()
+    if not torch.equal(one, two):
+        for b in range(B):
+            for h in range(Hkv):
+                a, c = set(one[b, h].tolist()), set(two[b, h].tolist())
+                if a == c:
+                    continue
+                s = scores[b, h]
+                forced = set(range(sinks)) | {-(-lens[b] // 16) - 1, -1}
+                last = min(s[j].item() for j in a - forced)             # the lowest bound kept by score
+                for j in a ^ c:
+                    assert abs(s[j].item() - last) <= 1e-5 * (1 + abs(last)), (b, h, j, s[j].item(), last)
+    # the plan's sparse step at batch 1 takes the two-stage path
+    plan = tinyattn.PagedAttentionPlan(backend="triton").plan(table, lens_t, num_q_heads=32, num_kv_heads=8,
+                                                              head_dim=128, page_size=16, page_budget=budget)
+    assert plan._chunks is not None
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_long_context_split_k_and_big_pool(dtype):
     """32K tokens (the split-K merge) in a pool of > 2**31 K elements: 64-bit offsets on the device."""

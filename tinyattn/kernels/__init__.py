@@ -9,7 +9,9 @@ Kernels (one module each, kernels first, then the block-size heuristics, then th
 
 - ``metadata.update_page_metadata``  per-page key bounding boxes (Quest, Tang et al., ICML 2024)
 - ``scoring.page_scores``            upper bound of q.k per page (Quest eq.; TinyServe eq. 2)
-- ``topk.select_pages``              recent + sink + top-k page selection
+- ``topk.select_pages``              recent + sink + top-k page selection, one program per (row, KV head)
+- ``chunk_topk.score_and_select_pages``  the same selection in two stages for small batches / long rows:
+  fused score + per-chunk top-k over ``(B, Hkv, chunks)`` programs, then a merge per (row, KV head)
 - ``attention.paged_attention``      fused dense / sparse paged attention with split-K merge
 
 ``compile.py`` compiles every specialisation the launchers can emit for a real GPU target
@@ -41,12 +43,14 @@ from .attention import paged_attention  # noqa: E402
 from .metadata import update_page_metadata  # noqa: E402
 from .scoring import page_scores  # noqa: E402
 from .topk import select_pages  # noqa: E402
+from . import chunk_topk  # noqa: E402
 
 __all__ = [
     "paged_attention",
     "update_page_metadata",
     "page_scores",
     "select_pages",
+    "chunk_topk",
     "is_interpreting",
     "pad_head_dim",
     "needs_upcast",

@@ -9,10 +9,12 @@ is what runs.
     python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
 
 Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (25 kernels, backward included: every dtype, head dims padded to 16 / 128 / 256, page
+representative subset (31 kernels, backward included, the two-stage selection at B = 1 32K / 128K among them: every dtype, head dims padded to 16 / 128 / 256, page
 sizes 1 / 16 / 256, dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, attention and
 metadata on int8 K/V and, from sm_89 on, fp8 e4m3 K/V), about a minute and a half per arch on 2 cores;
 ``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
+Each kernel's line ends with its registers per thread, spill stores / loads (bytes, ``ptxas -v``) and shared
+memory (bytes), e.g. ``ok regs=162 spills=0/0 smem=256``.
 """
 import argparse
 import itertools
@@ -24,7 +26,7 @@ from typing import Dict, Iterator, List, NamedTuple
 import triton
 from triton.backends.compiler import GPUTarget
 
-from . import attention, attention_bwd, metadata, scoring, topk
+from . import attention, attention_bwd, chunk_topk, metadata, scoring, topk
 
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 HEAD_DIMS = (8, 40, 64, 80, 128, 256)  # padded: 16, 64, 64, 128, 128, 256
@@ -81,6 +83,21 @@ def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
     meta = topk.topk_blocks(max_pages, budget, page_size)
     ptrs = dict(scores="fp32", seq_lens="i32", out="i32")
     return _spec(f"topk[P={max_pages},K={budget},S={page_size}]", topk._select_pages_kernel, ptrs, meta)
+
+
+def chunk_topk_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int,
+                     batch: int, num_kv_heads: int, max_pages: int, budget: int) -> List[Spec]:
+    """The two-stage selection (``chunk_topk``) as the plan launches it for these sizes: stage 1 and the merge."""
+    meta = chunk_topk.chunk_blocks(batch, num_kv_heads, max_pages, budget, tq, group, head_dim, page_size)
+    tag = f"B={batch},Hkv={num_kv_heads},P={max_pages},K={budget}"
+    ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", ws_key="i32",
+                ws_page="i32")
+    one = _spec(f"chunk_topk[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group},{tag},"
+                f"chunk={meta['stage1']['CHUNK']}]", chunk_topk._score_chunk_topk_kernel, ptrs, meta["stage1"])
+    ptrs = dict(ws_key="i32", ws_page="i32", seq_lens="i32", out="i32")
+    two = _spec(f"merge_chunks[S={page_size},{tag},cand={meta['NC'] * meta['KC']}]",
+                chunk_topk._merge_chunks_kernel, ptrs, meta["stage2"])
+    return [one, two]
 
 
 def attention_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
@@ -146,6 +163,10 @@ def representative() -> Iterator[Spec]:
     yield scoring_specs("bf16", "fp32", 256, 256, 64, 3)
     yield topk_specs(2048, 128, 16)
     yield topk_specs(8, 3, 1)
+    # the two-stage selection at batch 1, 8 KV heads, budget 128 pages: 32K and 128K context at page 16
+    yield from chunk_topk_specs("bf16", "bf16", 128, 16, 1, 4, 1, 8, 2048, 128)
+    yield from chunk_topk_specs("bf16", "fp32", 128, 16, 1, 4, 1, 8, 8192, 128)
+    yield from chunk_topk_specs("fp16", "fp16", 64, 1, 4, 3, 2, 2, 300, 5)      # argmax loops, Tq = 4, G = 3
     yield backward_specs("bf16", 128, 16, 1, 4, sparse=True, has_dlse=False)
     yield backward_specs("fp16", 64, 16, 64, 2, sparse=False, has_dlse=True)
     yield page_norm_specs(16, 128)
@@ -166,6 +187,9 @@ def full() -> Iterator[Spec]:
         yield merge_specs(dtype, 8, splits, d)
     for maxp, budget in [(8, 3), (2048, 128), (8192, 512)]:
         yield topk_specs(maxp, budget, 16)
+    for dtype, d, (batch, maxp, budget) in itertools.product(
+            DTYPES, (64, 128, 256), [(1, 2048, 128), (1, 8192, 128), (1, 8192, 512), (4, 32768, 128), (16, 2048, 8)]):
+        yield from chunk_topk_specs(dtype, dtype, d, 16, 1, 4, batch, 8, maxp, budget)
 
 
 def _dedupe(specs) -> List[Spec]:
@@ -186,8 +210,33 @@ def compile_spec(spec: Spec, arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps})
 
 
-def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True) -> List[str]:
-    """Compile ``specs`` for every arch; returns the failures (name, arch, error), prints timings."""
+def resource_usage(kernel, arch: int) -> str:
+    """``regs=R spills=S/L smem=B`` of a compiled kernel: registers per thread and spill stores / loads (bytes)
+    from ``ptxas -v`` over its PTX (the driver that would report them is absent), shared memory from Triton."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    smem = getattr(kernel.metadata, "shared", "?")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        res = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (f"regs={regs.group(1) if regs else '?'} "
+            f"spills={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={smem}")
+
+
+def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True, usage: bool = True) -> List[str]:
+    """Compile ``specs`` for every arch; returns the failures (name, arch, error), prints timings and, with
+    ``usage``, each kernel's registers, spills and shared memory (:func:`resource_usage`)."""
     failures = []
     start = time.perf_counter()
     for arch in archs:
@@ -200,7 +249,7 @@ def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True) -> Li
             try:
                 kernel = compile_spec(spec, arch)
                 assert kernel.asm.get("cubin"), "no cubin produced"
-                status = "ok"
+                status = "ok " + (resource_usage(kernel, arch) if usage else "")
             except Exception as exc:  # report every failure, not only the first
                 status = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 failures.append(f"sm_{arch} {spec.name}: {status}")

@@ -10,7 +10,8 @@ For GQA the score of KV head ``h`` is the max over its ``G = Hq // Hkv`` query h
 
 Grid: ``(B, Hkv, cdiv(max_pages, BP))``; each program scores ``BP`` pages (a ``[BP, BD]`` box tile)
 against all ``Tq * G`` queries of the group, ``BM`` queries at a time (a ``[BM, BP, BD]`` product).
-Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``.
+Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``; a page whose box holds a NaN
+scores NaN for its KV head (as the reference; selection ranks it as ``-inf``).
 """
 import torch
 import triton
@@ -20,6 +21,60 @@ from . import pad_head_dim
 
 # elements of the [BM, BP, BD] product tile
 TILE_ELEMS = 8192
+
+
+@triton.jit
+def _page_bounds(
+    p_qb,  # q + row offset: [TQ, HQ, D] of one row
+    k_min,  # [num_pages, Hkv, D]
+    k_max,  # [num_pages, Hkv, D]
+    o_p,  # [BP] int64 physical pages
+    m_j,  # [BP] pages to score (others: -inf, nothing loaded)
+    i_h,  # int64 KV head
+    stride_qt, stride_qh, stride_qd,
+    stride_np, stride_nh, stride_nd,
+    stride_xp, stride_xh, stride_xd,
+    TQ, D,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """``[BP]`` Quest bound of pages ``o_p`` for the ``TQ * G`` queries of KV head ``i_h`` (max over them).
+
+    Shared by ``_page_scores_kernel`` and the fused chunk kernel of ``chunk_topk.py``, so that both compute
+    every bound with the same tiles and the same order of the channel sum.
+    """
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_box = m_j[:, None] & m_d[None, :]  # [BP, BD]
+    # padded channels load 0 on both sides, so they add 0 to the bound
+    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
+    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
+    b_min = tl.load(p_n, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+    b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
+
+    b_s = tl.full([BP], float("-inf"), tl.float32)
+    m_nan = tl.zeros([BP], tl.int32)  # [BP] some query's bound is NaN (a NaN box channel)
+    # rows m of the group: query token m // G, query head i_h * G + m % G
+    for m0 in range(0, TQ * G, BM):
+        o_m = m0 + tl.arange(0, BM)  # [BM]
+        m_m = o_m < TQ * G
+        o_t = (o_m // G).to(tl.int64)
+        o_hq = i_h * G + o_m % G
+        p_q = p_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
+        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
+        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
+        # a NaN in a box gives a NaN bound, as in the reference (torch.maximum), even where q_i == 0 makes the
+        # other side 0; max and reductions drop NaN on a GPU and in the interpreter, so it is carried in m_nan
+        b_ub = tl.sum(tl.maximum(b_lo, b_hi, propagate_nan=tl.PropagateNan.ALL), axis=2)  # [BM, BP]
+        m_nan = tl.maximum(m_nan, tl.max((m_m[:, None] & (b_ub != b_ub)).to(tl.int32), axis=0))
+        # padded query rows would score 0 and could beat a negative bound: exclude them (and NaN, flagged above)
+        b_ub = tl.where(m_m[:, None] & (b_ub == b_ub), b_ub, float("-inf"))
+        b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
+    b_s = tl.where(m_nan > 0, float("nan"), b_s)
+    return tl.where(m_j, b_s, float("-inf"))
 
 
 @triton.jit
@@ -50,32 +105,9 @@ def _page_scores_kernel(
     o_j = i_pb * BP + tl.arange(0, BP)  # [BP] logical pages
     m_j = (o_j < MAXP) & (o_j * PAGE_SIZE < seq_len)
     o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_j, other=0).to(tl.int64)  # [BP]
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_box = m_j[:, None] & m_d[None, :]  # [BP, BD]
-    # padded channels load 0 on both sides, so they add 0 to the bound
-    p_n = k_min + o_p[:, None] * stride_np + i_h * stride_nh + o_d[None, :] * stride_nd
-    p_x = k_max + o_p[:, None] * stride_xp + i_h * stride_xh + o_d[None, :] * stride_xd
-    b_min = tl.load(p_n, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
-    b_max = tl.load(p_x, mask=m_box, other=0.0).to(tl.float32)  # [BP, BD]
-
-    b_s = tl.full([BP], float("-inf"), tl.float32)
-    # rows m of the group: query token m // G, query head i_h * G + m % G
-    for m0 in range(0, TQ * G, BM):
-        o_m = m0 + tl.arange(0, BM)  # [BM]
-        m_m = o_m < TQ * G
-        o_t = (o_m // G).to(tl.int64)
-        o_hq = i_h * G + o_m % G
-        p_q = q + i_b * stride_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
-        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
-        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
-        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
-        b_ub = tl.sum(tl.maximum(b_lo, b_hi), axis=2)  # [BM, BP]
-        # padded query rows would score 0 and could beat a negative bound: exclude them
-        b_ub = tl.where(m_m[:, None], b_ub, float("-inf"))
-        b_s = tl.maximum(b_s, tl.max(b_ub, axis=0))  # [BP]
-
-    b_s = tl.where(m_j, b_s, float("-inf"))
+    b_s = _page_bounds(q + i_b * stride_qb, k_min, k_max, o_p, m_j, i_h,
+                       stride_qt, stride_qh, stride_qd, stride_np, stride_nh, stride_nd,
+                       stride_xp, stride_xh, stride_xd, TQ, D, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
     p_o = out + i_b * stride_ob + i_h * stride_oh + o_j * stride_oj
     tl.store(p_o, b_s, mask=o_j < MAXP)
 

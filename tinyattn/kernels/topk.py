@@ -53,10 +53,7 @@ def _select_pages_kernel(
 
     # (3) order-preserving int32 image of the score: flip the magnitude bits of negatives;
     # -0 == +0 and NaN == -inf so that ties stay ties (the lower page index wins them)
-    b_s = tl.where(b_s == 0.0, 0.0, b_s)
-    b_s = tl.where(b_s != b_s, float("-inf"), b_s)
-    b_bits = b_s.to(tl.int32, bitcast=True)
-    b_key = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)  # [BP], -inf -> -2139095041
+    b_key = _order_key(b_s)  # [BP]
     if RADIX:
         keep |= _top_rest_by_radix(b_key, m_j & ~keep, o_j, rest)
     else:
@@ -73,6 +70,19 @@ def _select_pages_kernel(
     tl.store(p_o + o_pos * stride_ok, o_j, mask=keep)
     o_k = tl.arange(0, BK)  # [BK]
     tl.store(p_o + o_k * stride_ok, tl.full([BK], -1, tl.int32), mask=(o_k >= n_kept) & (o_k < BUDGET))
+
+
+@triton.jit
+def _order_key(b_s):
+    """Order-preserving int32 image of fp32 scores: flip the magnitude bits of negatives.
+
+    -0 == +0 and NaN == -inf, so that ties stay ties (the lower page index wins them); -inf -> -2139095041,
+    so ``-2147483647 - 1`` (written so: the literal ``-2147483648`` is an int64 in Triton) stays below every key.
+    """
+    b_s = tl.where(b_s == 0.0, 0.0, b_s)
+    b_s = tl.where(b_s != b_s, float("-inf"), b_s)
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    return tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ does everything that depends on the step alone once, in :meth:`~PagedAttentionPl
 - validates the tables and options (at most one host sync, none with ``trusted=True``);
 - converts the tables (int32 for the Triton kernels; flat pool-row indices, masks and the forced-page
   keys of the selection for the torch backend);
-- preallocates what the layers reuse: scores, selected pages, split-K partials, lse.
+- preallocates what the layers reuse: scores, selected pages, the two-stage selection's candidate workspace,
+  split-K partials, lse.
 
 :meth:`~PagedAttentionPlan.run` then does, per layer, only the arithmetic: no validation of step data, no
 host sync, no allocation whose size depends on values. With the Triton backend and ``out=`` given it
@@ -733,6 +734,7 @@ class PagedAttentionPlan:
     _cpu_step_args = None      # the decode hot path's kernel arguments (_make_cpu_step_args)
     _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
     _selected = None           # the Triton path's selection buffer (preallocated by _plan_triton)
+    _chunks = None             # the two-stage selection's sizes (kernels.chunk_topk.chunk_blocks), if it is used
     _last_selection = None     # the pages the torch path selected last (their rows come from the tables)
 
     # ------------------------------------------------------------------------------------ triton path
@@ -745,6 +747,17 @@ class PagedAttentionPlan:
         self._selected = None if self.page_budget is None else \
             self._buffer("selected", (B, Hkv, self.page_budget), torch.int32)
         k = _kernels()
+        # selection in two stages (kernels/chunk_topk.py) when B * Hkv programs would leave the GPU idle or rows
+        # are long; its candidate workspace is allocated here, never in run()
+        self._chunks = None
+        if self.page_budget is not None:
+            num_sms = k.attention._num_sms(self.device)
+            if k.chunk_topk.use_two_stage(B, Hkv, self.max_pages, self.page_budget, num_sms):
+                self._chunks = k.chunk_topk.chunk_blocks(B, Hkv, self.max_pages, self.page_budget, Tq, Hq // Hkv,
+                                                         self.head_dim, self.page_size, num_sms)
+                shape = k.chunk_topk.workspace_shape(B, Hkv, self._chunks)
+                self._ws_key = self._buffer("ws_key", shape, torch.int32)
+                self._ws_page = self._buffer("ws_page", shape, torch.int32)
         splits = []
         for sparse in (False, True):
             if (sparse and self.page_budget is None) or self._nothing:      # nothing to split (B or Tq = 0)
@@ -780,6 +793,8 @@ class PagedAttentionPlan:
 
     def _select_triton(self, q4, k_min, k_max, window_left: int = -1) -> torch.Tensor:
         k = _kernels()
+        if self._chunks is not None:
+            return self._select_two_stage(k.chunk_topk, q4, k_min, k_max, window_left)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=self.page_size):
             k.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=self.page_size, out=self._scores)
@@ -789,6 +804,19 @@ class PagedAttentionPlan:
             k.select_pages(self._scores, self._sl32, page_size=self.page_size, page_budget=self.page_budget,
                            num_sink_pages=self.num_sink_pages, num_recent_pages=self.num_recent_pages,
                            num_query_tokens=self.num_query_tokens, out=self._selected)
+        return self._selected
+
+    def _select_two_stage(self, ct, q4, k_min, k_max, window_left: int) -> torch.Tensor:
+        """Fused score + per-chunk top-k, then the merge: the selection of ``page_scores`` + ``select_pages``."""
+        opts = dict(page_size=self.page_size, page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
+                    num_recent_pages=self.num_recent_pages, meta=self._chunks)
+        with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_size=self.page_size):
+            ct.score_chunks(q4, k_min, k_max, self._bt32, self._sl32, ws_key=self._ws_key, ws_page=self._ws_page,
+                            window_left=window_left, **opts)
+        with span("topk", scores=self._ws_key, seq_lens=self.seq_lens, page_budget=self.page_budget):
+            ct.merge_chunks(self._ws_key, self._ws_page, self._sl32, max_pages=self.max_pages,
+                            num_query_tokens=self.num_query_tokens, out=self._selected, **opts)
         return self._selected
 
     def _attend_triton(self, q4, k_cache, v_cache, page_indices, out, return_lse, scales=None, window_left=-1):

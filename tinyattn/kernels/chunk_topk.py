@@ -1,0 +1,328 @@
+"""Two-stage page selection for small batches and long rows: fused score + per-chunk top-k, then a merge.
+
+``topk.select_pages`` runs one program per (row, KV head) over all of a row's pages, held in one tile:
+8 programs on a 132-SM GPU at batch 1 with 8 KV heads, and an 8192-key tile at 128K context / page 16.
+This module spreads the same selection over ``B * Hkv * NC`` programs (issue 10, docs/benchmarks.md):
+
+1. ``_score_chunk_topk_kernel``, grid ``(B, Hkv, NC)``, ``NC = cdiv(max_pages, CHUNK)``: each program reads
+   the boxes of its ``CHUNK`` logical pages once (``BP`` pages at a time, with ``scoring._page_bounds``,
+   the very code of ``page_scores``), masks the pages before a sliding window like
+   ``core.mask_pages_before_window``, and writes its best ``min(rest, pages)`` candidates (order key + page
+   id, ascending page order) into ``KC = min(page_budget, CHUNK)`` workspace slots, ``-1`` padded. No
+   ``[B, Hkv, max_pages]`` score tensor goes through memory.
+2. ``_merge_chunks_kernel``, grid ``(B, Hkv)``: selects the final ``rest`` among the ``NC * KC`` candidates
+   with the radix select / argmax loop of ``topk.py``, and writes ascending page ids, ``-1`` padded.
+
+The forced pages never enter the workspace. With ``n = cdiv(seq_len, page_size)`` valid pages, the pages
+``select_pages`` keeps are two ranges and a top-k (``_forced_ranges``): if ``n <= budget`` all of
+``[0, n)``; else the sinks ``[0, s_end)``, the recent ``[r_start, n)`` and the ``rest = budget - s_end -
+(n - r_start)`` best of the pool ``[s_end, r_start)`` (disjoint: ``s_end <= budget - n_recent < r_start``).
+Both stages compute the ranges from ``seq_len`` alone; stage 1 scores only pool pages (a short row, ``n <=
+budget``, reads no box at all) and stage 2 writes sinks at ``[0, s_end)``, the chosen pool pages next and the
+recent pages after them, which is ascending. The top-``rest`` of the pool under the total order (key
+descending, page ascending) is the top-``rest`` of the union of each chunk's top-``min(rest, chunk)`` under
+the same order, and the candidates sit in the workspace in ascending page order, so "lowest position"
+is "lowest page" in stage 2's ties: the selection is the one of ``select_pages(page_scores(...))``, given
+the same bounds. In the interpreter the bounds are bit-identical (tested); on a GPU both kernels call
+``_page_bounds`` with the same ``BM, BP, BD`` and ``num_warps``, but the compiler may still lay the
+channel sum out differently in the fused kernel, which could only swap pages whose bounds agree to the
+last ulp.
+
+When to use it (``use_two_stage``): when ``B * Hkv`` programs leave SMs idle, or a row holds more than
+``ONE_STAGE_MAX_PAGES`` pages (the one-stage tile grows with the row). Otherwise the one-stage pair
+(``page_scores`` grid ``(B, Hkv, cdiv(pages, BP))`` + ``select_pages`` grid ``(B, Hkv)``) already fills
+the GPU and does less selection work (stage 1 runs a radix select per chunk that the one-stage path does
+not), so it is kept. The two-stage path is never worse in launches (two either way) and bytes (the
+candidate workspace, at most ``2 * NC * KC * 4`` bytes per (row, head), replaces the score tensor's
+write + read); it does more reduction passes, which only pays when programs are scarce.
+
+Integer constants: the interpreter computes int32 tensors through numpy, where ``1 << 31`` silently
+becomes int64 (2147483648) while the GPU wraps it to ``-2**31`` (the past bug of the radix select): no
+shift or literal here leaves int32, the smallest key is written ``-2147483647 - 1``, and program ids are
+widened to int64 before meeting a stride.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import is_interpreting
+from .scoring import _page_bounds, score_blocks
+from .topk import RADIX_MIN_BUDGET, _order_key, _top_rest_by_radix
+
+
+@triton.jit
+def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: tl.constexpr):
+    """``(n, s_end, r_start, rest)`` of one row, exactly ``topk._select_pages_kernel``'s rules.
+
+    Kept: sinks ``[0, s_end)``, recent ``[r_start, n)``, and ``rest`` best pages of ``[s_end, r_start)``.
+    With ``n <= BUDGET``: ``s_end = r_start = rest = 0`` (every valid page is "recent").
+    """
+    n = tl.minimum((seq_len + PAGE_SIZE - 1) // PAGE_SIZE, MAXP)
+    # recent pages include every page holding a query token (clamped: no negative division)
+    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
+    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
+    s_end = tl.minimum(NUM_SINK, BUDGET - n_recent)
+    short = n <= BUDGET
+    n_recent = tl.where(short, n, n_recent)
+    s_end = tl.where(short, 0, s_end)
+    rest = tl.where(short, 0, BUDGET - n_recent - s_end)
+    return n, s_end, n - n_recent, rest
+
+
+@triton.jit
+def _top_mask(b_key, m_cand, o_c, rest, RADIX: tl.constexpr):
+    """``[N]`` mask of the ``rest`` largest keys among ``m_cand``, ties to the lowest index.
+
+    All candidates when they are ``rest`` or fewer (a chunk no larger than the budget selects nothing).
+    """
+    n_cand = tl.sum(m_cand.to(tl.int32), axis=0)
+    m_top = m_cand
+    if rest < n_cand:
+        if RADIX:
+            m_top = _top_rest_by_radix(b_key, m_cand, o_c, rest)
+        else:
+            m_top = m_cand & (o_c < 0)
+            for _ in range(rest):
+                # argmax returns the first (lowest) index among equal keys
+                b_cand = tl.where(m_top | (~m_cand), -2147483647 - 1, b_key)
+                i_top = tl.argmax(b_cand, axis=0)
+                m_top |= o_c == i_top
+    return m_top
+
+
+@triton.jit
+def _score_chunk_topk_kernel(
+    q,  # [B, TQ, HQ, D]
+    k_min,  # [num_pages, Hkv, D]
+    k_max,  # [num_pages, Hkv, D]
+    block_table,  # [B, max_pages_per_seq] int32
+    seq_lens,  # [B] int32
+    ws_key,  # [B, Hkv, NC * KC] int32 order keys of the candidates
+    ws_page,  # [B, Hkv, NC * KC] int32 logical pages of the candidates, -1 padded
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_np, stride_nh, stride_nd,
+    stride_xp, stride_xh, stride_xd,
+    stride_bt,
+    stride_wb, stride_wh,
+    MAXP, TQ, D, BUDGET, NUM_SINK, NUM_RECENT, WINDOW, KC,
+    G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BM: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BKC: tl.constexpr,
+    RADIX: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_c = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens + i_b)
+    n, s_end, r_start, rest = _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE)
+
+    o_c = tl.arange(0, CHUNK)  # [CHUNK] page within the chunk
+    o_j = i_c * CHUNK + o_c  # [CHUNK] logical pages (int64)
+    m_pool = (o_j >= s_end) & (o_j < r_start)  # r_start <= n <= MAXP: never past the row's end
+    p_qb = q + i_b * stride_qb
+    p_bt = block_table + i_b * stride_bt
+    b_s = tl.full([CHUNK], float("-inf"), tl.float32)
+    for sub in range(CHUNK // BP):
+        o_jb = i_c * CHUNK + sub * BP + tl.arange(0, BP)  # [BP]
+        m_jb = (o_jb >= s_end) & (o_jb < r_start)
+        o_p = tl.load(p_bt + o_jb, mask=m_jb, other=0).to(tl.int64)  # [BP] physical pages
+        b_sb = _page_bounds(p_qb, k_min, k_max, o_p, m_jb, i_h,
+                            stride_qt, stride_qh, stride_qd, stride_np, stride_nh, stride_nd,
+                            stride_xp, stride_xh, stride_xd, TQ, D, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
+        # place the BP bounds at [sub * BP, (sub + 1) * BP) of the chunk tile, in registers
+        b_rep = tl.reshape(tl.broadcast_to(b_sb[None, :], (CHUNK // BP, BP)), (CHUNK,))  # [CHUNK]
+        b_s = tl.where(o_c // BP == sub, b_rep, b_s)
+    # pages wholly before the earliest query's window rank below every page that overlaps it
+    # (core.mask_pages_before_window; WINDOW = -1: no window)
+    first = tl.where(WINDOW >= 0, seq_len.to(tl.int64) - TQ - WINDOW, 0)
+    b_s = tl.where((o_j + 1) * PAGE_SIZE <= first, float("-inf"), b_s)
+    b_key = _order_key(b_s)  # [CHUNK]
+
+    m_top = _top_mask(b_key, m_pool, o_c, rest, RADIX=RADIX)  # at most min(rest, CHUNK) <= KC pages
+    o_pos = tl.cumsum(m_top.to(tl.int32), axis=0) - 1  # [CHUNK] ascending slots
+    n_top = tl.sum(m_top.to(tl.int32), axis=0)
+    o_w = i_b * stride_wb + i_h * stride_wh + i_c * KC
+    tl.store(ws_key + o_w + o_pos, b_key, mask=m_top)
+    tl.store(ws_page + o_w + o_pos, o_j.to(tl.int32), mask=m_top)
+    o_k = tl.arange(0, BKC)  # [BKC]
+    m_pad = (o_k >= n_top) & (o_k < KC)
+    tl.store(ws_key + o_w + o_k, tl.full([BKC], -2147483647 - 1, tl.int32), mask=m_pad)
+    tl.store(ws_page + o_w + o_k, tl.full([BKC], -1, tl.int32), mask=m_pad)
+
+
+@triton.jit
+def _merge_chunks_kernel(
+    ws_key,  # [B, Hkv, NCAND] int32
+    ws_page,  # [B, Hkv, NCAND] int32, -1 padded, ascending among valid entries
+    seq_lens,  # [B] int32
+    out,  # [B, Hkv, BUDGET] int32
+    stride_wb, stride_wh,
+    stride_ob, stride_oh, stride_ok,
+    NCAND, MAXP, TQ, BUDGET, NUM_SINK, NUM_RECENT,
+    PAGE_SIZE: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    RADIX: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens + i_b)
+    n, s_end, r_start, rest = _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE)
+
+    o_n = tl.arange(0, BN)  # [BN] candidate slots
+    m_n = o_n < NCAND
+    o_w = i_b * stride_wb + i_h * stride_wh
+    b_page = tl.load(ws_page + o_w + o_n, mask=m_n, other=-1)  # [BN]
+    b_key = tl.load(ws_key + o_w + o_n, mask=m_n, other=0)  # [BN]
+    m_cand = b_page >= 0
+    # slots are in ascending page order, so the lowest slot among equal keys is the lowest page
+    m_top = _top_mask(b_key, m_cand, o_n, rest, RADIX=RADIX)
+
+    p_o = out + i_b * stride_ob + i_h * stride_oh
+    o_pos = s_end + tl.cumsum(m_top.to(tl.int32), axis=0) - 1  # [BN] after the sinks
+    tl.store(p_o + o_pos * stride_ok, b_page, mask=m_top)
+    # sinks at [0, s_end), the pool's rest pages at [s_end, s_end + rest), recent pages after them
+    o_k = tl.arange(0, BK)  # [BK] output slots
+    n_front = s_end + rest
+    n_kept = n_front + (n - r_start)
+    b_fixed = tl.where(o_k < s_end, o_k, tl.where(o_k < n_kept, r_start + (o_k - n_front), -1))
+    m_fixed = (o_k < BUDGET) & ((o_k < s_end) | (o_k >= n_front))
+    tl.store(p_o + o_k * stride_ok, b_fixed.to(tl.int32), mask=m_fixed)
+
+
+# ------------------------------------------------------------------------------------------ heuristics
+# SMs assumed when no CUDA device can be queried (attention.NUM_SMS_DEFAULT)
+NUM_SMS_DEFAULT = 132
+# above this many pages per row the one-stage select tile (next_pow2(pages) keys in one program) is past
+# what 4 warps keep in registers, whatever the batch
+ONE_STAGE_MAX_PAGES = 2048
+# stage 1 aims at this many programs per SM: two co-resident programs hide one's box loads behind the other's
+# reductions
+PROGRAMS_PER_SM = 2
+# chunk sizes on a GPU: below 64 pages the per-program work is a few loads; above 1024 the chunk tile and its
+# radix passes dominate
+MIN_CHUNK, MAX_CHUNK = 64, 1024
+# stage 2 holds the NC * KC candidates in one tile: keep it within a 4096-key tile when the chunks allow it
+MAX_CANDIDATES = 4096
+# the interpreter runs programs one after another: one small config, so that test rows of a few pages span
+# several chunks
+INTERPRET_CHUNK = 4
+
+
+def use_two_stage(batch: int, num_kv_heads: int, max_pages: int, page_budget: int,
+                  num_sms: int = NUM_SMS_DEFAULT) -> bool:
+    """True when the two-stage selection beats ``page_scores`` + ``select_pages`` by design.
+
+    It pays when the one-stage select leaves SMs idle (``B * Hkv < num_sms``, e.g. 8 programs at batch 1) or
+    its tile is too large (``max_pages > ONE_STAGE_MAX_PAGES``); and only when some row can hold more pages than
+    the budget (else selection is "every page" and either path is a copy). Everything else keeps one stage.
+    """
+    if max_pages <= page_budget:
+        return False
+    return batch * num_kv_heads < num_sms or max_pages > ONE_STAGE_MAX_PAGES
+
+
+def chunk_blocks(batch: int, num_kv_heads: int, max_pages: int, page_budget: int, num_queries: int, group: int,
+                 head_dim: int, page_size: int, num_sms: int = NUM_SMS_DEFAULT, chunk: int = 0) -> dict:
+    """Sizes of both stages for ``(batch, KV heads, pages, budget)``; shared with compile.py and the plan.
+
+    Chunk size (a power of two): ``PROGRAMS_PER_SM * num_sms`` stage-1 programs spread over ``B * Hkv`` rows
+    (B = 1, Hkv = 8: 33 chunks per row, so 64 pages at 2048 pages, 256 at 8192), clamped to ``[MIN_CHUNK,
+    MAX_CHUNK]``, then doubled while stage 2 would see more than ``MAX_CANDIDATES`` candidates. Under the
+    interpreter one config, ``INTERPRET_CHUNK``. ``chunk`` > 0 forces it (tests).
+
+    Returns ``stage1`` / ``stage2`` constexpr dicts (``num_warps`` included), ``NC``, ``KC``.
+    """
+    max_pages, page_budget = max(max_pages, 1), max(page_budget, 1)
+    if chunk <= 0:
+        if is_interpreting():
+            chunk = INTERPRET_CHUNK
+        else:
+            per_row = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(batch * num_kv_heads, 1))
+            chunk = min(max(triton.next_power_of_2(triton.cdiv(max_pages, per_row)), MIN_CHUNK), MAX_CHUNK)
+            chunk = min(chunk, triton.next_power_of_2(max_pages))
+            while chunk < triton.next_power_of_2(max_pages) and \
+                    triton.cdiv(max_pages, chunk) * min(page_budget, chunk) > MAX_CANDIDATES:
+                chunk *= 2
+    assert chunk & (chunk - 1) == 0, "chunk must be a power of two"
+    num_chunks = triton.cdiv(max_pages, chunk)
+    kc = min(page_budget, chunk)
+    score = score_blocks(num_queries, group, head_dim, page_size, chunk)  # BP <= chunk
+    ncand = num_chunks * kc
+    bn = triton.next_power_of_2(ncand)
+    stage1 = dict(score, CHUNK=chunk, BKC=triton.next_power_of_2(kc), RADIX=page_budget > RADIX_MIN_BUDGET,
+                  num_warps=4)
+    stage2 = dict(PAGE_SIZE=page_size, BN=bn, BK=triton.next_power_of_2(page_budget),
+                  RADIX=page_budget > RADIX_MIN_BUDGET, num_warps=4 if bn <= 1024 else 8)
+    return dict(stage1=stage1, stage2=stage2, NC=num_chunks, KC=kc)
+
+
+def workspace_shape(batch: int, num_kv_heads: int, meta: dict) -> tuple:
+    """Shape of each candidate workspace (keys, pages), int32, for :func:`score_and_select_pages`."""
+    return (batch, num_kv_heads, meta["NC"] * meta["KC"])
+
+
+def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
+                 num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
+                 window_left: int = -1) -> None:
+    """Stage 1: each chunk's candidates (order keys, logical pages, ascending, -1 padded) into the workspace.
+
+    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
+    ``[B]`` int32 (including the Tq queries). ``meta`` from :func:`chunk_blocks`; ``ws_key`` / ``ws_page``
+    ``workspace_shape(...)`` int32 with unit last stride (preallocated by the plan, overwritten).
+    ``window_left`` >= 0: pages wholly before the earliest query's window score ``-inf``.
+    """
+    batch, num_queries, _, head_dim = q.shape
+    num_kv_heads, max_pages = k_min.shape[1], block_table.shape[1]
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    assert ws_key.stride(-1) == 1 and ws_page.stride() == ws_key.stride()
+    assert ws_key.shape[-1] >= meta["NC"] * meta["KC"]
+    if batch == 0 or num_kv_heads == 0 or max_pages == 0 or page_budget == 0:
+        return
+    _score_chunk_topk_kernel[(batch, num_kv_heads, meta["NC"])](
+        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, ws_key=ws_key, ws_page=ws_page,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
+        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
+        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        stride_bt=block_table.stride(0), stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
+        MAXP=max_pages, TQ=num_queries, D=head_dim, BUDGET=page_budget, NUM_SINK=num_sink_pages,
+        NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], **meta["stage1"],
+    )
+
+
+def merge_chunks(ws_key: torch.Tensor, ws_page: torch.Tensor, seq_lens: torch.Tensor, *, max_pages: int,
+                 page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
+                 num_query_tokens: int, meta: dict, out: torch.Tensor) -> None:
+    """Stage 2: the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``."""
+    batch, num_kv_heads = out.shape[:2]
+    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
+        return
+    if max_pages == 0:              # stage 1 had no chunk to write: every slot is padding
+        out.fill_(-1)
+        return
+    _merge_chunks_kernel[(batch, num_kv_heads)](
+        ws_key=ws_key, ws_page=ws_page, seq_lens=seq_lens, out=out,
+        stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        NCAND=meta["NC"] * meta["KC"], MAXP=max_pages, TQ=num_query_tokens, BUDGET=page_budget,
+        NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages, **meta["stage2"],
+    )
+
+
+def score_and_select_pages(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
+                           num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
+                           out: torch.Tensor, window_left: int = -1) -> None:
+    """``select_pages(page_scores(q, ...))`` into ``out`` ``[B, Hkv, page_budget]`` int32, in two launches
+    (:func:`score_chunks`, then :func:`merge_chunks`); arguments as theirs."""
+    opts = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                num_recent_pages=num_recent_pages, meta=meta)
+    score_chunks(q, k_min, k_max, block_table, seq_lens, ws_key=ws_key, ws_page=ws_page, window_left=window_left,
+                 **opts)
+    merge_chunks(ws_key, ws_page, seq_lens, max_pages=block_table.shape[1], num_query_tokens=q.shape[1], out=out,
+                 **opts)
