@@ -609,7 +609,7 @@ class TinyAttnCache(Cache):
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
                               pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling,
                               window_left=-1 if window is None else window - 1, **scales)
-        out = out.view(B, T, Hq, D) if out.is_contiguous() else out.reshape(B, T, Hq, D)
+        out = out.reshape(B, T, Hq, D)
         return (out if out.dtype == query.dtype else out.to(query.dtype)), None
 
 

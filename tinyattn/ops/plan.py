@@ -282,8 +282,10 @@ class PagedAttentionPlan:
                 query's window last (``-inf``) and needs ``num_sink_pages = 0``; listed ``page_indices`` are
                 attended within the window.
 
-        Nothing is validated here (see :meth:`plan`) beyond the shapes and the KV format (a quantized pool
-        needs its scales, ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``); differentiable in
+        Nothing is validated here (see :meth:`plan`) beyond the shapes, the dtypes (``TypeError`` for an integer
+        ``q``, a ``v_cache`` of another dtype than ``k_cache``, a ``k_max`` of another dtype than ``k_min``) and the
+        KV format (a quantized pool needs its scales, ``[num_pages, Hkv]``, and the torch backend: else
+        ``ValueError``); differentiable in
         ``q``, ``k_cache``, ``v_cache`` (float pools).
         """
         if (page_indices is None and scale is None and k_scale is None and v_scale is None
@@ -413,8 +415,9 @@ class PagedAttentionPlan:
             return None
 
     def _make_cpu_step_args(self) -> tuple:
-        """The step's constant kernel arguments: int32 tables, the selection buffer and the selection scalars (not
-        the scale, which a layer may override for its own call)."""
+        """The step's constant kernel arguments: int32 tables (the kernel reads them directly), the selection buffer
+        (ascending, -1 padded, rewritten by each layer) and the selection scalars; not the scale, which a layer may
+        override for its own call."""
         if self._cpu_tables is None:
             self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
                                 self.seq_lens.to(torch.int32).contiguous())
@@ -433,19 +436,12 @@ class PagedAttentionPlan:
         q = q.contiguous()                     # [B, Hq, D] or [B, Tq, Hq, D]: the kernel reads both
         o = out if out is not None and out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
-        if self._cpu_tables is None:          # int32 tables once per step (the kernel reads them directly)
-            self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
-                                self.seq_lens.to(torch.int32).contiguous())
+        args = self._cpu_step_args if self._cpu_step_args is not None else self._make_cpu_step_args()
         select = k_min is not None and self._selects
-        selected = None
-        if select:
-            if self._cpu_selected is None:    # ascending, -1 padded; one buffer per step, rewritten by each layer
-                self._cpu_selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget),
-                                                  torch.int32)
-            selected = self._cpu_selected
-        elif page_indices is not None:
+        selected = args[2] if select else None
+        if page_indices is not None and not select:
             page_indices = page_indices.to(torch.int32).contiguous()
-        kernels_cpu.paged_decode(q, k_cache, v_cache, *self._cpu_tables, o,
+        kernels_cpu.paged_decode(q, k_cache, v_cache, *args[:2], o,
                                  k_min=k_min if select else None, k_max=k_max if select else None,
                                  page_indices=page_indices, selected=selected,
                                  page_budget=self.page_budget if select else 0, num_sink_pages=self.num_sink_pages,
