@@ -362,14 +362,3 @@ def run_main(argv, parse_args, run, plot, columns: list[tuple[str, str, str]]) -
     print()
     print_table(rows, columns)
     return 0
-
-
-def torch_ops(fn):
-    """``fn`` with the compiled CPU kernel switched off (``tinyattn.kernels_cpu.disabled``): the torch backend's
-    PyTorch implementation, for an A/B row in the same run."""
-    import tinyattn.kernels_cpu as kernels_cpu
-
-    def run():
-        with kernels_cpu.disabled():
-            return fn()
-    return run

@@ -11,8 +11,6 @@ context and page budget. Methods, all timed in the same run (interleaved on the 
 - ``dense_paged``: :func:`tinyattn.paged_attention`;
 - ``sparse``: :func:`tinyattn.sparse_paged_attention` with ``k_min/k_max/page_budget`` (scores, selects and
   attends in one call), for each budget;
-- ``dense_paged_torch`` / ``sparse_torch`` (``--torch-ops``, CPU): the same ops with the compiled CPU kernel
-  off, i.e. the torch backend's PyTorch implementation.
 
 Every speedup is against the **faster** of ``sdpa`` and ``sdpa_gqa`` in the same run (named in the
 ``baseline`` column). Columns: time (median, µs), speedup, speedup vs ``sdpa_gqa``, bytes moved (DESIGN.md §1,
@@ -49,9 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--value-checks", action="store_true",
                    help="time the ops with their data checks on, as users call them (default: off, as a runtime "
                         "with trusted tables runs them)")
-    p.add_argument("--torch-ops", action="store_true",
-                   help="CPU: also time dense_paged and sparse with the compiled CPU kernel off "
-                        "(tinyattn.kernels_cpu.disabled), i.e. the PyTorch implementation, in the same run")
     p.add_argument("--max-gib", type=float, default=6.0,
                    help="skip contexts whose paged + contiguous caches exceed this many GiB (default: 6)")
     args = p.parse_args(argv)
@@ -111,10 +106,6 @@ def run(args) -> list[dict]:
             methods[f"sparse@{bt}"] = (lambda k=bt // S: tinyattn.sparse_paged_attention(
                 p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_min, k_max=p.k_max, page_budget=k,
                 backend=args.backend))
-        if args.torch_ops and device.type == "cpu":    # the same ops with the compiled CPU kernel off
-            for name in [m for m in methods if m == "dense_paged" or m.startswith("sparse@")]:
-                methods[name.replace("dense_paged", "dense_paged_torch").replace("sparse@", "sparse_torch@")] = \
-                    C.torch_ops(methods[name])
         with torch.no_grad(), tinyattn.value_checks(args.value_checks):
             check_outputs(p, methods, q_fold)
             idle = C.wait_quiet(args.wait_quiet) if device.type == "cpu" else 1.0

@@ -11,12 +11,10 @@ Two tables (CSV + PNG + Markdown printed for docs/benchmarks.md), 1 CPU thread b
    - ``paged_attention`` and ``sparse_paged_attention`` (the public ops: validate, plan and run every call);
    - ``plan.run dense`` / ``plan.run sparse``: one :class:`tinyattn.PagedAttentionPlan` run, the per-layer cost a
      model pays (the plan is built once per step and shared by the layers; ``plan`` is its cost);
-   - ``... (torch ops)``: the public ops with the compiled CPU kernel switched off (``tinyattn.kernels_cpu.disabled``):
-     the PyTorch implementation, what a machine without a C++ compiler runs.
 
 2. **end to end**, stories260K greedy decode from BOS, 200 new tokens, budget 4 pages of 16: tokens/s of
    Hugging Face ``generate`` with stock SDPA attention, of the same model with ``attn_implementation="tinyattn"`` +
-   ``TinyAttnCache(page_budget=4)``, and of the tinyattn runtime (``LlamaRuntime``, also with the kernel off).
+   ``TinyAttnCache(page_budget=4)``, and of the tinyattn runtime (``LlamaRuntime``).
    Needs transformers (the ``hf`` extra); skipped without it.
 
     python bench/overhead.py                      # writes out/bench/overhead*.csv|png (scratch)
@@ -95,10 +93,6 @@ def per_call_rows(names, repeats: int) -> list[dict]:
             "plan": planned,
             "plan.run dense": lambda: plan.run(q, kc, vc),
             "plan.run sparse": lambda: plan.run(q, kc, vc, k_min=k_min, k_max=k_max),
-            # the same public ops on the PyTorch implementation only (the compiled CPU kernel switched off)
-            "paged_attention (torch ops)": C.torch_ops(lambda: tinyattn.paged_attention(q, kc, vc, bt, sl)),
-            "sparse_paged_attention (torch ops)": C.torch_ops(lambda: tinyattn.sparse_paged_attention(
-                q, kc, vc, bt, sl, k_min=k_min, k_max=k_max, page_budget=budget)),
         }
         inner = max(1, int(2000 / (B * L * Hq * D / 12800) ** 0.5))
         for fn in methods.values():                                    # warm up (tables, allocator)
@@ -138,7 +132,6 @@ def end_to_end_rows(repeats: int, new_tokens: int, budget: int) -> list[dict]:
     model = LlamaModel.from_llama2c(default_model_path())
     runtime = LlamaRuntime(model, page_size=PAGE_SIZE, page_budget=budget)
     runners["tinyattn runtime"] = lambda: runtime.generate([[1]], max_new_tokens=new_tokens, eos_id=None)
-    runners["tinyattn runtime (torch ops)"] = C.torch_ops(runners["tinyattn runtime"])
     try:
         from tinyattn.integrations.hf import TinyAttnCache
         stock, ours = _hf_models()

@@ -11,14 +11,6 @@ from tinyattn.ops import chunked
 from tinyattn.ops.plan import PagedAttentionPlan
 
 from paged_problems import make_problem
-import tinyattn.kernels_cpu as kernels_cpu
-
-
-@pytest.fixture(autouse=True)
-def pytorch_path_only():
-    """Chunking is a form of the PyTorch implementation; the compiled CPU kernel streams pages by itself."""
-    with kernels_cpu.disabled():
-        yield
 
 
 def _tiny_chunks(mp):

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-import tinyattn.kernels_cpu as kernels_cpu
 from hypothesis import given, settings, strategies as st
 
 import tinyattn
@@ -75,15 +74,12 @@ def test_plan_run_matches_reference_torch(shapes, data, seed):
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["torch_ops", "cpu_kernel"])
 @settings(deadline=None, max_examples=30)
 @given(P=st.integers(1, 20), budget=st.integers(1, 8), sinks=st.integers(0, 2), recent=st.integers(0, 2),
        seed=st.integers(0, 2**16), n_ties=st.integers(0, 3))
-def test_fused_selection_is_select_pages(kernel, P, budget, sinks, recent, seed, n_ties):
+def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties):
     """The plan's selection (the stable sort of the PyTorch path, or the compiled CPU kernel's) keeps exactly the
     pages of the reference select_pages (ties to the lower page, NaN as -inf, forced recent and sink pages)."""
-    if kernel and not kernels_cpu.available():
-        pytest.skip(f"CPU kernel {kernels_cpu.status()}")
     S, Hkv, D = 4, 2, 4
     if sinks + max(recent, 1) > budget:
         return
@@ -100,9 +96,8 @@ def test_fused_selection_is_select_pages(kernel, P, budget, sinks, recent, seed,
     if not plan.selects:
         return
     q0 = q[:, 0]
-    with contextlib.nullcontext() if kernel else kernels_cpu.disabled():
-        plan.run(q0, k, v, k_min=k_min, k_max=k_max)
-    got = torch.sort(plan._cpu_selected if kernel else plan._last_selection, dim=-1).values
+    plan.run(q0, k, v, k_min=k_min, k_max=k_max)
+    got = torch.sort(plan._last_selection, dim=-1).values
     scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
     want = R.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(got.to(torch.int32), want)
@@ -264,8 +259,7 @@ def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=Hkv, head_dim=D,
                                                     page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
     q0 = q[:, 0]
-    with kernels_cpu.disabled():                    # the PyTorch path's long-row form
-        out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
+    out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
     assert plan._sparse["packed"] is not None
     scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
     want = R.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)

@@ -8,14 +8,7 @@ from hypothesis import strategies as st
 import tinyattn
 from tinyattn import reference
 from paged_problems import problems
-import tinyattn.kernels_cpu as kernels_cpu
 
-
-@pytest.fixture(autouse=True)
-def pytorch_path_only():
-    """These tests check the PyTorch implementation; tests/test_cpu_kernel.py checks the compiled kernel."""
-    with kernels_cpu.disabled():
-        yield
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

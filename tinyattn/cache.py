@@ -50,9 +50,7 @@ import torch
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
-from . import kernels_cpu
 from .ops import boxes, quant
-from .ops import spans as _spans
 from .ops.spans import span
 
 
@@ -416,16 +414,6 @@ class PagedKVCache:
         recomputes it exactly. Raises ``TypeError``/``ValueError`` for non-integer or out-of-pool ``slots``
         and mismatched ``k``/``v`` shapes, before anything is written.
         """
-        issued = getattr(self, "_issued", None)
-        if (issued is not None and slots is issued[0] and k.shape == v.shape and k.shape[0] == slots.shape[0]
-                and k.dtype == self.dtype and 0 <= layer < self.num_layers and self._write_in_kernel(k, v)):
-            try:          # the decode hot path: slots from extend(); the kernel checks the rest before writing
-                kernels_cpu.write_kv(self.k_cache[layer], self.v_cache[layer], self.k_min[layer] if self.k_min
-                                     else None, self.k_max[layer] if self.k_max else None, slots, k.contiguous(),
-                                     v.contiguous())
-                return
-            except RuntimeError:
-                pass      # the checked path below names the argument
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer}")
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
@@ -451,15 +439,6 @@ class PagedKVCache:
             return
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
-        if self._write_in_kernel(k, v):                        # one compiled call: rows and boxes
-            try:          # it checks every layout and slot before writing anything: on refusal, the ops below
-                kernels_cpu.write_kv(self.k_cache[layer], self.v_cache[layer],
-                                     self.k_min[layer] if self.k_min else None,
-                                     self.k_max[layer] if self.k_max else None, slots.to(torch.int64).contiguous(),
-                                     k.contiguous(), v.contiguous())
-                return
-            except RuntimeError:
-                pass
         Hkv, D = self.num_kv_heads, self.head_dim
         # one index_copy_ per pool on its [num_pages * page_size, Hkv, D] view (slots are token rows)
         self.k_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, k)
@@ -470,14 +449,6 @@ class PagedKVCache:
         # OpenMP parallel region for a few elements (each one costs a time slice when a core is busy)
         with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
             self._grow_boxes(layer, slots // self.page_size if pages is None else pages, k)
-
-    def _write_in_kernel(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether :meth:`write` goes to the compiled CPU kernel: CPU float pools with boxes of the pool's dtype
-        (or none), nothing needing autograd, no profiler (it times the box upkeep as its own span)."""
-        return (self.device.type == "cpu" and kernels_cpu.enabled and kernels_cpu._module is not None
-                and (not self.k_min or self.box_dtype == self.dtype) and _spans.recorder is None
-                and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k_cache[0].requires_grad
-                                                      or self.v_cache[0].requires_grad)))
 
     def _grow_boxes(self, layer: int, pages: torch.Tensor, k: torch.Tensor) -> None:
         """Grow the boxes of ``pages`` by the keys ``k`` (rounded outward first when the boxes are narrower:

@@ -52,7 +52,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .. import kernels_cpu
 from . import chunked, core, quant, tables
 from . import validation as V
 from .autograd import attention as differentiable_attention, needs_grad
@@ -191,7 +190,7 @@ class PagedAttentionPlan:
         # the torch backend builds its index tables on the host (one device -> host copy off the CPU); on the CPU
         # the copy waits for the PyTorch path's first use (_host_tables): the compiled kernel reads the tensors
         self._host = None
-        if self.backend == "torch" and self.device.type != "cpu":
+        if self.backend == "torch":
             self._host = (tables.host_copy(block_table), tables.host_copy(seq_lens))
             self._lens = self._host[1].tolist()
         else:
@@ -202,22 +201,12 @@ class PagedAttentionPlan:
         elif page_budget is not None and num_query_tokens > 1 and self._lens is not None:
             V.check_query_pages_fit_host(self._lens, num_query_tokens, page_size, page_budget)  # no sync: host lengths
         self._sparse = self._last_selection = None   # torch-backend tables, built on first use
-        self._cpu_tables = None                      # int32 tables of the compiled CPU kernel, built on first use
         self._dense: dict = {}                       # window_left -> dense tables of the step (torch backend)
         self._window_blocks: dict = {}               # window_left -> [(t0, t1, plan)] of a long windowed prefill
         self._nothing = (self.batch == 0 or num_query_tokens == 0 or self.max_pages == 0
                          or (self._lens is not None and not any(self._lens)))        # no key anywhere
         self._selects = self.selects
         self._fast_ok = not self._nothing and _sdpa_zeroes_empty_rows()
-        # run()'s hot path: a CPU step the compiled kernel serves, checked once here; per call run() compares
-        # shapes and flags and lets the kernel check the rest (see _run_cpu_direct)
-        self._cpu_direct = (self.backend == "torch" and self.device.type == "cpu" and not self._nothing
-                            and num_query_tokens <= kernels_cpu.MAX_QUERY_TOKENS)
-        self._q_shapes = ((self.batch, num_q_heads, head_dim) if num_query_tokens == 1 else None,
-                          (self.batch, num_query_tokens, num_q_heads, head_dim))
-        self._kv_tail = (page_size, num_kv_heads, head_dim)
-        self._cpu_selected = None
-        self._cpu_step_args = None                   # the decode hot path's kernel arguments, built on first use
         if self.backend == "triton":
             self._plan_triton()
         self._planned = True
@@ -225,9 +214,6 @@ class PagedAttentionPlan:
 
     def rebind(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> "PagedAttentionPlan":
         """Point the plan at new tensors holding the same values as the planned ones (their tables stand)."""
-        if block_table is not self.block_table or seq_lens is not self.seq_lens:
-            self._cpu_tables = None       # may alias the old tensors (int32 already), whose values may change
-            self._cpu_step_args = None
         self.block_table, self.seq_lens = block_table, seq_lens
         if self.backend == "triton":
             self._bt32 = block_table.to(torch.int32).contiguous()
@@ -288,11 +274,6 @@ class PagedAttentionPlan:
         ``ValueError``); differentiable in
         ``q``, ``k_cache``, ``v_cache`` (float pools).
         """
-        if (page_indices is None and scale is None and k_scale is None and v_scale is None
-                and type(window_left) is int and window_left == -1 and self._planned and self._cpu_direct):
-            result = self._run_cpu_direct(q, k_cache, v_cache, k_min, k_max, return_lse, out)
-            if result is not None:
-                return result
         if not self._planned:
             raise RuntimeError("PagedAttentionPlan.run: call plan(block_table, seq_lens, ...) first (once per step)")
         if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (self.page_size, self.num_kv_heads, self.head_dim):
@@ -329,8 +310,6 @@ class PagedAttentionPlan:
         blocks = self._query_blocks(window_left, q, k_cache, v_cache, k_min, page_indices, windowed_selection)
         if blocks is not None:
             return self._run_query_blocks(blocks, q, k_cache, v_cache, window_left, return_lse, out, k_scale, v_scale)
-        if self._cpu_kernel_ok(q, k_cache, v_cache, k_min, k_max, page_indices, scales):
-            return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left)
         if (_spans.recorder is None and self.backend == "torch" and not return_lse and out is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                                       or v_cache.requires_grad))
@@ -361,96 +340,6 @@ class PagedAttentionPlan:
             else:
                 result = self._attend_torch(q4, k_cache, v_cache, page_indices, return_lse, scales, window_left)
         return self._finish(q, *result, return_lse, out)
-
-    # ------------------------------------------------------------------------- compiled CPU kernel
-    def _cpu_kernel_ok(self, q, k_cache, v_cache, k_min, k_max, page_indices, scales) -> bool:
-        """Whether this run goes to :mod:`tinyattn.kernels_cpu` (one fused call): a CPU plan on the torch backend
-        (unless :func:`tinyattn.kernels_cpu.disabled`), few queries per row, float pools in ``q``'s dtype with
-        unit stride in ``D``, nothing needing autograd, and something to attend to (the empty cases keep their one
-        code path). Not under :mod:`tinyattn.profiler`: the kernel fuses the phases (score, top-k, attention) that
-        the profiler times one by one, so a profiled run takes the PyTorch implementation."""
-        if (not kernels_cpu.enabled or self.backend != "torch" or self.device.type != "cpu"
-                or _spans.recorder is not None or scales is not None or self._nothing
-                or self.num_query_tokens > kernels_cpu.MAX_QUERY_TOKENS or q.dtype not in kernels_cpu.DTYPES
-                or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.shape[0] == 0
-                or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
-                or (page_indices is not None and page_indices.shape[-1] == 0)):
-            return False
-        if k_min is not None and (k_min.dtype not in kernels_cpu.DTYPES or k_max.dtype != k_min.dtype
-                                  or k_min.stride(-1) != 1 or k_max.stride() != k_min.stride()):
-            return False
-        if needs_grad(q, k_cache, v_cache) or torch.compiler.is_compiling():
-            return False
-        return kernels_cpu.available()
-
-    def _run_cpu_direct(self, q, k_cache, v_cache, k_min, k_max, return_lse, out):
-        """The decode hot path of :meth:`run` (a planned CPU step, no options): the few checks whose answer can
-        change between layers, then the kernel, which checks shapes, dtypes, strides and page ids itself.
-        ``None`` when the call needs the general path (autograd, a profiler, the kernel off, another shape) or
-        the kernel refused it: the general path then raises the precise ``ValueError`` / ``TypeError`` (or takes
-        the PyTorch implementation, e.g. for strided rows), so nothing here changes what a call returns."""
-        if (not kernels_cpu.enabled or kernels_cpu._module is None or _spans.recorder is not None
-                or (q.shape != self._q_shapes[0] and q.shape != self._q_shapes[1])
-                or k_cache.shape[1:] != self._kv_tail or (k_min is None) != (k_max is None)
-                or q.dtype not in kernels_cpu.DTYPES
-                or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))
-                or torch.compiler.is_compiling()):
-            return None
-        try:
-            if out is None and not return_lse and q.is_contiguous():
-                # the decode layer as models call it: straight to the kernel with the step's arguments (one
-                # Python frame less per layer: at stories260K's size the frames cost as much as the kernel)
-                args = self._cpu_step_args if self._cpu_step_args is not None else self._make_cpu_step_args()
-                o = torch.empty_like(q)
-                # the scale is read per call: a layer with its own scale swaps self.scale around its run
-                if k_min is not None and self._selects:
-                    kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], k_min, k_max, None,
-                                                     *args[2:], float(self.scale), -1, o, None)
-                else:
-                    kernels_cpu._module.paged_decode(q, k_cache, v_cache, args[0], args[1], None, None, None, None,
-                                                     0, *args[4:], float(self.scale), -1, o, None)
-                return o
-            return self._run_cpu_kernel(q, k_cache, v_cache, k_min, k_max, None, return_lse, out, -1)
-        except RuntimeError:
-            return None
-
-    def _make_cpu_step_args(self) -> tuple:
-        """The step's constant kernel arguments: int32 tables (the kernel reads them directly), the selection buffer
-        (ascending, -1 padded, rewritten by each layer) and the selection scalars; not the scale, which a layer may
-        override for its own call."""
-        if self._cpu_tables is None:
-            self._cpu_tables = (self.block_table.to(torch.int32).contiguous(),
-                                self.seq_lens.to(torch.int32).contiguous())
-        selected = None
-        if self._selects:
-            if self._cpu_selected is None:
-                self._cpu_selected = self._buffer("cpu_selected", (self.batch, self.num_kv_heads, self.page_budget),
-                                                  torch.int32)
-            selected = self._cpu_selected
-        self._cpu_step_args = (*self._cpu_tables, selected, int(self.page_budget or 0), int(self.num_sink_pages),
-                               int(self.num_recent_pages))
-        return self._cpu_step_args
-
-    def _run_cpu_kernel(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, window_left):
-        """Quest selection (when boxes are given and some row exceeds the budget) and attention in one call."""
-        q = q.contiguous()                     # [B, Hq, D] or [B, Tq, Hq, D]: the kernel reads both
-        o = out if out is not None and out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
-        args = self._cpu_step_args if self._cpu_step_args is not None else self._make_cpu_step_args()
-        select = k_min is not None and self._selects
-        selected = args[2] if select else None
-        if page_indices is not None and not select:
-            page_indices = page_indices.to(torch.int32).contiguous()
-        kernels_cpu.paged_decode(q, k_cache, v_cache, *args[:2], o,
-                                 k_min=k_min if select else None, k_max=k_max if select else None,
-                                 page_indices=page_indices, selected=selected,
-                                 page_budget=self.page_budget if select else 0, num_sink_pages=self.num_sink_pages,
-                                 num_recent_pages=self.num_recent_pages, scale=self.scale, window_left=window_left,
-                                 lse=lse)
-        if out is not None and o is not out:
-            out.copy_(o)
-            o = out
-        return (o, lse) if return_lse else o
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
         """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""
@@ -725,9 +614,6 @@ class PagedAttentionPlan:
             bias = bias[:, :, :, None].expand(B, Hkv, Tq, G, K * S).reshape(B, Hkv, Tq * G, K * S)
         return rows.reshape(-1), bias, K * S
 
-    _cpu_tables = None         # (block_table, seq_lens) as contiguous int32 for the compiled CPU kernel
-    _cpu_selected = None       # the compiled CPU kernel's last selection [B, Hkv, page_budget]
-    _cpu_step_args = None      # the decode hot path's kernel arguments (_make_cpu_step_args)
     _api_key = None            # the validated public-op call this plan was built for (ops.api._planned)
     _selected = None           # the Triton path's selection buffer (preallocated by _plan_triton)
     _chunks = None             # the two-stage selection's sizes (kernels.chunk_topk.chunk_blocks), if it is used
