@@ -176,12 +176,12 @@ def test_plan_uses_two_stage_and_matches_one_stage(monkeypatch, window_left):
     real = C.merge_chunks
     monkeypatch.setattr(C, "merge_chunks", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     plan = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
-    assert plan._chunks is not None and plan._chunks["NC"] == -(-p.block_table.shape[1] // C.INTERPRET_CHUNK) > 1
+    assert plan._impl._chunks is not None and plan._impl._chunks["NC"] == -(-p.block_table.shape[1] // C.INTERPRET_CHUNK) > 1
     two = plan.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
-    pages_two = plan._selected.clone()
+    pages_two = plan._impl._selected.clone()
     assert calls == [1]
     monkeypatch.setattr(C, "use_two_stage", lambda *a, **k: False)
     plan1 = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
-    assert plan1._chunks is None
+    assert plan1._impl._chunks is None
     one = plan1.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
-    assert calls == [1] and torch.equal(plan1._selected, pages_two) and torch.equal(one, two)
+    assert calls == [1] and torch.equal(plan1._impl._selected, pages_two) and torch.equal(one, two)

@@ -15,6 +15,8 @@ from hypothesis import given, settings, strategies as st
 import tinyattn
 from tinyattn import reference as R
 from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.ops import core
+from tinyattn.ops import torch_backend as T
 from tinyattn.ops.plan import PagedAttentionPlan
 
 from paged_problems import make_problem
@@ -97,7 +99,7 @@ def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties)
         return
     q0 = q[:, 0]
     plan.run(q0, k, v, k_min=k_min, k_max=k_max)
-    got = torch.sort(plan._last_selection, dim=-1).values
+    got = core.canonical_page_indices(plan._impl.select(q0[:, None], k_min, k_max), sl, S)
     scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
     want = R.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(got.to(torch.int32), want)
@@ -260,10 +262,10 @@ def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
                                                     page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
     q0 = q[:, 0]
     out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
-    assert plan._sparse["packed"] is not None
+    got = torch.sort(plan._impl.select(q0[:, None], k_min, k_max), dim=-1).values.to(torch.int32)
+    assert "packed" in plan._impl._keys                    # the long-row form ran
     scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
     want = R.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
-    got = torch.sort(plan._last_selection, dim=-1).values.to(torch.int32)
     n = (sl.long() + S - 1) // S
     got = torch.where(got < n[:, None, None], got, -1)                 # a short row pads with invalid pages
     got = torch.sort(torch.where(got < 0, 10**6, got), dim=-1).values
@@ -321,13 +323,12 @@ def test_nan_bound_ties_with_a_real_minus_inf(pages):
     forms, exactly as select_pages (a real -inf once became -FLT_MAX through nan_to_num and outranked NaN)."""
     S = 2
     q, k, v, table, sl, _, _ = _problem(9, 1, 2, 1, 4, S, [pages * S])
-    plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=1, head_dim=4,
-                                                    page_size=S, page_budget=3)
-    t = plan._sparse_tables()
+    keys = T.selection_keys(sl, pages, page_size=S, page_budget=3, num_sink_pages=0, num_recent_pages=1,
+                            num_query_tokens=1)
     scores = torch.full((1, 1, pages), float("-inf"))           # every bound -inf ...
     scores[0, 0, 0] = float("nan")                               # ... but page 0's, NaN: ties with -inf, kept first
     scores[0, 0, 7] = float("inf")
-    got = torch.sort(plan._top_pages(scores, t), dim=-1).values.to(torch.int32)
+    got = torch.sort(T.top_pages(scores, keys), dim=-1).values.to(torch.int32)
     want = R.select_pages(scores, sl, page_size=S, page_budget=3)
     assert torch.equal(got, want)
 

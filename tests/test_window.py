@@ -346,7 +346,7 @@ def test_long_windowed_prefill_runs_in_query_blocks_and_matches_reference():
     for w in (20, 7):
         ref_out, ref_lse = reference.paged_attention(*args(p), window_left=w, return_lse=True)
         out, lse = plan.run(p.q, p.k_cache, p.v_cache, window_left=w, return_lse=True)
-        assert len(plan._window_blocks[w]) == 3                                  # 600 queries in blocks of 256
+        assert len(plan._impl._blocks[w]) == 3                                  # 600 queries in blocks of 256
         assert_close_to_reference(out, lse, ref_out, ref_lse)
         torch.testing.assert_close(plan.run(p.q, p.k_cache, p.v_cache, window_left=w), ref_out, atol=2e-5,
                                    rtol=1e-5)

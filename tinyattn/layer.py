@@ -173,18 +173,12 @@ class PagedAttention:
             return self.plan.run(q, k_cache, v_cache)
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
-        if scale is not None and scale != self.plan.scale:
-            saved, self.plan.scale = self.plan.scale, float(scale)
-            try:
-                return self(layer, q, k_cache, v_cache, k_min, k_max, page_indices=page_indices, k_scale=k_scale,
-                            v_scale=v_scale, window_left=window_left)
-            finally:
-                self.plan.scale = saved
         if k_scale is None and k_cache.dtype != q.dtype and k_cache.is_floating_point() \
                 and k_cache.dtype not in quant.QUANTIZED_DTYPES:
-            return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max,
-                        page_indices=page_indices, window_left=window_left).to(q.dtype)
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
+            return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max, page_indices=page_indices,
+                        scale=scale, window_left=window_left).to(q.dtype)
+        # a layer's own scale (GPT-2 scales per layer) is passed down with every call, never stored in the plan
+        scales = dict(k_scale=k_scale, v_scale=v_scale, scale=scale)
         if page_indices is not None:
             return self.plan.run(q, k_cache, v_cache, page_indices=page_indices, window_left=window_left, **scales)
         if check_window_left(window_left) >= 0:        # a sliding layer: dense over its window, never selects
@@ -195,33 +189,35 @@ class PagedAttention:
         stateful = self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer)
         if k_scale is not None and (sparse or stateful):      # policies and metrics read float pools
             k_cache, v_cache = quant.dequantize(k_cache, k_scale, q.dtype), quant.dequantize(v_cache, v_scale, q.dtype)
-            scales = {}
+            scales = dict(scale=scale)
         if sparse:        # every step, even one where all pages fit: a stateful policy observes each one
-            return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max)
+            return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max, scale)
         out = self.plan.run(q, k_cache, v_cache, **scales)
         if stateful:
             from . import selection
 
-            selection.observe_prefill(self.sparsity.policy, self._context(layer, q, k_cache, v_cache, k_min, k_max))
+            selection.observe_prefill(self.sparsity.policy,
+                                      self._context(layer, q, k_cache, v_cache, k_min, k_max, scale))
         return out
 
-    def _context(self, layer, q, k_cache, v_cache, k_min, k_max):
+    def _context(self, layer, q, k_cache, v_cache, k_min, k_max, scale=None):
         from .selection import SelectionContext
 
         s, p = self.sparsity, self.plan
         return SelectionContext(layer=layer, q=q, k_cache=k_cache, v_cache=v_cache, k_min=k_min, k_max=k_max,
                                 block_table=p.block_table, seq_lens=p.seq_lens, page_budget=s.page_budget,
                                 num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
-                                seq_ids=self.seq_ids, scale=p.scale, backend=self.backend)
+                                seq_ids=self.seq_ids, scale=p.scale if scale is None else float(scale),
+                                backend=self.backend)
 
-    def _policy_attend(self, layer, q, k_cache, v_cache, k_min, k_max):
+    def _policy_attend(self, layer, q, k_cache, v_cache, k_min, k_max, scale=None):
         """A policy other than fused Quest (or metrics on): select, attend to the pages, observe, record."""
         from .selection import page_attention_mass
 
         policy = self.sparsity.policy
-        ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max)
+        ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max, scale)
         idx = policy.select(ctx)
-        out = self.plan.run(q, k_cache, v_cache, page_indices=idx)
+        out = self.plan.run(q, k_cache, v_cache, page_indices=idx, scale=ctx.scale)
         if policy.stateful:
             policy.observe(ctx, idx, page_attention_mass(q, k_cache, ctx.block_table, ctx.seq_lens,
                                                          page_indices=idx, scale=ctx.scale))

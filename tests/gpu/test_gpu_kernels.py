@@ -138,7 +138,7 @@ def test_two_stage_selection_matches_one_stage(lens, budget, sinks):
     # the plan's sparse step at batch 1 takes the two-stage path
     plan = tinyattn.PagedAttentionPlan(backend="triton").plan(table, lens_t, num_q_heads=32, num_kv_heads=8,
                                                               head_dim=128, page_size=16, page_budget=budget)
-    assert plan._chunks is not None
+    assert plan._impl._chunks is not None
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -80,14 +80,15 @@ def _planned(backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan
     call's validated tables.
 
     ``checked``: what validation returned (:func:`_checked_dense` / :func:`_checked_sparse`); the same object as
-    at the last call means :func:`V.recall` found the same signature and table values, so the plan stands.
+    at the last call means :func:`V.recall` found the same signature and the same table values, so the planned
+    step (the plan's own copy of those values) stands.
     """
     plan = getattr(_plans, backend, None)
     if plan is None:
         plan = PagedAttentionPlan(backend=backend)
         setattr(_plans, backend, plan)
-    if plan._api_key is checked:
-        return plan.rebind(block_table, seq_lens)
+    if plan._api_key is checked and plan.step is not None:
+        return plan
     plan._api_key = None            # set once planning succeeded: a failed plan is never reused
     shapes, scale, selection = checked.shapes, checked.scale, checked.selection
     plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,

@@ -78,13 +78,14 @@ def _softmax_parts(qg, k, visible, scale):
 
 
 def _torch_fwd(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left=-1):
+    """The torch backend's attention (:func:`core.attend_rows`) over the gathered keys of the listed pages."""
     qg, k, v, visible, _, _ = _gather(q4, k_cache, v_cache, block_table, seq_lens, page_indices, window_left)
-    p, m, denom = _softmax_parts(qg, k, visible, scale)
-    out = torch.einsum("bhtgn,bhnd->bhtgd", p, v) / torch.where(denom > 0, denom, 1.0)
-    lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf")).squeeze(-1)
-    Hkv = k_cache.shape[2]
-    return (rearrange(out, "b h t g d -> b t (h g) d").to(q4.dtype).contiguous(),
-            rearrange(lse, "b h t g -> b t (h g)", h=Hkv).contiguous())
+    B, Hkv, Tq, G, D = qg.shape
+    M = Tq * G                                                   # query rows ordered (t, g), as core.group_queries
+    out, lse = core.attend_rows(qg.reshape(B, Hkv, M, D), k, v, visible.expand(B, Hkv, Tq, G, -1).reshape(B, Hkv, M, -1),
+                                scale)
+    return (rearrange(out, "b h (t g) d -> b t (h g) d", t=Tq).to(q4.dtype).contiguous(),
+            rearrange(lse, "b h (t g) -> b t (h g)", t=Tq).contiguous())
 
 
 def _torch_bwd(dout, dlse, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, window_left=-1):

@@ -1,8 +1,7 @@
 """The one PyTorch core of paged attention: which pool rows a row's keys live in, and a NaN-safe softmax.
 
-Every torch-side attention of the package is built from these few functions: the per-step plan
-(:mod:`tinyattn.ops.plan`; its per-step tables follow the same layout, built on the host by
-:mod:`tinyattn.ops.tables`), the autograd formula (:mod:`tinyattn.ops.autograd`) and the selection metrics
+Every torch-side attention of the package is built from these few functions: the torch backend's per-step plan
+(:mod:`tinyattn.ops.plan_torch`, whose row and mask tables are :func:`page_rows` of every page), the autograd formula (:mod:`tinyattn.ops.autograd`) and the selection metrics
 (:func:`tinyattn.selection.page_attention_mass`).
 ``tinyattn.reference`` stays an independent loop twin that the tests compare them against.
 
@@ -107,12 +106,16 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     key_ok = ok[..., None] & (pos < lens[:, None, None, None])
     heads = torch.arange(Hkv, device=device)[None, :, None, None]
     rows = (phys[..., None] * S + torch.arange(S, device=device)) * Hkv + heads         # [B, Hkv, K, S]
-    first = ((table[:, :1].clamp(min=0) * S) * Hkv if table.numel() else torch.zeros(B, 1, dtype=torch.int64,
-                                                                                          device=device))
-    # an empty row borrows the first key of the first non-empty row: a valid key is finite, an unused slot
-    # may hold NaN (and a hidden key's weight 0 times NaN is still NaN)
-    donor = first[(lens > 0).to(torch.int8).argmax()] if B else first[:0]
-    filler = torch.where(lens[:, None] > 0, first, donor)[:, :, None, None] + heads    # [B, Hkv, 1, 1]
+    # a hidden slot reads the first key of the first valid page listed for its (row, head): a key the row reads
+    # anyway (a valid key is finite; an unused slot, or a page before a window, may hold NaN, and a hidden key's
+    # weight 0 times NaN is still NaN). A (row, head) with no valid page borrows another's.
+    big = torch.iinfo(torch.int64).max
+    lead = torch.where(ok, sel, big).amin(-1) if K else torch.full((B, Hkv), big, device=device)      # [B, Hkv]
+    has = lead < big
+    lead_phys = torch.gather(table, 1, lead.clamp(0, width - 1)) if table.numel() else torch.zeros_like(lead)
+    first = lead_phys.clamp(min=0) * (S * Hkv) + heads[:, :, 0, 0]                      # [B, Hkv]
+    donor = first.flatten()[has.flatten().to(torch.int8).argmax()] if first.numel() else first.new_zeros(())
+    filler = torch.where(has, first, donor)[:, :, None, None]                          # [B, Hkv, 1, 1]
     rows = torch.where(key_ok, rows, filler)
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
     visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]

@@ -1,17 +1,24 @@
-"""Vectorised PyTorch twins of the scoring, selection and metadata ops: the CPU path of the stand-alone
-``page_scores`` / ``select_pages`` / ``update_page_metadata`` (DESIGN.md §4).
+"""The torch backend's copy of each rule (DESIGN.md §4): the Quest bound, page selection and box upkeep.
 
-No Python loop over rows, heads or pages. Inputs are already validated and canonical (see
-``tinyattn.ops.api``). Attention itself lives in the per-step plan (:mod:`tinyattn.ops.plan`, which also has
-its own fused scoring and selection for the decode path) and its one torch core (:mod:`tinyattn.ops.core`).
+Every rule of the torch backend lives here once, used both by the stand-alone ops (``page_scores``,
+``select_pages``, ``update_page_metadata``) and by the per-step plan (:mod:`tinyattn.ops.plan_torch`);
+attention itself is :func:`tinyattn.ops.core.attend_rows` / SDPA over gathered rows (:mod:`.plan_torch`).
+The other copies are the reference loops (:mod:`tinyattn.ops.reference`, the tests' oracle) and the Triton
+kernels (:mod:`tinyattn.kernels`); docs/layout.md lists where each rule lives.
 
-- **Scoring** is two matmuls per KV head, ``q⁺·k_max + q⁻·k_min`` with ``q⁺ = max(q, 0)`` and
-  ``q⁻ = min(q, 0)``, which equals ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` term by term. When the rows
-  use most of the page pool (always the case for one sequence) the matmuls run over the pool's boxes
-  in place (strided views, no copy) and the scores are then gathered through the block table, so the
-  boxes are read exactly once; otherwise the rows' boxes are gathered first.
-- **Selection** is one ``torch.topk`` over an int64 key that packs the forced pages (recent, sinks),
-  an order-preserving integer image of the score and the page index (ties to the lower index).
+No Python loop over rows, heads or pages. Inputs are already validated and canonical.
+
+- **Bound** (:func:`page_bounds`, Quest §3.2 / TinyServe eq. 2): two matmuls per KV head,
+  ``q⁺·k_max + q⁻·k_min`` with ``q⁺ = max(q, 0)`` and ``q⁻ = min(q, 0)``, which equals
+  ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` term by term, maximised over the group's query heads and the row's
+  queries. When the rows use most of the page pool (always the case for one sequence) the matmuls run over the
+  pool's boxes in place (strided views, no copy) and the step's pages are picked afterwards, so the boxes are read
+  exactly once; otherwise the rows' boxes are gathered first.
+- **Selection** (:func:`selection_keys` once per step, :func:`top_pages` per layer): forced pages (the recent /
+  query pages, then the sinks) are keyed above every score, then the bounds in descending order, NaN as ``-inf``,
+  ties to the lower page index, invalid pages last. Short rows sort float keys (stable, fewest calls); long rows
+  take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then ``P - 1 - j``),
+  much cheaper than sorting thousands of pages. Both encode the one order above.
 """
 
 from __future__ import annotations
@@ -25,64 +32,80 @@ from .core import (canonical_page_indices, dense_page_indices, float_order_key, 
 NEG_INF = float("-inf")
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
-
-
-def _physical_pages(block_table: torch.Tensor, logical: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Physical ids of ``logical`` [B, ...] pages; 0 where not ``valid`` (a safe dummy, masked later)."""
-    B = block_table.shape[0]
-    flat = logical.clamp(min=0).reshape(B, -1)
-    phys = torch.gather(block_table.to(torch.int64), 1, flat.clamp(max=block_table.shape[1] - 1))
-    return torch.where(valid, phys.reshape(logical.shape), 0)
-
-
-def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
-    """ub = q⁺·k_max + q⁻·k_min, max over the group and the queries of each row. [B, Hkv, P] fp32."""
-    B, Tq, Hq, D = q4.shape
-    N, Hkv = k_min.shape[0], k_min.shape[1]
-    P = block_table.shape[1]
-    dt = math_dtype(q4)
-    if B * Tq * P * N == 0:                                                             # nothing to score
-        return torch.full((B, Hkv, P), NEG_INF, dtype=torch.float32, device=q4.device)
-    cols = torch.arange(P, device=q4.device)
-    n_valid = num_valid_pages(seq_lens, page_size)
-    valid = cols[None, :] < n_valid[:, None]                                            # [B, P]
-    phys = _physical_pages(block_table, cols.expand(B, P), valid)                       # [B, P]
-    qg = group_queries(q4, Hkv, dt)                                                     # [B, Hkv, M, D]
-    q_pos, q_neg = qg.clamp(min=0), qg.clamp(max=0)
-    M = qg.shape[2]
-    total_valid = int(n_valid.sum()) if B > 1 else P
-    if N <= 2 * max(total_valid, 1) and Hkv * B * M * N * 4 <= _POOL_LOGITS_BYTES:
-        # every row against the whole pool, boxes read once in place: [Hkv, B*M, N]
-        qp = q_pos.transpose(0, 1).reshape(Hkv, B * M, D)                                # [Hkv, B*M, D]
-        qn = q_neg.transpose(0, 1).reshape(Hkv, B * M, D)
-        lo = k_min.permute(1, 2, 0).to(dt)                                              # [Hkv, D, N] (view)
-        hi = k_max.permute(1, 2, 0).to(dt)
-        ub = torch.baddbmm(torch.bmm(qn, lo), qp, hi)                                   # [Hkv, B*M, N]
-        ub = ub.view(Hkv, B, M, N).amax(2)                                              # [Hkv, B, N]
-        scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, P))                      # [Hkv, B, P]
-        scores = scores.permute(1, 0, 2).float()
-    else:
-        lo = k_min[phys].to(dt).permute(0, 2, 3, 1)                                     # [B, Hkv, D, P]
-        hi = k_max[phys].to(dt).permute(0, 2, 3, 1)
-        scores = (q_pos @ hi + q_neg @ lo).amax(dim=2).float()                          # [B, Hkv, P]
-    return scores.masked_fill(~valid[:, None, :], NEG_INF).contiguous()
-
-
+_SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed int64 keys (cheaper than a sort)
+_FLT_MAX = torch.finfo(torch.float32).max
+_SCORE_CAP = 3.0e38         # a real +inf bound is capped below the sink key FLT_MAX (float form)
 _INVALID_KEY = torch.iinfo(torch.int64).min
 _FORCED_KEY = 0x7F800001 << 32                       # above the key of any score (+inf included)
 
 
-def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens):
-    """One ``torch.topk`` over an int64 key: recent pages, then sinks, then scores, then invalid pages.
+def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                   num_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(phys [B, P] int64, valid [B, P] bool)``: the physical page of each logical page, 0 past the row's end
+    (a safe dummy, masked by ``valid``)."""
+    B, P = block_table.shape
+    cols = torch.arange(P, device=block_table.device)
+    valid = cols[None, :] < num_valid_pages(seq_lens.to(block_table.device), page_size)[:, None]
+    return torch.where(valid, block_table.to(torch.int64), 0), valid
 
-    The key of a scored page packs an order-preserving integer image of the fp32 score (high 32 bits) with
-    ``P - 1 - j`` (low bits), so equal scores go to the lower page index exactly as the reference does; NaN
-    counts as ``-inf`` (so NaN vs ``-inf`` is a tie, won by the lower page index). Forced pages get keys above every score, invalid pages the minimum.
+
+def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+    """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages: fp32 ``[B, Hkv, P]``, ``-inf`` where not
+    ``valid``.
+
+    Args:
+        qg: ``[B, Hkv, M, D]`` grouped queries (:func:`group_queries`, ``M = Tq * G``), fp32 or fp64.
+        k_min, k_max: ``[num_pages, Hkv, D]`` boxes (any float dtype; computed in ``qg``'s dtype).
+        phys, valid: ``[B, P]`` from :func:`physical_pages`.
     """
-    B, Hkv, P = scores.shape
-    device = scores.device
-    if B * Hkv * P == 0:                                                                # no page to keep
-        return torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=device)
+    B, Hkv, M, D = qg.shape
+    P, N = phys.shape[1], k_min.shape[0]
+    dt = qg.dtype
+    if B * M * P * N == 0:
+        return torch.full((B, Hkv, P), NEG_INF, dtype=torch.float32, device=qg.device)
+    if N <= 2 * B * P and Hkv * B * M * N * 4 <= _POOL_LOGITS_BYTES:
+        # every row against the whole pool, boxes read once in place: [Hkv, B*M, N]
+        qp = qg.transpose(0, 1).reshape(Hkv, B * M, D)                                  # [Hkv, B*M, D]
+        lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)                         # [Hkv, D, N] views
+        if lo.dtype != dt:
+            lo, hi = lo.to(dt), hi.to(dt)
+        # two bmm + add_: baddbmm over these strided views ran 1.4x slower (docs/benchmarks.md)
+        ub = torch.bmm(qp.clamp(max=0), lo).add_(torch.bmm(qp.clamp(min=0), hi))      # [Hkv, B*M, N]
+        ub = ub.view(Hkv, B, M, N).amax(2)                                              # [Hkv, B, N]
+        scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, P)).transpose(0, 1)      # [B, Hkv, P]
+    else:
+        qt = qg.reshape(B * Hkv, M, D).transpose(1, 2)                                   # [B*Hkv, D, M]
+        rows = (phys[:, None, :] * Hkv + torch.arange(Hkv, device=qg.device)[None, :, None]).reshape(-1)
+        lo = k_min.reshape(-1, D).index_select(0, rows).view(B * Hkv, P, D)
+        hi = k_max.reshape(-1, D).index_select(0, rows).view(B * Hkv, P, D)
+        if lo.dtype != dt:
+            lo, hi = lo.to(dt), hi.to(dt)
+        scores = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0))).amax(-1).view(B, Hkv, P)
+    return scores.float().masked_fill_(~valid[:, None, :], NEG_INF)
+
+
+def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
+    """The public ``page_scores`` on validated inputs: fp32 ``[B, Hkv, P]`` (:func:`page_bounds`)."""
+    phys, valid = physical_pages(block_table, seq_lens, page_size)
+    qg = group_queries(q4, k_min.shape[1], math_dtype(q4))
+    return page_bounds(qg, k_min, k_max, phys, valid).contiguous()
+
+
+def selection_keys(seq_lens: torch.Tensor, num_pages: int, *, page_size: int, page_budget: int,
+                   num_sink_pages: int, num_recent_pages: int, num_query_tokens: int) -> dict:
+    """What a selection over the first ``num_pages`` logical pages needs besides the scores (once per step).
+
+    The rule (DESIGN.md §3): per row, the last ``max(num_recent_pages, 1)`` valid pages (every page holding one of
+    the ``Tq`` queries) are kept first, newest first, then the first ``num_sink_pages`` pages, then the best
+    bounds; invalid pages (past the row's end) rank last.
+
+    Returns a dict: ``K = min(page_budget, P)``; ``valid`` ``[B, 1, P]`` bool; and the keys of one of two forms:
+    ``forced`` ``[B, 1, P]`` bool + ``forced_key`` ``[B, 1, P]`` fp32 (recent ``+inf``, sink ``FLT_MAX``, invalid
+    ``-inf``) for a stable sort (``P <= 64``), or ``packed`` ``[B, 1, P]`` int64 + ``rank`` ``[P]`` for ``topk``.
+    """
+    P = num_pages
+    device = seq_lens.device
     lens = seq_lens.to(torch.int64)
     n = num_valid_pages(lens, page_size)[:, None, None]                                 # [B, 1, 1]
     j = torch.arange(P, device=device)                                                  # [P]
@@ -91,16 +114,47 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     is_valid = j < n                                                                    # [B, 1, P]
     is_recent = is_valid & (j >= n - recent)
     is_sink = is_valid & ~is_recent & (j < num_sink_pages)
-    forced = torch.where(is_recent, _FORCED_KEY + 2 * P + j, _FORCED_KEY + P - j)      # newest, then first pages
-    fallback = torch.where(is_recent | is_sink, forced, _INVALID_KEY)                   # [B, 1, P]
-    key = float_order_key(scores)                                       # NaN as -inf, -0.0 as 0.0
-    key = torch.where(is_valid & ~(is_recent | is_sink), key + (P - 1 - j), fallback)
-    k = min(page_budget, P)
-    top = torch.topk(key, k, dim=-1, largest=True, sorted=False)                       # [B, Hkv, k]
-    chosen = torch.where(top.values > _INVALID_KEY, top.indices, P)                     # P = "none", sorts last
-    chosen = torch.sort(chosen, dim=-1).values
-    out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=device)
-    out[..., :k] = torch.where(chosen < P, chosen, -1).to(torch.int32)
+    keys = dict(K=min(page_budget, P), valid=is_valid, forced=is_recent | is_sink | ~is_valid)
+    if P <= _SORT_MAX_PAGES:
+        keys["forced_key"] = torch.where(is_recent, float("inf"), torch.where(is_sink, _FLT_MAX, NEG_INF))
+        return keys
+    rank = P - 1 - j                                                                    # ties: lower page first
+    keys["packed"] = torch.where(is_recent, _FORCED_KEY + P + rank,
+                                 torch.where(is_sink, _FORCED_KEY + rank, _INVALID_KEY + rank))
+    keys["rank"] = rank
+    return keys
+
+
+def top_pages(scores: torch.Tensor, keys: dict) -> torch.Tensor:
+    """The ``K`` pages of each (row, KV head) the selection keeps, in rank order: int64 ``[B, Hkv, K]``.
+
+    A row with fewer than ``K`` valid pages also lists invalid pages (ids past its end) after its valid ones;
+    :func:`select_pages` turns those into ``-1``, the plan's tables mask them.
+    """
+    if "packed" not in keys:
+        # NaN counts as -inf (neginf= keeps a real -inf as -inf: it ties with NaN, lower page first); stable:
+        # equal keys keep page order, so ties go to the lower page index (and valid pages before invalid ones)
+        key = torch.where(keys["forced"], keys["forced_key"],
+                          scores.nan_to_num(nan=NEG_INF, posinf=_SCORE_CAP, neginf=NEG_INF))
+        return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : keys["K"]]
+    key = torch.where(keys["forced"], keys["packed"], float_order_key(scores) + keys["rank"])
+    return torch.topk(key, keys["K"], dim=-1, largest=True, sorted=False).indices
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens):
+    """The public ``select_pages`` on validated inputs: int32 ``[B, Hkv, page_budget]``, ascending, ``-1``
+    padded (:func:`selection_keys` + :func:`top_pages`)."""
+    B, Hkv, P = scores.shape
+    if B * Hkv * P == 0:                                                                # no page to keep
+        return torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
+    keys = selection_keys(seq_lens.to(scores.device), P, page_size=page_size, page_budget=page_budget,
+                          num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                          num_query_tokens=num_query_tokens)
+    chosen = top_pages(scores, keys)
+    n = num_valid_pages(seq_lens.to(scores.device), page_size)[:, None, None]
+    chosen = torch.sort(torch.where(chosen < n, chosen, P), dim=-1).values             # P = "none", sorts last
+    out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
+    out[..., : keys["K"]] = torch.where(chosen < P, chosen, -1).to(torch.int32)
     return out
 
 
