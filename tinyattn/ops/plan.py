@@ -206,8 +206,10 @@ class PagedAttentionPlan:
         if backend == "triton":
             V.check_kernel_page_size(page_size)
         scale = V.check_scale(scale, head_dim)
-        # the rows' lengths on the host: free on a CPU; on a GPU one sync, skipped for trusted tables
-        lens = None if trusted and block_table.device.type != "cpu" else tuple(seq_lens.tolist())
+        # the rows' lengths on the host: free on a CPU; on a GPU one sync, skipped for trusted tables (and in graph
+        # mode, whose plan() must not read values on the host on any device: then every layer with boxes selects)
+        graph = max_pages_per_seq is not None
+        lens = None if trusted and (block_table.device.type != "cpu" or graph) else tuple(seq_lens.tolist())
         self._max_page_id = None
         if not trusted:
             self._check_values(block_table, seq_lens, page_size, num_pages, num_query_tokens, page_budget)
