@@ -87,7 +87,10 @@ class TorchPlan:
         if window_left >= 0 and page_indices is None and not selects and self._query_blocks(window_left):
             return self._run_query_blocks(window_left, q, k_cache, v_cache, return_lse, out, scale, scales)
         dt = q.dtype if q.dtype in _EXACT else torch.float32
-        qg = core.group_queries(q4, step.num_kv_heads, dt)                                  # [B, Hkv, M, D]
+        if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
+            qg = q.view(step.batch, step.num_kv_heads, step.group, step.head_dim)
+        else:
+            qg = core.group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
             page_indices = self.select(q4, k_min, k_max, window_left, qg)
@@ -100,11 +103,17 @@ class TorchPlan:
             selection = dict(step.selection, page_budget=page_indices.shape[-1])
         else:
             rows, bias, n_keys = self._dense_rows(window_left)
-        with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
-                  page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
+        if _spans.recorder is None:
             o, lse = self._attend(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, return_lse)
+        else:
+            with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
+                      page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
+                o, lse = self._attend(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, return_lse)
         Tq = step.num_query_tokens
-        o = core.ungroup(o, Tq).to(q.dtype)
+        if out is None and not return_lse and q.dim() == 3 and o.dtype == q.dtype:
+            return o.view(q.shape)                                    # decode: [B, Hkv, G, D] is [B, Hq, D]
+        o = core.ungroup(o, Tq)
+        o = o if o.dtype == q.dtype else o.to(q.dtype)
         return _finish(q, o, None if lse is None else core.ungroup(lse, Tq), return_lse, out)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
@@ -119,7 +128,11 @@ class TorchPlan:
                                           num_sink_pages=step.num_sink_pages,
                                           num_recent_pages=step.num_recent_pages,
                                           num_query_tokens=step.num_query_tokens)
-            self._phys = T.physical_pages(self.block_table[:, :P], self.seq_lens, step.page_size)
+            phys, valid = T.physical_pages(self.block_table[:, :P], self.seq_lens, step.page_size)
+            every = all(core.cdiv_pages(n, step.page_size) >= P for n in self._lens)
+            self._phys = (phys, None if every else valid)          # no mask to apply when every page is valid
+        if _spans.recorder is None and window_left < 0:              # the decode layer: no span, no window
+            return T.top_pages(T.page_bounds(qg.detach(), k_min, k_max, *self._phys), self._keys)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
             scores = T.page_bounds(qg.detach(), k_min, k_max, *self._phys)                 # [B, Hkv, P]
@@ -169,20 +182,36 @@ class TorchPlan:
         return self._tables[key]
 
     def _selected_rows(self, pages: torch.Tensor, window_left: int):
-        """Rows and mask of the pages a selection kept, gathered from the step's tables of every page."""
+        """Rows and mask of the pages a selection kept (:meth:`select`, rank order), gathered from the step's tables
+        of every page.
+
+        Without a window the mask is the step's: in rank order each position holds a page of a known kind (recent
+        pages first, then sinks, then scored pages, then pages past a short row's end; :func:`top_pages`), and
+        only recent pages and invalid ones hide slots. So it is the mask of the template selection made with equal
+        scores, gathered once per step; a window's mask depends on the pages and is gathered per call."""
         key = ("sparse", window_left)
         step = self.step
         B, Hkv, S, Tq = step.batch, step.num_kv_heads, step.page_size, step.num_query_tokens
+        K = pages.shape[-1]
         if key not in self._tables:
             P = self._num_pages
             every = torch.arange(P, device=self.block_table.device).expand(B, Hkv, P)
             rows, bias = self._page_tables(every, window_left)                  # [B, Hkv, P, S], [B, Hkv, Tq, P, S]
-            self._tables[key] = (rows, bias)
-        rows, bias = self._tables[key]
-        K = pages.shape[-1]
+            fixed = None
+            if window_left < 0:
+                template = T.top_pages(torch.zeros(B, Hkv, P, device=rows.device), self._keys)      # [B, Hkv, K]
+                fixed = self._gathered_bias(bias, template)
+            self._tables[key] = (rows, bias, fixed)
+        rows, bias, fixed = self._tables[key]
         rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, S))                       # [B, Hkv, K, S]
+        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * S
+
+    def _gathered_bias(self, bias: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """The ``[B, Hkv, Tq, P, S]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's ``[B, Hkv, M, K * S]``."""
+        B, Hkv, Tq, _, S = bias.shape
+        K = pages.shape[-1]
         bias = bias.gather(3, pages[:, :, None, :, None].expand(B, Hkv, Tq, K, S))        # [B, Hkv, Tq, K, S]
-        return rows.reshape(-1), self._bias(bias.reshape(B, Hkv, Tq, K * S), False), K * S
+        return self._bias(bias.reshape(B, Hkv, Tq, K * S), False)
 
     def _listed_rows(self, page_indices: torch.Tensor, window_left: int):
         """Rows and mask of pages listed by a caller (canonical: ascending, ``-1`` padded)."""
@@ -216,6 +245,8 @@ class TorchPlan:
         B, Hkv, D = step.batch, step.num_kv_heads, step.head_dim
         k = self._gather_rows("k", k_cache, rows)
         v = self._gather_rows("v", v_cache, rows)
+        if scales is None and k.dtype == dtype:
+            return k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         if scales is not None:
             idx = quant.scale_rows(rows, step.page_size, Hkv)
             k = quant.dequantize_rows(k, scales[0], idx, dtype)
@@ -229,12 +260,11 @@ class TorchPlan:
         A fresh large output at every call costs page faults that triple the gather time on a CPU; the
         gathered K/V only live until the attention of the same call returns.
         """
-        flat = x.reshape(-1, x.shape[-1])
-        nbytes = rows.shape[0] * flat.shape[1] * flat.element_size()
-        if nbytes < _WORKSPACE_MIN_BYTES or nbytes > _WORKSPACE_MAX_BYTES:
+        flat = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
+        numel = rows.shape[0] * flat.shape[1]
+        if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES:
             return flat.index_select(0, rows)    # small: the workspace lookup costs more than it saves
         buf = self._buffers.get(name)
-        numel = rows.shape[0] * flat.shape[1]
         if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:
             buf = self._buffers[name] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
         return torch.index_select(flat, 0, rows, out=buf[:numel].view(rows.shape[0], flat.shape[1]))

@@ -50,14 +50,14 @@ def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size:
 
 
 def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys: torch.Tensor,
-                valid: torch.Tensor) -> torch.Tensor:
+                valid: torch.Tensor | None) -> torch.Tensor:
     """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages: fp32 ``[B, Hkv, P]``, ``-inf`` where not
     ``valid``.
 
     Args:
         qg: ``[B, Hkv, M, D]`` grouped queries (:func:`group_queries`, ``M = Tq * G``), fp32 or fp64.
         k_min, k_max: ``[num_pages, Hkv, D]`` boxes (any float dtype; computed in ``qg``'s dtype).
-        phys, valid: ``[B, P]`` from :func:`physical_pages`.
+        phys, valid: ``[B, P]`` from :func:`physical_pages`; ``valid=None`` when every page is valid (a plan knows).
     """
     B, Hkv, M, D = qg.shape
     P, N = phys.shape[1], k_min.shape[0]
@@ -72,7 +72,7 @@ def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys
             lo, hi = lo.to(dt), hi.to(dt)
         # two bmm + add_: baddbmm over these strided views ran 1.4x slower (docs/benchmarks.md)
         ub = torch.bmm(qp.clamp(max=0), lo).add_(torch.bmm(qp.clamp(min=0), hi))      # [Hkv, B*M, N]
-        ub = ub.view(Hkv, B, M, N).amax(2)                                              # [Hkv, B, N]
+        ub = (ub if M == 1 else ub.view(Hkv, B, M, N).amax(2)).view(Hkv, B, N)         # [Hkv, B, N]
         scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, P)).transpose(0, 1)      # [B, Hkv, P]
     else:
         qt = qg.reshape(B * Hkv, M, D).transpose(1, 2)                                   # [B*Hkv, D, M]
@@ -82,7 +82,8 @@ def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys
         if lo.dtype != dt:
             lo, hi = lo.to(dt), hi.to(dt)
         scores = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0))).amax(-1).view(B, Hkv, P)
-    return scores.float().masked_fill_(~valid[:, None, :], NEG_INF)
+    scores = scores if scores.dtype == torch.float32 else scores.float()
+    return scores if valid is None else scores.masked_fill(~valid[:, None, :], NEG_INF)
 
 
 def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
@@ -128,6 +129,10 @@ def selection_keys(seq_lens: torch.Tensor, num_pages: int, *, page_size: int, pa
 def top_pages(scores: torch.Tensor, keys: dict) -> torch.Tensor:
     """The ``K`` pages of each (row, KV head) the selection keeps, in rank order: int64 ``[B, Hkv, K]``.
 
+    Rank order puts the recent pages first (oldest first), then the sinks, then the scored pages (best first),
+    then invalid pages: so which *kind* of page sits at each position depends on the step only, not on the
+    scores, and a plan computes the mask of any selection once per step (:class:`tinyattn.ops.plan_torch.TorchPlan`).
+
     A row with fewer than ``K`` valid pages also lists invalid pages (ids past its end) after its valid ones;
     :func:`select_pages` turns those into ``-1``, the plan's tables mask them.
     """
@@ -138,7 +143,8 @@ def top_pages(scores: torch.Tensor, keys: dict) -> torch.Tensor:
                           scores.nan_to_num(nan=NEG_INF, posinf=_SCORE_CAP, neginf=NEG_INF))
         return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : keys["K"]]
     key = torch.where(keys["forced"], keys["packed"], float_order_key(scores) + keys["rank"])
-    return torch.topk(key, keys["K"], dim=-1, largest=True, sorted=False).indices
+    # sorted: every position of the result holds a page of a known kind (forced first), as in the sort form
+    return torch.topk(key, keys["K"], dim=-1, largest=True, sorted=True).indices
 
 
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens):
