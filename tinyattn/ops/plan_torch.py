@@ -150,6 +150,15 @@ class TorchPlan:
                                           window_left=window_left)
         return rows, torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, core.NEG_INF)
 
+    def _every_page(self, window_left: int):
+        """:meth:`_page_tables` of every page of the step (``P`` = the longest row's), once per step and window."""
+        key = ("every", window_left)
+        if key not in self._tables:
+            step, P = self.step, self._num_pages
+            every = torch.arange(P, device=self.block_table.device).expand(step.batch, step.num_kv_heads, P)
+            self._tables[key] = self._page_tables(every, window_left)
+        return self._tables[key]
+
     def _bias(self, bias: torch.Tensor, all_visible: bool):
         """``[B, Hkv, Tq, n]`` mask -> ``[B, Hkv, Tq * G or 1, n]`` (query rows ordered ``(t, g)``), ``None`` when
         every query sees every key."""
@@ -170,11 +179,15 @@ class TorchPlan:
         if key not in self._tables:
             step, lens = self.step, self._lens
             S, Tq = step.page_size, step.num_query_tokens
-            first = [max(n - Tq - window_left, 0) // S if window_left >= 0 else 0 for n in lens]
-            P = max((core.cdiv_pages(n, S) - f for n, f in zip(lens, first)), default=0)
-            pages = (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(P))[:, None, :]
-            pages = pages.expand(step.batch, step.num_kv_heads, P).to(self.block_table.device)
-            rows, bias = self._page_tables(pages, window_left)
+            if window_left < 0:               # every page of the step: the tables a selecting layer uses too
+                P = self._num_pages
+                rows, bias = self._every_page(window_left)
+            else:
+                first = [max(n - Tq - window_left, 0) // S for n in lens]
+                P = max((core.cdiv_pages(n, S) - f for n, f in zip(lens, first)), default=0)
+                pages = (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(P))[:, None, :]
+                pages = pages.expand(step.batch, step.num_kv_heads, P).to(self.block_table.device)
+                rows, bias = self._page_tables(pages, window_left)
             B, Hkv = step.batch, step.num_kv_heads
             all_visible = window_left < 0 and Tq == 1 and all(n == P * S for n in lens)
             bias = self._bias(bias.reshape(B, Hkv, Tq, P * S), all_visible)
@@ -195,8 +208,7 @@ class TorchPlan:
         K = pages.shape[-1]
         if key not in self._tables:
             P = self._num_pages
-            every = torch.arange(P, device=self.block_table.device).expand(B, Hkv, P)
-            rows, bias = self._page_tables(every, window_left)                  # [B, Hkv, P, S], [B, Hkv, Tq, P, S]
+            rows, bias = self._every_page(window_left)                        # [B, Hkv, P, S], [B, Hkv, Tq, P, S]
             fixed = None
             if window_left < 0:
                 template = T.top_pages(torch.zeros(B, Hkv, P, device=rows.device), self._keys)      # [B, Hkv, K]
