@@ -216,8 +216,8 @@ INTERPRET_CHUNK = 4
 # a chunk holds at least this many times the budget (when the budget is large), so that stage 1 filters: at B = 1,
 # 32K, budget 128 the GPU-filling chunk alone (64 pages) keeps every page, and the merge sees all 2048
 FILTER = 2
-# elements of a radix pass's [keys, 2**BITS] counting tile: 4-bit digits (8 passes) while the tile fits this
-RADIX_TILE = 16384
+# elements of a radix pass's [keys, 2**BITS] counting tile (32 per thread at 4 warps: no spills on sm_90)
+RADIX_TILE = 4096
 
 
 def use_two_stage(batch: int, num_kv_heads: int, max_pages: int, page_budget: int,
@@ -273,7 +273,8 @@ def chunk_blocks(batch: int, num_kv_heads: int, max_pages: int, page_budget: int
 
 def radix_bits(num_keys: int) -> int:
     """Radix digit width for a select over ``num_keys`` keys: 4 bits (8 dependent passes) while the
-    ``[num_keys, 16]`` counting tile stays within ``RADIX_TILE`` elements, else 2 (16 passes), else 1 (32)."""
+    ``[num_keys, 16]`` counting tile stays within ``RADIX_TILE`` elements, else 2 (16 passes), else 1 (32).
+    (A 16384-element tile spilled 2 KB on sm_90 in the compile tier for the 1024-candidate merge.)"""
     for bits in (4, 2):
         if num_keys << bits <= RADIX_TILE:
             return bits
