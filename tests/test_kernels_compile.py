@@ -28,7 +28,7 @@ def test_every_recorded_specialisation_compiles(arch):
     result = _run("--arch", str(arch), "--table")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     assert "0 failed" in result.stdout
-    assert f"| kernel [shape row] (sm_{arch}) | registers |" in result.stdout
+    assert f"| kernel [shape row: phase] (sm_{arch}) | registers |" in result.stdout
 
 
 @pytest.mark.slow
@@ -46,7 +46,8 @@ def test_recorded_list_covers_every_inference_kernel_with_gpu_specialisations():
     for kernel in ("kv_write[", "page_minmax[", "score_chunk_topk[", "merge_chunks[", "attn_fwd[", "merge_splits[",
                    "attention_bwd[", "page_grad_norm["):
         assert kernel in names, kernel
-    for row in ("[stories260K]", "[smollm2-135m]", "[bench-32K]", "[vllm-block16]", "[vllm-block16-fp8]"):
+    for row in ("[stories260K: prefill]", "[smollm2-135m: sparse decode]", "[bench-32K: decode write]",
+                "[vllm-block16: prefill write]", "[vllm-block16-fp8: dense decode]"):
         assert row in names, row
     assert "=1: stride_qd,stride_kd" in names                  # unit strides specialised as on a GPU
     assert "%16: q,k_cache" in names                           # aligned pointers

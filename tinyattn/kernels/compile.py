@@ -284,7 +284,7 @@ def recorded_specs(launches: list) -> List[Recorded]:
         seen.add(key)
         fp8 = any("float8" in d.get("tensor", "") for d in launch["args"].values())
         short = launch["kernel"].split(":")[1].strip("_").removesuffix("_kernel")
-        out.append(Recorded(f"{short}[{launch['shape']}]", launch, 89 if fp8 else 0))
+        out.append(Recorded(f"{short}[{launch['shape']}: {launch.get('phase', '')}]", launch, 89 if fp8 else 0))
     return out
 
 
@@ -382,7 +382,7 @@ def compile_all(archs: List[int], specs: list, verbose: bool = True, usage: bool
 
 def markdown_table(results: list, arch: int) -> str:
     """The ``sm_<arch>`` rows of ``results`` as a Markdown table: kernel[first shape row], regs, spills, smem."""
-    lines = [f"| kernel [shape row] (sm_{arch}) | registers | spill stores / loads (B) | shared memory (B) |",
+    lines = [f"| kernel [shape row: phase] (sm_{arch}) | registers | spill stores / loads (B) | shared memory (B) |",
              "|---|---:|---:|---:|"]
     for a, spec, status in results:
         if a != arch:

@@ -65,6 +65,9 @@ SHAPES = (
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+_phase = ""   # the step phase run_shape is in (``decode write``, ``sparse decode``, ...), stored with each launch
+
+
 def _describe(value):
     """A JSON description of one launch argument, with what the GPU JIT specialises on."""
     if isinstance(value, torch.Tensor):
@@ -97,7 +100,7 @@ def record(execute: bool = False):
     def run(self, *args, grid, warmup, **kwargs):
         bound = dict(zip(self.arg_names, args), **kwargs)
         grid_desc = list(grid) if isinstance(grid, (tuple, list)) else str(grid)
-        launches.append({"kernel": f"{self.fn.__module__}:{self.fn.__name__}",
+        launches.append({"kernel": f"{self.fn.__module__}:{self.fn.__name__}", "phase": _phase,
                          "args": {name: _describe(value) for name, value in bound.items()}, "grid": grid_desc})
         if execute:
             return real(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -113,6 +116,11 @@ def record(execute: bool = False):
         InterpretedFunction.run = real
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+def _in_phase(name: str) -> None:
+    global _phase
+    _phase = name
 
 
 def run_shape(shape: Shape) -> None:
@@ -137,24 +145,30 @@ def run_shape(shape: Shape) -> None:
     # the runtime's KV write: k is a view into the fused qkv projection ([N, Hq + 2 Hkv, D] rows)
     qkv = torch.zeros(B, Hq + 2 * Hkv, D, dtype=dtype)
     slots = (block_table[:, -1].long() * S + (shape.context - 1) % S)
+    _in_phase("decode write")
     kv_write.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min, k_max=k_max,
                       fill=torch.zeros(num_pages, dtype=torch.int64) if quantized else None, backend="triton",
                       **scales)
+    _in_phase("boxes")
     tinyattn.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, backend="triton",
                                   **({"k_scale": scales["k_scale"]} if quantized else {}))
     q = qkv[:, :Hq]
     if shape.page_budget:
+        _in_phase("sparse decode")
         tinyattn.sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, k_min=k_min, k_max=k_max,
                                         page_budget=shape.page_budget, backend="triton", **scales)
+    _in_phase("dense decode")
     tinyattn.paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="triton", **scales)
     if shape.prefill > 1:
         T = shape.prefill
         qkv = torch.zeros(B * T, Hq + 2 * Hkv, D, dtype=dtype)
         slots = torch.arange(B * T) % (B * pages_per_row * S)
+        _in_phase("prefill write")
         kv_write.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min,
                           k_max=k_max, fill=torch.zeros(num_pages, dtype=torch.int64) if quantized else None,
                           backend="triton", **scales)
         prefill_lens = torch.full((B,), T, dtype=torch.int32)
+        _in_phase("prefill")
         tinyattn.paged_attention(qkv[:, :Hq].reshape(B, T, Hq, D), k_cache, v_cache, block_table, prefill_lens,
                                  backend="triton", **scales)
 
