@@ -215,3 +215,42 @@ def test_default_backend_is_torch_on_the_cpu_even_when_interpreting():
     """The CPU write path stays the torch one (bit-identical CPU behaviour); Triton is the default on CUDA."""
     assert kv_write.resolve_write_backend(None, torch.device("cpu")) == "torch"
     assert kv_write.resolve_write_backend(None, torch.device("cuda")) == "triton"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_triton_path_host_code_allocates_nothing_and_never_syncs(monkeypatch, fmt):
+    """What a CUDA graph needs of the write: the launcher's host code allocates no tensor and reads no device
+    value (``item`` / ``tolist`` / ``cpu`` / ``bool`` raise here); the launch itself is stubbed out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tinyattn.kernels import kv_write as kernel_module
+
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(kernel_module, "_kv_write_kernel", Stub())
+    state = _poisoned_state(torch.Generator().manual_seed(0), fmt, "auto", 8, 16, 2, 8)
+    k = torch.randn(3, 2, 8)
+    slots = torch.tensor([0, 17, 40])
+
+    class Allocations(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.returns and "Tensor" in str(func._schema.returns[0].type) \
+                    and not func._schema.returns[0].alias_info:
+                Allocations.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host sync in the write path")
+
+    for name in ("item", "tolist", "cpu", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    with Allocations():
+        kv_write.write_kv(k, k, slots, **state, backend="triton")
+    monkeypatch.undo()
+    assert Allocations.count == 0 and len(launches) == 1 and launches[0][0] == (3, 2)
