@@ -235,7 +235,8 @@ def kv_write_blocks(page_size: int, head_dim: int, pool_dtype: torch.dtype, box_
     """Constexprs of ``_kv_write_kernel`` (shared with compile.py). ``box_dtype`` None: no boxes."""
     quantized = pool_dtype in (torch.int8, torch.float8_e4m3fn)
     return dict(PAGE_SIZE=page_size, BS=triton.next_power_of_2(page_size), BD=pad_head_dim(head_dim),
-                BN=max(16, SCAN_TILE // triton.next_power_of_2(page_size)), BOXES=box_dtype is not None, QUANT=quantized,
+                BN=max(16, SCAN_TILE // triton.next_power_of_2(page_size)), BOXES=box_dtype is not None,
+                QUANT=quantized,
                 FP8=pool_dtype == torch.float8_e4m3fn, QMAX=448.0 if pool_dtype == torch.float8_e4m3fn else 127.0,
                 POOL_BF16=pool_dtype == torch.bfloat16, BOX_KIND=_BOX_KIND[box_dtype] if box_dtype is not None else 0,
                 num_warps=4)

@@ -85,7 +85,8 @@ def record(execute: bool = False):
     ``{"kernel": "module:function", "args": {name: description}, "grid": [...]}``. ``execute=False`` skips running
     the kernels (their outputs stay as allocated) and makes the launchers' host choices as on a GPU: no bf16
     upcast (``needs_upcast``), the two-stage selection's GPU chunk size (not the interpreter's one config); the
-    SM count is ``attention.NUM_SMS_DEFAULT`` (132, an H100 / H200). Needs ``TRITON_INTERPRET=1`` set before triton was imported."""
+    SM count is ``attention.NUM_SMS_DEFAULT`` (132, an H100 / H200). Needs ``TRITON_INTERPRET=1`` set before
+    triton was imported."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from . import attention, attention_bwd, chunk_topk
@@ -93,8 +94,8 @@ def record(execute: bool = False):
     launches = []
     real = InterpretedFunction.run
     # host choices made for the interpreter only take their GPU values (132 SMs: attention.NUM_SMS_DEFAULT)
-    gpu_choices = [(attention, "needs_upcast", lambda dtype: False), (attention_bwd, "needs_upcast", lambda dtype: False),
-                   (chunk_topk, "is_interpreting", lambda: False)]
+    gpu_choices = [(attention, "needs_upcast", lambda dtype: False),
+                   (attention_bwd, "needs_upcast", lambda dtype: False), (chunk_topk, "is_interpreting", lambda: False)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in gpu_choices]
 
     def run(self, *args, grid, warmup, **kwargs):
