@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine (target: under 5 minutes on one H200): the GPU-only tests, then the decode
-# benchmarks against SDPA / FlashAttention, everything written to one folder with a summary.
+# One command on a CUDA machine (target: under 5 minutes on one H200): the GPU-only tests (kernels, the plan, the
+# fused KV write, the CUDA-graph replay of a whole decode step over 50 steps), then the decode benchmarks, eager and
+# CUDA-graphed, against SDPA / FlashAttention / FlashInfer (when importable), everything written to one folder with
+# a one-screen summary.md: issue 26's goals (PASS / FAIL), the graphed step table with efficiency vs the bytes
+# ideal (DESIGN.md §1), the tests' verdict; the other tables follow it.
 #
 #   bash bench/gpu.sh                  # writes out/gpu/  (or "$OUT" when set, e.g. by a CI / device runner)
 #   QUICK=1 bash bench/gpu.sh          # smaller sweep (about 1 minute)
@@ -86,29 +89,37 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --f
 if [ "${QUICK:-0}" = "1" ]; then
   CONTEXTS="4K,32K"; BUDGETS="2048"; E2E_CONTEXTS="4K,32K"; REPEATS=30
 else
-  CONTEXTS="1K,2K,4K,8K,16K,32K,64K,128K"; BUDGETS="512,1024,2048,4096"; E2E_CONTEXTS="1K,4K,16K,32K,64K,128K"; REPEATS=100
+  CONTEXTS="1K,4K,16K,32K,64K,128K"; BUDGETS="1024,2048,4096"; E2E_CONTEXTS="1K,16K,32K,128K"; REPEATS=100
 fi
 
-step gpu_tests 80 python -m pytest -q -p no:cacheprovider tests/gpu -rs
-step decode_attention 100 python bench/decode_attention.py --device cuda --out "$DEST" \
+step gpu_tests 110 python -m pytest -q -p no:cacheprovider tests/gpu -rs
+step gpu_graphs 45 python bench/gpu_graphs.py --out "$DEST" --contexts 4K,32K,128K --batches 1,8
+step decode_attention 75 python bench/decode_attention.py --device cuda --out "$DEST" \
   --contexts "$CONTEXTS" --budgets "$BUDGETS" --repeats "$REPEATS"
-step kernel_breakdown 40 python bench/kernel_breakdown.py --device cuda --out "$DEST" \
-  --contexts 4K,16K,32K,128K --repeats "$REPEATS"
-step gpu_graphs 30 python bench/gpu_graphs.py --out "$DEST" --contexts 4K,32K,128K --batches 1,8
-step e2e_decode 50 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
+step kernel_breakdown 35 python bench/kernel_breakdown.py --device cuda --out "$DEST" \
+  --contexts 4K,32K,128K --repeats "$REPEATS"
+step e2e_decode 35 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
 
 {
   echo "# tinyattn GPU run, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
-  cat "$DEST/env.txt"
-  for f in decode_attention kernel_breakdown gpu_graphs e2e_decode; do
+  head -n 3 "$DEST/env.txt"
+  echo
+  echo "## issue 26 goals (B = 1, 32K, budget 2048 tokens; graphed = CUDA-graph replay)"
+  grep -E '^goal:' "$DEST/gpu_graphs.log" 2>/dev/null || echo "(no goals: see gpu_graphs.log)"
+  echo
+  echo "## decode step, eager and graphed, vs SDPA gqa (efficiency = speedup / bytes-ideal speedup)"
+  grep -E '^\|' "$DEST/gpu_graphs.log" 2>/dev/null | grep -E '^\| (B|---|1 \| 32768)' || echo "(no table: see gpu_graphs.log)"
+  echo
+  echo "## gpu_tests"
+  tail -n 3 "$DEST/gpu_tests.log" 2>/dev/null
+  echo
+  echo "# details"
+  for f in gpu_graphs decode_attention kernel_breakdown e2e_decode; do
     echo
     echo "## $f"
     # the Markdown table each script prints last
     grep -E '^\|' "$DEST/$f.log" 2>/dev/null || echo "(no table: see $f.log)"
   done
-  echo
-  echo "## gpu_tests"
-  tail -n 5 "$DEST/gpu_tests.log" 2>/dev/null
 } > "$DEST/summary.md"
 cat "$DEST/summary.md"
 echo "wrote $DEST/ (summary.md, *.csv, *.png, *.log); exit $STATUS"

@@ -146,13 +146,20 @@ def test_radix_select_over_long_rows(chunk):
 
 
 def test_heuristic_table(monkeypatch):
-    """GPU sizes: at B = 1 the stage-1 grid spreads over >= 2 programs per SM, candidates stay in one tile."""
+    """GPU sizes: at B = 1 and a large budget the chunks are larger than the budget (stage 1 filters: the merge
+    sees at most half the pages), the candidates stay in one tile, and the radix passes take 4-bit digits where
+    the counting tile allows (stage 1: 8 dependent passes; the merge of 1024 candidates: 16, instead of 32); a small budget keeps the
+    GPU-filling chunks (>= 2 programs per SM)."""
     monkeypatch.setattr(C, "is_interpreting", lambda: False)
-    for pages, chunk, cand in ((2048, 64, 2048), (8192, 256, 4096)):
+    for pages, chunk, cand, bits in ((2048, 256, 1024, 2), (8192, 256, 4096, 1)):
         meta = C.chunk_blocks(1, 8, pages, 128, 1, 4, 128, 16, num_sms=132)
         assert meta["stage1"]["CHUNK"] == chunk and meta["NC"] * meta["KC"] == cand
-        assert 8 * meta["NC"] >= 2 * 132 - 8 and meta["stage2"]["BN"] <= C.MAX_CANDIDATES
+        assert chunk >= C.FILTER * 128 and cand <= pages // 2 and meta["stage2"]["BN"] <= C.MAX_CANDIDATES
+        assert meta["stage1"]["BITS"] == 4 and meta["stage2"]["BITS"] == bits
         assert C.use_two_stage(1, 8, pages, 128)
+    meta = C.chunk_blocks(1, 8, 2048, 8, 1, 4, 128, 16, num_sms=132)        # a small budget: fill the GPU
+    assert meta["stage1"]["CHUNK"] == 64 and 8 * meta["NC"] >= 2 * 132 - 8
+    assert [C.radix_bits(n) for n in (64, 256, 512, 1024, 2048, 4096)] == [4, 4, 2, 2, 1, 1]
     assert not C.use_two_stage(64, 8, 2048, 128)            # 512 rows x heads fill the GPU: one stage
     assert C.use_two_stage(64, 8, 4096, 128)                # the one-stage tile would hold 4096 keys
     assert not C.use_two_stage(1, 8, 100, 128)              # every page fits the budget: nothing to select

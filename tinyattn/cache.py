@@ -50,7 +50,7 @@ import torch
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
-from .ops import boxes, quant
+from .ops import boxes, kv_write, quant
 from .ops.spans import span
 
 
@@ -406,13 +406,16 @@ class PagedKVCache:
             boxes.store_box(k_min, k_max, page, keys.amin(0), keys.amax(0))
 
     # ---- K/V -----------------------------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              backend: str | None = None) -> None:
         """Store ``k``, ``v`` ``[N, Hkv, D]`` at ``slots`` ``[N]`` of ``layer`` and grow the pages' boxes.
 
-        Boxes only grow: overwriting a slot that already held a key leaves its page's box looser than
-        needed (still an upper bound, so selection stays safe); :func:`tinyattn.update_page_metadata`
-        recomputes it exactly. Raises ``TypeError``/``ValueError`` for non-integer or out-of-pool ``slots``
-        and mismatched ``k``/``v`` shapes, before anything is written.
+        The write op :func:`tinyattn.ops.kv_write.write_kv`: on CUDA pools the fused Triton kernel (one launch per
+        layer, every KV format), on a CPU its PyTorch twin; ``backend`` (``"torch"`` / ``"triton"``) forces one
+        (``"triton"`` on a CPU needs ``TRITON_INTERPRET=1``). Boxes only grow: overwriting a slot that already held
+        a key leaves its page's box looser than needed (still an upper bound, so selection stays safe);
+        :func:`tinyattn.update_page_metadata` recomputes it exactly. Raises ``TypeError``/``ValueError`` for
+        non-integer or out-of-pool ``slots`` and mismatched ``k``/``v`` shapes, before anything is written.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer}")
@@ -434,82 +437,12 @@ class PagedKVCache:
                 raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
-        if self.quantized:
-            self._write_quantized(layer, slots, slots // self.page_size if pages is None else pages, k, v)
-            return
-        if k.dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        Hkv, D = self.num_kv_heads, self.head_dim
-        # one index_copy_ per pool on its [num_pages * page_size, Hkv, D] view (slots are token rows)
-        self.k_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, k)
-        self.v_cache[layer].view(-1, Hkv, D).index_copy_(0, slots, v)
-        if not self.k_min:                                     # page_boxes=False
-            return
-        # index_reduce_ rather than scatter_reduce_: same boxes (repeated pages reduce together), and no
-        # OpenMP parallel region for a few elements (each one costs a time slice when a core is busy)
-        with span("metadata", k_new=k, pages=k.shape[0]):      # incremental box upkeep, for the profiler
-            self._grow_boxes(layer, slots // self.page_size if pages is None else pages, k)
-
-    def _grow_boxes(self, layer: int, pages: torch.Tensor, k: torch.Tensor) -> None:
-        """Grow the boxes of ``pages`` by the keys ``k`` (rounded outward first when the boxes are narrower:
-        one-directional rounding is monotone, so reducing the rounded keys gives the rounded min / max)."""
-        box = self.box_dtype
-        lo, hi = (k, k) if k.dtype == box else (boxes.round_down(k, box), boxes.round_up(k, box))
-        self.k_min[layer].index_reduce_(0, pages, lo, "amin")
-        self.k_max[layer].index_reduce_(0, pages, hi, "amax")
-
-    def _write_quantized(self, layer: int, slots: torch.Tensor, pages: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor) -> None:
-        """int8 / fp8 write: grow the touched pages' scales to hold the new tokens, re-quantize what those pages
-        already store onto the new scales, store the new tokens, refit the touched pages' boxes from the
-        dequantized keys of their valid slots (see the module docstring)."""
-        if slots.numel() == 0:
-            return
-        page_size, Hkv, D = self.page_size, self.num_kv_heads, self.head_dim
-        dtype, m = self.dtype, quant.qmax(self.dtype)
-        touched, inv = torch.unique(pages, return_inverse=True)                         # [U], [N]
-        offsets = slots - pages * page_size
-        fill = self._fill.index_select(0, touched).index_reduce_(0, inv, offsets + 1, "amax")
-        self._fill.index_copy_(0, touched, fill)
-        with span("metadata", k_new=k, pages=k.shape[0]):
-            # K and V together: [2, ...] stacks (index 0 = K, 1 = V), one op each instead of two
-            x = torch.stack([k.detach(), v.detach()]).float()                          # [2, N, Hkv, D]
-            old = torch.stack([self.k_scale[layer].index_select(0, touched),
-                               self.v_scale[layer].index_select(0, touched)])           # [2, U, Hkv]
-            new = old.clone().index_reduce_(1, inv, x.abs().amax(-1).div_(m), "amax")  # [2, U, Hkv]
-            if dtype == torch.float8_e4m3fn:
-                # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
-                # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
-                factor = torch.exp2(torch.ceil(torch.log2(new / torch.where(old > 0, old, 1.0))))
-                new = torch.where((old > 0) & (new > old), old * factor, new)
-            grew_k, grew_v = (new > old).flatten(1).any(-1).tolist()                    # one host sync
-            for i, (pools, scales, regrow) in enumerate(((self.k_cache, self.k_scale, grew_k),
-                                                         (self.v_cache, self.v_scale, grew_v))):
-                if regrow:                    # re-quantize the stored values of pages whose scale grew
-                    pool = pools[layer]
-                    ratio = torch.where(new[i] > old[i], old[i] / new[i], 1.0)[:, None, :, None]  # [U, 1, Hkv, 1]
-                    stored = pool.index_select(0, touched).float() * ratio
-                    requantized = quant.quantize(stored, 1.0, dtype).view(torch.uint8)
-                    pool.view(torch.uint8).index_copy_(0, touched, requantized)
-                    scales[layer].index_copy_(0, touched, new[i])
-            refit = grew_k                  # a page's K scale grew (its stored keys changed): refit its box
-            token_scale = new.index_select(1, inv)[..., None]                           # [2, N, Hkv, 1]
-            xq = quant.quantize(x, token_scale, dtype)                                  # [2, N, Hkv, D]
-            codes = xq.view(torch.uint8)
-            self.k_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[0])
-            self.v_cache[layer].view(torch.uint8).view(-1, Hkv, D).index_copy_(0, slots, codes[1])
-            if not self.k_min:
-                return
-            if not refit:                   # no stored key changed: the boxes grow by the new keys, as in fp32
-                k_read = xq[0].float() * token_scale[0]     # what attention reads of the new keys
-                self._grow_boxes(layer, pages, k_read)
-                return
-            keys = quant.dequantize(self.k_cache[layer].index_select(0, touched),
-                                    self.k_scale[layer].index_select(0, touched))  # [U, page_size, Hkv, D] fp32
-            valid = (torch.arange(page_size, device=self.device)[None, :] < fill[:, None])[:, :, None, None]
-            inf = torch.tensor(float("inf"), device=self.device)
-            boxes.store_box(self.k_min[layer], self.k_max[layer], touched,
-                            torch.where(valid, keys, inf).amin(1), torch.where(valid, keys, -inf).amax(1))
+        boxes_on = bool(self.k_min)
+        kv_write.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
+                          k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
+                          k_scale=self.k_scale[layer] if self.quantized else None,
+                          v_scale=self.v_scale[layer] if self.quantized else None,
+                          fill=self._fill if self.quantized else None, pages=pages, backend=backend)
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

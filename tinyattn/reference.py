@@ -5,4 +5,4 @@ under the name the docs use: ``import tinyattn.reference`` or ``from tinyattn.re
 """
 
 from .ops.reference import (__all__, page_scores, paged_attention, select_pages,  # noqa: F401
-                            sparse_paged_attention, update_page_metadata)
+                            sparse_paged_attention, update_page_metadata, write_kv)

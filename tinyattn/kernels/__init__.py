@@ -13,9 +13,12 @@ Kernels (one module each, kernels first, then the block-size heuristics, then th
 - ``chunk_topk.score_and_select_pages``  the same selection in two stages for small batches / long rows:
   fused score + per-chunk top-k over ``(B, Hkv, chunks)`` programs, then a merge per (row, KV head)
 - ``attention.paged_attention``      fused dense / sparse paged attention with split-K merge
+- ``kv_write.write_kv``              the step's K/V into the pool + box growth (+ int8 / fp8 scale growth and
+  re-quantization) in one launch per layer
 
-``compile.py`` compiles every specialisation the launchers can emit for a real GPU target
-(``python -m tinyattn.kernels.compile --arch 80``); its list comes from the same heuristics.
+``launches.py`` records the launches the ops make under the interpreter over a table of shapes (runtime models,
+benchmarks, vLLM), and ``compile.py`` compiles each recorded launch for a real GPU target with Triton's own JIT
+specialisation (``python -m tinyattn.kernels.compile --arch 80 --arch 90 --table``).
 """
 import os
 

@@ -70,7 +70,7 @@ def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: t
 
 
 @triton.jit
-def _top_mask(b_key, m_cand, o_c, rest, RADIX: tl.constexpr):
+def _top_mask(b_key, m_cand, o_c, rest, RADIX: tl.constexpr, BITS: tl.constexpr):
     """``[N]`` mask of the ``rest`` largest keys among ``m_cand``, ties to the lowest index.
 
     All candidates when they are ``rest`` or fewer (a chunk no larger than the budget selects nothing).
@@ -79,7 +79,7 @@ def _top_mask(b_key, m_cand, o_c, rest, RADIX: tl.constexpr):
     m_top = m_cand
     if rest < n_cand:
         if RADIX:
-            m_top = _top_rest_by_radix(b_key, m_cand, o_c, rest)
+            m_top = _top_rest_by_radix(b_key, m_cand, o_c, rest, BITS)
         else:
             m_top = m_cand & (o_c < 0)
             for _ in range(rest):
@@ -113,6 +113,7 @@ def _score_chunk_topk_kernel(
     CHUNK: tl.constexpr,
     BKC: tl.constexpr,
     RADIX: tl.constexpr,
+    BITS: tl.constexpr = 1,  # radix digit width (radix_bits)
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -142,7 +143,7 @@ def _score_chunk_topk_kernel(
     b_s = tl.where((o_j + 1) * PAGE_SIZE <= first, float("-inf"), b_s)
     b_key = _order_key(b_s)  # [CHUNK]
 
-    m_top = _top_mask(b_key, m_pool, o_c, rest, RADIX=RADIX)  # at most min(rest, CHUNK) <= KC pages
+    m_top = _top_mask(b_key, m_pool, o_c, rest, RADIX=RADIX, BITS=BITS)  # at most min(rest, CHUNK) <= KC pages
     o_pos = tl.cumsum(m_top.to(tl.int32), axis=0) - 1  # [CHUNK] ascending slots
     n_top = tl.sum(m_top.to(tl.int32), axis=0)
     o_w = i_b * stride_wb + i_h * stride_wh + i_c * KC
@@ -167,6 +168,7 @@ def _merge_chunks_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     RADIX: tl.constexpr,
+    BITS: tl.constexpr = 1,  # radix digit width (radix_bits)
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -180,7 +182,7 @@ def _merge_chunks_kernel(
     b_key = tl.load(ws_key + o_w + o_n, mask=m_n, other=0)  # [BN]
     m_cand = b_page >= 0
     # slots are in ascending page order, so the lowest slot among equal keys is the lowest page
-    m_top = _top_mask(b_key, m_cand, o_n, rest, RADIX=RADIX)
+    m_top = _top_mask(b_key, m_cand, o_n, rest, RADIX=RADIX, BITS=BITS)
 
     p_o = out + i_b * stride_ob + i_h * stride_oh
     o_pos = s_end + tl.cumsum(m_top.to(tl.int32), axis=0) - 1  # [BN] after the sinks
@@ -211,6 +213,11 @@ MAX_CANDIDATES = 4096
 # the interpreter runs programs one after another: one small config, so that test rows of a few pages span
 # several chunks
 INTERPRET_CHUNK = 4
+# a chunk holds at least this many times the budget (when the budget is large), so that stage 1 filters: at B = 1,
+# 32K, budget 128 the GPU-filling chunk alone (64 pages) keeps every page, and the merge sees all 2048
+FILTER = 2
+# elements of a radix pass's [keys, 2**BITS] counting tile (32 per thread at 4 warps: no spills on sm_90)
+RADIX_TILE = 4096
 
 
 def use_two_stage(batch: int, num_kv_heads: int, max_pages: int, page_budget: int,
@@ -244,6 +251,8 @@ def chunk_blocks(batch: int, num_kv_heads: int, max_pages: int, page_budget: int
         else:
             per_row = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(batch * num_kv_heads, 1))
             chunk = min(max(triton.next_power_of_2(triton.cdiv(max_pages, per_row)), MIN_CHUNK), MAX_CHUNK)
+            if page_budget > RADIX_MIN_BUDGET:           # a large budget: chunks larger than it, so stage 1 filters
+                chunk = max(chunk, min(triton.next_power_of_2(FILTER * page_budget), MAX_CHUNK))
             chunk = min(chunk, triton.next_power_of_2(max_pages))
             while chunk < triton.next_power_of_2(max_pages) and \
                     triton.cdiv(max_pages, chunk) * min(page_budget, chunk) > MAX_CANDIDATES:
@@ -254,11 +263,22 @@ def chunk_blocks(batch: int, num_kv_heads: int, max_pages: int, page_budget: int
     score = score_blocks(num_queries, group, head_dim, page_size, chunk)  # BP <= chunk
     ncand = num_chunks * kc
     bn = triton.next_power_of_2(ncand)
-    stage1 = dict(score, CHUNK=chunk, BKC=triton.next_power_of_2(kc), RADIX=page_budget > RADIX_MIN_BUDGET,
+    radix = page_budget > RADIX_MIN_BUDGET
+    stage1 = dict(score, CHUNK=chunk, BKC=triton.next_power_of_2(kc), RADIX=radix, BITS=radix_bits(chunk),
                   num_warps=4)
-    stage2 = dict(PAGE_SIZE=page_size, BN=bn, BK=triton.next_power_of_2(page_budget),
-                  RADIX=page_budget > RADIX_MIN_BUDGET, num_warps=4 if bn <= 1024 else 8)
+    stage2 = dict(PAGE_SIZE=page_size, BN=bn, BK=triton.next_power_of_2(page_budget), RADIX=radix,
+                  BITS=radix_bits(bn), num_warps=4 if bn <= 1024 else 8)
     return dict(stage1=stage1, stage2=stage2, NC=num_chunks, KC=kc)
+
+
+def radix_bits(num_keys: int) -> int:
+    """Radix digit width for a select over ``num_keys`` keys: 4 bits (8 dependent passes) while the
+    ``[num_keys, 16]`` counting tile stays within ``RADIX_TILE`` elements, else 2 (16 passes), else 1 (32).
+    (A 16384-element tile spilled 2 KB on sm_90 in the compile tier for the 1024-candidate merge.)"""
+    for bits in (4, 2):
+        if num_keys << bits <= RADIX_TILE:
+            return bits
+    return 1
 
 
 def workspace_shape(batch: int, num_kv_heads: int, meta: dict) -> tuple:

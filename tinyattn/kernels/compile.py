@@ -1,32 +1,43 @@
-"""Compile every kernel specialisation the launchers emit for a real GPU target, without a GPU.
+"""Compile the kernel specialisations the ops really launch, for a real GPU target, without a GPU.
 
 The interpreter checks numerics but accepts code that the GPU compiler rejects (``tl.dot`` with a
 dimension < 16, unsupported casts, shared-memory overflow, ...). This module runs the full Triton
-pipeline down to cubin (ptxas ships in the triton wheel) for ``sm_80`` / ``sm_90``. The constexprs and
-``num_warps`` come from the launchers' own heuristics (``*_blocks`` functions), so what is compiled here
-is what runs.
+pipeline down to cubin (ptxas ships in the triton wheel) for ``sm_80`` / ``sm_90``.
 
-    python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--list]
+What it compiles is **what runs**: :mod:`tinyattn.kernels.launches` records the launches the ops make (under the
+interpreter, kernels not executed) for a table of shapes covering the runtime's models, the benchmarks and the vLLM
+backend, and each recorded launch is replayed through Triton's own JIT specialisation (the binder a GPU launch
+uses: ints equal to 1 become constexprs, ints and pointers divisible by 16 get ``tt.divisibility``, the launcher's
+constexprs and ``num_warps``) before it is compiled. Identical binaries are compiled once, named by the first
+shape row that launched them. The training backward kernels, which no inference step launches, come from the
+launchers' block heuristics (``*_blocks``) with plain ``i32`` signatures.
 
-Must run with ``TRITON_INTERPRET`` unset (triton reads it at import). The default set is a
-representative subset (31 kernels, backward included, the two-stage selection at B = 1 32K / 128K among them: every dtype, head dims padded to 16 / 128 / 256, page
-sizes 1 / 16 / 256, dense / sparse, split / merge, GQA 3 / 4 / 8, decode and a 512-token prefill, attention and
-metadata on int8 K/V and, from sm_89 on, fp8 e4m3 K/V), about a minute and a half per arch on 2 cores;
-``--full`` compiles the deduplicated cross product (several hundred kernels, run it on a big machine).
-Each kernel's line ends with its registers per thread, spill stores / loads (bytes, ``ptxas -v``) and shared
-memory (bytes), e.g. ``ok regs=162 spills=0/0 smem=256``.
+    python -m tinyattn.kernels.compile --arch 80 --arch 90 [--full] [--cross] [--list]
+
+Must run with ``TRITON_INTERPRET`` unset (triton reads it at import; the recording runs in a subprocess with it
+set). Default: the rows of :data:`tinyattn.kernels.launches.SHAPES` marked ``default`` (stories260K,
+SmolLM2-135M, the 32K benchmark, the vLLM backend with bf16 and fp8 KV) plus the backward kernels, a few minutes
+for two archs on 2 cores; ``--full`` every row; ``--cross`` the old cross product of dtypes, head dims and page
+sizes from the heuristics (several hundred kernels; run it on a big machine). Each kernel's line ends with its
+registers per thread, spill stores / loads (bytes, ``ptxas -v``) and shared memory (bytes), e.g.
+``ok regs=162 spills=0/0 smem=256``; ``--table`` prints them as a Markdown table per arch.
 """
 import argparse
+import importlib
 import itertools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, Iterator, List, NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from . import attention, attention_bwd, chunk_topk, metadata, scoring, topk
+from . import attention, attention_bwd, chunk_topk, kv_write, metadata, scoring, topk
 
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 HEAD_DIMS = (8, 40, 64, 80, 128, 256)  # padded: 16, 64, 64, 128, 128, 256
@@ -134,6 +145,19 @@ def backward_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: in
     return _spec(name, attention_bwd._attn_bwd_kernel, ptrs, meta, floats=("scale", "qk_scale"))
 
 
+def kv_write_specs(pool: str, box: str, head_dim: int, page_size: int, k_dtype: str = "bf16") -> Spec:
+    """The fused KV write (``pool``: ``fp32`` / ``fp16`` / ``bf16`` / ``i8`` / ``fp8e4nv``; ``box``: the boxes'
+    type, empty for none)."""
+    torch_types = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i8": torch.int8,
+                   "fp8e4nv": torch.float8_e4m3fn}
+    meta = kv_write.kv_write_blocks(page_size, head_dim, torch_types[pool], torch_types[box] if box else None)
+    ptrs = dict(k=k_dtype, v=k_dtype, slots="i64", k_cache=pool, v_cache=pool, k_min=box or pool,
+                k_max=box or pool, k_scale="fp32", v_scale="fp32", fill="i64")
+    spec = _spec(f"kv_write[{pool},box={box or 'none'},D={head_dim},S={page_size}]", kv_write._kv_write_kernel,
+                 ptrs, meta)
+    return spec._replace(min_arch=89) if pool == "fp8e4nv" else spec
+
+
 def page_norm_specs(page_size: int, head_dim: int) -> Spec:
     meta = attention_bwd.page_norm_blocks(page_size, head_dim)
     ptrs = dict(dk="fp32", dv="fp32", norms="fp32")
@@ -167,6 +191,14 @@ def representative() -> Iterator[Spec]:
     yield from chunk_topk_specs("bf16", "bf16", 128, 16, 1, 4, 1, 8, 2048, 128)
     yield from chunk_topk_specs("bf16", "fp32", 128, 16, 1, 4, 1, 8, 8192, 128)
     yield from chunk_topk_specs("fp16", "fp16", 64, 1, 4, 3, 2, 2, 300, 5)      # argmax loops, Tq = 4, G = 3
+    yield from extra()
+    yield kv_write_specs("bf16", "bf16", 128, 16)
+    yield kv_write_specs("i8", "fp32", 64, 16)
+    yield kv_write_specs("fp8e4nv", "bf16", 128, 32)
+
+
+def extra() -> Iterator[Spec]:
+    """Kernels no inference step launches (training backward), from the heuristics: not in the recorded table."""
     yield backward_specs("bf16", 128, 16, 1, 4, sparse=True, has_dlse=False)
     yield backward_specs("fp16", 64, 16, 64, 2, sparse=False, has_dlse=True)
     yield page_norm_specs(16, 128)
@@ -190,6 +222,84 @@ def full() -> Iterator[Spec]:
     for dtype, d, (batch, maxp, budget) in itertools.product(
             DTYPES, (64, 128, 256), [(1, 2048, 128), (1, 8192, 128), (1, 8192, 512), (4, 32768, 128), (16, 2048, 8)]):
         yield from chunk_topk_specs(dtype, dtype, d, 16, 1, 4, batch, 8, maxp, budget)
+    for pool, box, d, page in itertools.product(("fp32", "fp16", "bf16", "i8", "fp8e4nv"), ("", "fp32", "bf16"),
+                                                HEAD_DIMS, PAGE_SIZES):
+        yield kv_write_specs(pool, box, d, page)
+
+
+class Recorded(NamedTuple):
+    """One recorded launch (:func:`tinyattn.kernels.launches.record`), compiled as the GPU JIT would build it."""
+    name: str
+    launch: dict
+    min_arch: int = 0
+
+
+def record_launches(full: bool) -> list:
+    """Run :mod:`tinyattn.kernels.launches` in a subprocess with ``TRITON_INTERPRET=1``; its recorded launches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "launches.json")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        res = subprocess.run([sys.executable, "-m", "tinyattn.kernels.launches", "--out", out,
+                              *(["--full"] if full else [])], env=env, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"recording the launches failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _materialize(desc):
+    """A stand-in for a recorded argument: a tensor of its dtype at an address as aligned as the recorded one."""
+    if "tensor" in desc:
+        t = torch.empty(64, dtype=getattr(torch, desc["tensor"]))     # CPU allocations are 64-byte aligned
+        return t if desc["aligned"] else t[1:]
+    return desc["value"]
+
+
+def jit_specialisation(launch: dict, arch: int):
+    """``(kernel, signature, constexprs, attrs, options)`` of a recorded launch through Triton's own binder and
+    ``_pack_args`` for ``sm_<arch>``: exactly what ``kernel[grid](...)`` compiles on that GPU."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    module, name = launch["kernel"].split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {k: _materialize(v) for k, v in launch["args"].items()}
+    kwargs.setdefault("debug", False)
+    bound, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return kernel, signature, constexprs, attrs, options
+
+
+def recorded_specs(launches: list) -> List[Recorded]:
+    """One :class:`Recorded` per distinct binary (same kernel, signature, constexprs, attributes and options)."""
+    seen, out = set(), []
+    for launch in launches:
+        kernel, signature, constexprs, attrs, options = jit_specialisation(launch, 90)
+        key = (launch["kernel"], tuple(signature.items()), tuple(sorted(constexprs.items())),
+               tuple(sorted((k, str(v)) for k, v in attrs.items())), options.num_warps, options.num_stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        fp8 = any("float8" in d.get("tensor", "") for d in launch["args"].values())
+        short = launch["kernel"].split(":")[1].strip("_").removesuffix("_kernel")
+        out.append(Recorded(f"{short}[{launch['shape']}: {launch.get('phase', '')}]", launch, 89 if fp8 else 0))
+    return out
+
+
+def describe(spec) -> str:
+    """What a recorded specialisation fixed: ints specialised to 1 and divisible by 16, constexprs, warps."""
+    if not isinstance(spec, Recorded):
+        return f"{spec.constexprs} num_warps={spec.num_warps}"
+    kernel, signature, constexprs, attrs, options = jit_specialisation(spec.launch, 90)
+    names = list(signature)
+    declared = {p.name for p in kernel.params if p.is_constexpr}
+    ones = [names[i[0]] for i in constexprs if names[i[0]] not in declared]
+    div16 = [names[i[0]] for i, a in attrs.items() if a]
+    meta = {names[i[0]]: v for i, v in constexprs.items() if names[i[0]] in declared}
+    return (f"{' '.join(f'{k}:{v}' for k, v in signature.items() if v.startswith('*'))} | =1: {','.join(ones)} | "
+            f"%16: {','.join(div16)} | {meta} num_warps={options.num_warps}")
 
 
 def _dedupe(specs) -> List[Spec]:
@@ -204,8 +314,12 @@ def _dedupe(specs) -> List[Spec]:
     return out
 
 
-def compile_spec(spec: Spec, arch: int):
-    """Compile one specialisation to cubin for ``sm_<arch>``; returns the CompiledKernel."""
+def compile_spec(spec, arch: int):
+    """Compile one specialisation (:class:`Spec` or :class:`Recorded`) to cubin for ``sm_<arch>``."""
+    if isinstance(spec, Recorded):
+        kernel, signature, constexprs, attrs, options = jit_specialisation(spec.launch, arch)
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
     src = triton.compiler.ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps})
 
@@ -234,9 +348,11 @@ def resource_usage(kernel, arch: int) -> str:
             f"spills={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={smem}")
 
 
-def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True, usage: bool = True) -> List[str]:
+def compile_all(archs: List[int], specs: list, verbose: bool = True, usage: bool = True,
+                results: list | None = None) -> List[str]:
     """Compile ``specs`` for every arch; returns the failures (name, arch, error), prints timings and, with
-    ``usage``, each kernel's registers, spills and shared memory (:func:`resource_usage`)."""
+    ``usage``, each kernel's registers, spills and shared memory (:func:`resource_usage`); ``results`` collects
+    ``(arch, spec, status)``."""
     failures = []
     start = time.perf_counter()
     for arch in archs:
@@ -253,6 +369,8 @@ def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True, usage
             except Exception as exc:  # report every failure, not only the first
                 status = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 failures.append(f"sm_{arch} {spec.name}: {status}")
+            if results is not None:
+                results.append((arch, spec, status))
             if verbose:
                 print(f"sm_{arch} {spec.name:<60} {time.perf_counter() - t0:6.2f}s {status}", flush=True)
     if verbose:
@@ -262,20 +380,44 @@ def compile_all(archs: List[int], specs: List[Spec], verbose: bool = True, usage
     return failures
 
 
+def markdown_table(results: list, arch: int) -> str:
+    """The ``sm_<arch>`` rows of ``results`` as a Markdown table: kernel[first shape row], regs, spills, smem."""
+    lines = [f"| kernel [shape row: phase] (sm_{arch}) | registers | spill stores / loads (B) | shared memory (B) |",
+             "|---|---:|---:|---:|"]
+    for a, spec, status in results:
+        if a != arch:
+            continue
+        fields = dict(f.split("=", 1) for f in status.split()[1:] if "=" in f) if status.startswith("ok") else {}
+        lines.append(f"| {spec.name} | {fields.get('regs', '-')} | {fields.get('spills', status[:40])} | "
+                     f"{fields.get('smem', '-')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, action="append", help="SM version, e.g. 80 or 90 (repeatable)")
-    parser.add_argument("--full", action="store_true", help="the whole cross product instead of the subset")
+    parser.add_argument("--full", action="store_true", help="every row of the shape table, not the default rows")
+    parser.add_argument("--cross", action="store_true", help="the heuristics' cross product instead (slow)")
     parser.add_argument("--list", action="store_true", help="print the specialisations and exit")
+    parser.add_argument("--table", action="store_true", help="end with a Markdown table per arch")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 is set: unset it, compile-only needs the real compiler")
-    specs = _dedupe(full() if args.full else representative())
+    if args.cross:
+        specs = _dedupe(full())
+    else:
+        specs = recorded_specs(record_launches(args.full)) + _dedupe(extra())
     if args.list:
         for spec in specs:
-            print(spec.name, spec.constexprs, f"num_warps={spec.num_warps}")
+            print(spec.name, describe(spec))
         return 0
-    failures = compile_all(args.arch or [80, 90], specs)
+    results: list = []
+    archs = args.arch or [80, 90]
+    failures = compile_all(archs, specs, results=results)
+    if args.table:
+        for arch in archs:
+            print()
+            print(markdown_table(results, arch))
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0
