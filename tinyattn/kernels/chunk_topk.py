@@ -47,26 +47,7 @@ import triton.language as tl
 
 from . import is_interpreting
 from .scoring import _page_bounds, score_blocks
-from .topk import RADIX_MIN_BUDGET, _order_key, _top_rest_by_radix
-
-
-@triton.jit
-def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: tl.constexpr):
-    """``(n, s_end, r_start, rest)`` of one row, exactly ``topk._select_pages_kernel``'s rules.
-
-    Kept: sinks ``[0, s_end)``, recent ``[r_start, n)``, and ``rest`` best pages of ``[s_end, r_start)``.
-    With ``n <= BUDGET``: ``s_end = r_start = rest = 0`` (every valid page is "recent").
-    """
-    n = tl.minimum((seq_len + PAGE_SIZE - 1) // PAGE_SIZE, MAXP)
-    # recent pages include every page holding a query token (clamped: no negative division)
-    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
-    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
-    s_end = tl.minimum(NUM_SINK, BUDGET - n_recent)
-    short = n <= BUDGET
-    n_recent = tl.where(short, n, n_recent)
-    s_end = tl.where(short, 0, s_end)
-    rest = tl.where(short, 0, BUDGET - n_recent - s_end)
-    return n, s_end, n - n_recent, rest
+from .topk import RADIX_MIN_BUDGET, _forced_ranges, _order_key, _top_rest_by_radix
 
 
 @triton.jit

@@ -21,6 +21,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: tl.constexpr):
+    """``(n, s_end, r_start, rest)`` of one row: the forced pages of the selection (the one Triton copy of the rule,
+    used by :func:`_select_pages_kernel` and both stages of :mod:`tinyattn.kernels.chunk_topk`).
+
+    Kept: sinks ``[0, s_end)``, recent ``[r_start, n)``, and ``rest`` best pages of ``[s_end, r_start)``.
+    With ``n <= BUDGET``: ``s_end = r_start = rest = 0`` (every valid page is "recent").
+    """
+    n = tl.minimum((seq_len + PAGE_SIZE - 1) // PAGE_SIZE, MAXP)
+    # recent pages include every page holding a query token (clamped: no negative division)
+    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
+    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
+    s_end = tl.minimum(NUM_SINK, BUDGET - n_recent)
+    short = n <= BUDGET
+    n_recent = tl.where(short, n, n_recent)
+    s_end = tl.where(short, 0, s_end)
+    rest = tl.where(short, 0, BUDGET - n_recent - s_end)
+    return n, s_end, n - n_recent, rest
+
+
+@triton.jit
 def _select_pages_kernel(
     scores,  # [B, HKV, MAXP] fp32
     seq_lens,  # [B] int32
@@ -36,20 +56,14 @@ def _select_pages_kernel(
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens + i_b)
-    n = (seq_len + PAGE_SIZE - 1) // PAGE_SIZE
+    # (1) recent pages, including every page holding a query token, (2) sink pages from page 0 with whatever
+    # budget is left; every valid page when the row fits the budget
+    n, s_end, r_start, rest = _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE)
 
     o_j = tl.arange(0, BP)  # [BP] logical pages
     m_j = (o_j < n) & (o_j < MAXP)
     b_s = tl.load(scores + i_b * stride_sb + i_h * stride_sh + o_j * stride_sj, mask=m_j, other=0.0)
-
-    # (1) recent pages, including every page holding a query token (clamped: no negative division)
-    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
-    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
-    keep = m_j & (o_j >= n - n_recent)  # [BP]
-    # (2) sink pages from page 0 with whatever budget is left (overlap with (1) counted once)
-    keep |= m_j & (o_j < tl.minimum(NUM_SINK, BUDGET - n_recent))
-    keep = tl.where(n <= BUDGET, m_j, keep)
-    rest = tl.minimum(n, BUDGET) - tl.sum(keep.to(tl.int32), axis=0)
+    keep = m_j & ((o_j < s_end) | (o_j >= r_start))  # [BP]
 
     # (3) order-preserving int32 image of the score: flip the magnitude bits of negatives;
     # -0 == +0 and NaN == -inf so that ties stay ties (the lower page index wins them)

@@ -75,18 +75,20 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
 _plans = threading.local()
 
 
-def _planned(backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan:
-    """The calling thread's plan for ``backend`` (its workspaces are reused from call to call), planned for this
-    call's validated tables.
+def _planned(op: str, backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan:
+    """The calling thread's plan for ``op`` (``"dense"`` / ``"sparse"``) on ``backend`` (its workspaces and per-step
+    tables are reused from call to call), planned for this call's validated tables. One plan per op, so that a
+    loop alternating dense and sparse calls on the same tables (a benchmark, a model with dense layers calling
+    the public ops) does not re-plan at every call.
 
     ``checked``: what validation returned (:func:`_checked_dense` / :func:`_checked_sparse`); the same object as
     at the last call means :func:`V.recall` found the same signature and the same table values, so the planned
     step (the plan's own copy of those values) stands.
     """
-    plan = getattr(_plans, backend, None)
+    plan = getattr(_plans, op + backend, None)
     if plan is None:
         plan = PagedAttentionPlan(backend=backend)
-        setattr(_plans, backend, plan)
+        setattr(_plans, op + backend, plan)
     if plan._api_key is checked and plan.step is not None:
         return plan
     plan._api_key = None            # set once planning succeeded: a failed plan is never reused
@@ -176,7 +178,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
     checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
     window_left = V.check_window_left(window_left)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned(checked.backend, checked, block_table, seq_lens).run(
+        return _planned("dense", checked.backend, checked, block_table, seq_lens).run(
             q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, window_left=window_left)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
@@ -333,7 +335,7 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     if page_indices is None:
         V.check_window_selection(window_left, num_sink_pages)
     if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned(checked.backend, checked, block_table, seq_lens).run(
+        return _planned("sparse", checked.backend, checked, block_table, seq_lens).run(
             q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse,
             k_scale=k_scale, v_scale=v_scale, window_left=window_left)
     shapes, scale, backend = checked.shapes, checked.scale, checked.backend
