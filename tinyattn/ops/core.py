@@ -113,8 +113,11 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     lead = torch.where(ok, sel, big).amin(-1) if K else torch.full((B, Hkv), big, device=device)      # [B, Hkv]
     has = lead < big
     lead_phys = torch.gather(table, 1, lead.clamp(0, width - 1)) if table.numel() else torch.zeros_like(lead)
-    first = lead_phys.clamp(min=0) * (S * Hkv) + heads[:, :, 0, 0]                      # [B, Hkv]
-    donor = first.flatten()[has.flatten().to(torch.int8).argmax()] if first.numel() else first.new_zeros(())
+    # no valid page anywhere: pool row 0 (never a table entry past a row's end, which may hold any value)
+    first = torch.where(has, lead_phys, 0) * (S * Hkv) + heads[:, :, 0, 0]              # [B, Hkv]
+    # the donor by index_select, not a 0-dim index (which Python would read on the host)
+    donor = first.flatten().index_select(0, has.flatten().to(torch.int8).argmax().view(1)) if first.numel() \
+        else first.new_zeros(1)
     filler = torch.where(has, first, donor)[:, :, None, None]                          # [B, Hkv, 1, 1]
     rows = torch.where(key_ok, rows, filler)
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
