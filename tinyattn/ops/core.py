@@ -113,7 +113,12 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     lead = torch.where(ok, sel, big).amin(-1) if K else torch.full((B, Hkv), big, device=device)      # [B, Hkv]
     has = lead < big
     lead_phys = torch.gather(table, 1, lead.clamp(0, width - 1)) if table.numel() else torch.zeros_like(lead)
-    # no valid page anywhere: pool row 0 (never a table entry past a row's end, which may hold any value)
+    # none listed: the row's own first page (a valid key when the row is not empty)
+    row_first = table[:, :1] if table.numel() else torch.zeros(B, 1, dtype=torch.int64, device=device)
+    lead_phys = torch.where(has, lead_phys, row_first)
+    has = has | (lens > 0)[:, None]
+    # neither (an empty row): another (row, head)'s filler; none anywhere: pool row 0 (never a table entry past a
+    # row's end, which may hold any id)
     first = torch.where(has, lead_phys, 0) * (S * Hkv) + heads[:, :, 0, 0]              # [B, Hkv]
     # the donor by index_select, not a 0-dim index (which Python would read on the host)
     donor = first.flatten().index_select(0, has.flatten().to(torch.int8).argmax().view(1)) if first.numel() \
