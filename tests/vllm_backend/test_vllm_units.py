@@ -473,3 +473,170 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
             want = ref.paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real])
         torch.testing.assert_close(output[:real], want, atol=2e-5, rtol=1e-4)
         assert tables.block_table.data_ptr() == tables.block_table[:5].data_ptr()
+
+
+# ---- the metadata builder and the implementation (vLLM's venv only) -----------------------------------------
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    """A real VllmConfig of a tiny random Llama (4 query / 2 KV heads, head_dim 8, max_model_len 64), with full
+    decode CUDA graphs switched on by hand (vLLM's CPU platform turns them off) at capture sizes 1, 2, 4, 8."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    transformers = pytest.importorskip("transformers")
+    from vllm.config import CUDAGraphMode, ModelConfig, VllmConfig
+
+    out = tmp_path_factory.mktemp("tiny-llama-config")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             max_position_embeddings=64).save_pretrained(out)
+    config = VllmConfig(model_config=ModelConfig(model=str(out), dtype="float32", max_model_len=64,
+                                                 skip_tokenizer_init=True))
+    config.scheduler_config.max_num_seqs = 6
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    return config
+
+
+def make_builder(vllm_config, monkeypatch, graphs: bool, budget: int | None = 2, page_size=4):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tinyattn.integrations.vllm.backend import TinyAttnMetadataBuilder
+
+    monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", "1" if graphs else "0")
+    monkeypatch.setenv("TINYATTN_PAGE_BUDGET", str(budget or 0))
+    spec = FullAttentionSpec(block_size=page_size, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    return TinyAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"), block_table_width=32)
+
+
+def common_metadata(query_lens, seq_lens, block_table, slot_mapping, num_tokens=None):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=sl, seq_lens_cpu_upper_bound=sl, num_reqs=len(sl),
+        num_actual_tokens=num_tokens or int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=slot_mapping)
+
+
+@pytest.mark.parametrize("value, want", [("1", "UNIFORM_SINGLE_TOKEN_DECODE"), ("0", "NEVER"), (None, "NEVER")])
+def test_builder_declares_cuda_graphs_only_with_the_setting(monkeypatch, value, want):
+    pytest.importorskip("vllm.v1.attention.backend")
+    from tinyattn.integrations.vllm.backend import TinyAttnMetadataBuilder
+
+    if value is None:
+        monkeypatch.delenv("TINYATTN_VLLM_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", value)
+    assert TinyAttnMetadataBuilder.get_cudagraph_support(None, None).name == want
+
+
+def test_cuda_graphs_setting_parsed():
+    from tinyattn.integrations.vllm import cuda_graphs_enabled
+
+    assert not cuda_graphs_enabled({}) and not cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": "0"})
+    assert cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": " 1 "})
+    with pytest.raises(ValueError, match=r"TINYATTN_VLLM_CUDA_GRAPHS: expected 1 .* or 0 / unset .*got 'on'"):
+        cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": "on"})
+
+
+def _step(builder, reqs, vl, query_lens, pad_rows=0):
+    """Hand-made CommonAttentionMetadata of one step of ``reqs`` (FakeVllm) with ``query_lens`` new tokens each (the
+    slots scheduled here), plus ``pad_rows`` padding rows as vLLM pads a graph batch; returns (metadata, slots)."""
+    slots = torch.cat([vl.schedule(r, n) for r, n in zip(reqs, query_lens)] + [torch.full((pad_rows,), -1)])
+    bt, sl = vl.tables(reqs)
+    bt = torch.nn.functional.pad(bt, (0, 32 - bt.shape[1]))
+    bt = torch.cat([bt, torch.zeros(pad_rows, 32, dtype=torch.int32)])
+    common = common_metadata(list(query_lens) + [0] * pad_rows, sl.tolist() + [0] * pad_rows, bt, slots,
+                             num_tokens=sum(query_lens) + pad_rows)
+    return builder.build(0, common), slots
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_builder_keeps_its_buffers_and_plans_graph_batches_over_all_rows(vllm_config, monkeypatch, graphs):
+    """Across steps that grow and shrink (a mixed batch, padded decode batches of 4 and 2 rows, an unpadded decode
+    batch of 3, which no graph captures, then 1 + 1 padding row and 1), the builder's tables stay where they were allocated and hold the step's
+    values (2 x vLLM's block ids); with graphs on, a padded decode batch is one group over all its rows (one plan per
+    capture size), without, its padding rows are left out as before. Every output equals the reference; padding
+    rows are 0 and nothing is NaN."""
+    from tinyattn.integrations.vllm.backend import TinyAttnImpl
+
+    builder = make_builder(vllm_config, monkeypatch, graphs)
+    impl = TinyAttnImpl(num_heads=4, head_size=8, scale=8 ** -0.5, num_kv_heads=2)
+    layer = type("Layer", (), {"layer_name": "model.layers.1.self_attn.attn"})()
+    bt_ptr, sl_ptr = builder.tables.block_table.data_ptr(), builder.tables.seq_lens.data_ptr()
+    assert builder.tables.block_table.shape == (8, 32)          # max(max_num_seqs 6, capture size 8) x width
+    torch.manual_seed(5)
+    kv = vllm_cache(30, 2, 4, 8)
+    vl = FakeVllm(30, 4)
+    vl.free.remove(0)
+    keys = {}
+    steps = [([0, 1, 2], [7, 5, 9], 0), ([0, 1, 2], [1, 1, 1], 1), ([0, 1], [1, 1], 0), ([0, 1, 2], [1, 1, 1], 0),
+             ([2], [1], 1), ([1], [1], 0)]
+    for reqs, query_lens, pad_rows in steps:
+        meta, slots = _step(builder, reqs, vl, query_lens, pad_rows)
+        T = slots.shape[0]
+        key, value, query = torch.randn(T, 2, 8), torch.randn(T, 2, 8), torch.randn(T, 4, 8)
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                keys[s] = (key[t], value[t])
+        impl.do_kv_cache_update(layer, key, value, kv, slots)
+        output = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, key, value, kv, meta, output)
+        assert builder.tables.block_table.data_ptr() == bt_ptr and builder.tables.seq_lens.data_ptr() == sl_ptr
+        rows = len(reqs) + pad_rows
+        assert torch.equal(builder.tables.seq_lens[:len(reqs)], torch.tensor([vl.lens[r] for r in reqs],
+                                                                             dtype=torch.int32))
+        bt, sl = vl.tables(reqs)
+        assert torch.equal(builder.tables.block_table[:len(reqs), :bt.shape[1]], 2 * bt)
+        decode = set(query_lens) == {1}
+        padded_graph = graphs and decode and rows in (1, 2, 4, 8)
+        if padded_graph:
+            assert [(g.num_rows, g.tokens) for g in meta.groups] == [(rows, slice(0, rows))]
+            assert meta.groups[0].attn is builder._graph_attention[rows]
+            assert torch.equal(output[len(reqs):], torch.zeros_like(output[len(reqs):]))
+        else:
+            assert sum(g.num_rows for g in meta.groups) == len(reqs)
+        k_cache, v_cache = block_pools(kv, 2, 8, 4)
+        k_min, k_max = box_views(impl._pools(kv)[3])
+        start = 0
+        for i, (r, tq) in enumerate(zip(reqs, query_lens)):
+            q = query[start: start + tq]
+            got = output[start: start + tq]
+            start += tq
+            if tq == 1:
+                want = ref.sparse_paged_attention(q, k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1], k_min=k_min,
+                                                  k_max=k_max, page_budget=2)
+            else:
+                want = ref.paged_attention(q[None], k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1])
+            torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-4)
+        if pad_rows and not padded_graph:
+            assert output[start:].isnan().all()          # left to vLLM, as before (never read)
+        else:
+            assert not output.isnan().any()
+    if graphs:
+        assert sorted(builder._graph_attention) == [1, 2, 4]
+
+
+def test_backend_layer_call_makes_no_host_sync(vllm_config, monkeypatch):
+    """TinyAttnImpl.do_kv_cache_update + forward (the per-layer calls vLLM makes, here on CPU tensors) read no tensor
+    value on the host, for a mixed step and for a padded CUDA-graph decode batch; the builder does, once per step."""
+    from tinyattn.integrations.vllm.backend import TinyAttnImpl
+
+    builder = make_builder(vllm_config, monkeypatch, graphs=True)
+    impl = TinyAttnImpl(num_heads=4, head_size=8, scale=8 ** -0.5, num_kv_heads=2)
+    layer = type("Layer", (), {"layer_name": "model.layers.1.self_attn.attn"})()
+    torch.manual_seed(6)
+    kv = vllm_cache(30, 2, 4, 8)
+    vl = FakeVllm(30, 4)
+    vl.free.remove(0)
+    for reqs, query_lens, pad_rows in (([0, 1, 2], [7, 5, 9], 0), ([0, 1, 2], [1, 1, 3], 2), ([0, 1, 2], [1, 1, 1], 1)):
+        meta, slots = _step(builder, reqs, vl, query_lens, pad_rows)
+        T = slots.shape[0]
+        key, value, query = torch.randn(T, 2, 8), torch.randn(T, 2, 8), torch.randn(T, 4, 8)
+        output = torch.zeros_like(query)
+        impl._pools(kv)                                   # the views of vLLM's cache: made once, at the first call
+        with no_host_sync(monkeypatch) as found:
+            impl.do_kv_cache_update(layer, key, value, kv, slots)
+            impl.forward(layer, query, key, value, kv, meta, output)
+        assert found == []
