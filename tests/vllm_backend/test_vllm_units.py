@@ -1,6 +1,8 @@
 """The vLLM backend's pieces that need no vLLM (they run in the main suite too): settings from the environment,
-tinyattn pages over vLLM's blocks, K/V writes with incremental page boxes, and per-step planning of mixed
-prefill/decode batches, each against ``tinyattn.reference``."""
+tinyattn pages over vLLM's blocks, K/V writes with incremental page boxes, per-step planning of mixed
+prefill/decode batches, each against ``tinyattn.reference``, the persistent step tables, CUDA-graph decode batches
+and the absence of host syncs in the per-layer calls; in vLLM's venv also the metadata builder (declared CUDA-graph
+support, buffers kept across steps) and the implementation's per-layer calls, on metadata built by hand."""
 
 import contextlib
 
@@ -531,8 +533,13 @@ def test_builder_declares_cuda_graphs_only_with_the_setting(monkeypatch, value, 
     assert TinyAttnMetadataBuilder.get_cudagraph_support(None, None).name == want
 
 
-def test_cuda_graphs_setting_parsed():
-    from tinyattn.integrations.vllm import cuda_graphs_enabled
+def test_cuda_graphs_setting_parsed(monkeypatch):
+    from tinyattn.integrations.vllm import cuda_graphs_enabled, register
+
+    monkeypatch.setenv("TINYATTN_VLLM", "1")
+    monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match=r"^TINYATTN_VLLM_CUDA_GRAPHS: expected 1 "):
+        register()                                  # a bad value stops start-up, before vLLM is imported
 
     assert not cuda_graphs_enabled({}) and not cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": "0"})
     assert cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": " 1 "})
