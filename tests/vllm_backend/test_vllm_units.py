@@ -14,6 +14,7 @@ import tinyattn.reference as ref
 from tinyattn.integrations.vllm import enabled, settings_from_env
 from tinyattn.integrations.vllm.paging import (attend_groups, block_pools, box_views, make_boxes, plan_groups,
                                                uniform_decode_rows, write_kv)
+from tinyattn.integrations.vllm import paging
 from tinyattn.integrations.vllm.step_tables import StepTables
 from tinyattn.layer import PagedAttention, SparsityConfig
 
@@ -449,6 +450,9 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
         write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
     tables = StepTables(8, 6, device="cpu")
     attn = PagedAttention(SparsityConfig(page_budget=page_budget), backend=backend)
+    planned = []
+    real_plan = attn.plan.plan
+    attn.plan.plan = lambda *a, **kw: (planned.append(kw), real_plan(*a, **kw))[1]
     for real in (3, 2):
         reqs = list(range(real))
         slots = torch.cat([vl.schedule(r, 1) for r in reqs] + [torch.full((5 - real,), -1)])
@@ -463,6 +467,8 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
                              head_dim=D, page_size=page_size, scale=D ** -0.5, tables=tables, decode_rows=rows)
         assert [(g.num_query_tokens, g.num_rows, g.tokens) for g in groups] == [(1, 5, slice(0, 5))]
         assert groups[0].attn is attn
+        if paging._plan_has_graph_mode():          # the plan's graph mode: buffers at this capacity, kept
+            assert (planned[-1]["max_batch"], planned[-1]["max_pages_per_seq"]) == (5, 6)
         query = torch.randn(5, Hq, D)
         output = torch.full_like(query, float("nan"))
         k_min, k_max = box_views(boxes)
