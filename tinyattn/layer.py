@@ -125,7 +125,8 @@ class PagedAttention:
 
     def begin(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
               head_dim: int, page_size: int, num_query_tokens: int = 1, decode: bool | None = None,
-              scale: float | None = None, seq_ids=None, trusted: bool = False) -> "PagedAttention":
+              scale: float | None = None, seq_ids=None, trusted: bool = False, max_batch: int | None = None,
+              max_pages_per_seq: int | None = None) -> "PagedAttention":
         """Plan one forward step (all layers share its tables); returns ``self``.
 
         Args:
@@ -134,14 +135,19 @@ class PagedAttention:
             scale: softmax scale (default ``head_dim ** -0.5``). seq_ids: the rows' ids in the cache
                 (state key of stateful policies). trusted: the tables come from :class:`tinyattn.PagedKVCache` (or
                 were checked once): skip the value checks and their host sync (default: check).
+            max_batch, max_pages_per_seq: the plan's graph-mode capacity (:meth:`PagedAttentionPlan.plan`), passed
+                on when given (the vLLM backend's CUDA-graph batches).
         """
         s = self.sparsity
+        capacity = {name: value for name, value in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq))
+                    if value is not None}
         self.decode = num_query_tokens == 1 if decode is None else bool(decode)
         budget = s.page_budget if self.decode else None
         self.plan.plan(block_table, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, page_size=page_size, num_query_tokens=num_query_tokens,
                        page_budget=budget, num_sink_pages=s.num_sink_pages if budget else 0,
-                       num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted)
+                       num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted,
+                       **capacity)
         self.seq_ids = seq_ids
         self._fused = s.policy.fused and self.metrics is None
         return self

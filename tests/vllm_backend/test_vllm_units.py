@@ -1,14 +1,21 @@
 """The vLLM backend's pieces that need no vLLM (they run in the main suite too): settings from the environment,
-tinyattn pages over vLLM's blocks, K/V writes with incremental page boxes, and per-step planning of mixed
-prefill/decode batches, each against ``tinyattn.reference``."""
+tinyattn pages over vLLM's blocks, K/V writes with incremental page boxes, per-step planning of mixed
+prefill/decode batches, each against ``tinyattn.reference``, the persistent step tables, CUDA-graph decode batches
+and the absence of host syncs in the per-layer calls; in vLLM's venv also the metadata builder (declared CUDA-graph
+support, buffers kept across steps) and the implementation's per-layer calls, on metadata built by hand."""
+
+import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tinyattn.reference as ref
 from tinyattn.integrations.vllm import enabled, settings_from_env
 from tinyattn.integrations.vllm.paging import (attend_groups, block_pools, box_views, make_boxes, plan_groups,
-                                               write_kv)
+                                               uniform_decode_rows, write_kv)
+from tinyattn.integrations.vllm import paging
+from tinyattn.integrations.vllm.step_tables import StepTables
 from tinyattn.layer import PagedAttention, SparsityConfig
 
 
@@ -163,14 +170,17 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
 # ---- planning a mixed step ------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_budget", [None, 2])
 @pytest.mark.parametrize("window_left", [-1, 4])
-def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_left):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_left, persistent):
     """Rows in vLLM's order (decodes first, then prefills: fresh ones and ones with cached context, one length
     three times, apart): every row's output equals the reference op run on that row alone (dense, or sparse at
     decode), the fresh prefills (causal SDPA on the step's keys) included.
 
     A sliding layer (``window_left`` 4: 5 tokens) is dense over its window whatever the budget, and the entries of
     its block table wholly before the window point at a block poisoned with NaN: vLLM's sliding-window KV manager
-    frees those blocks and reuses them while the table still lists their old ids, so they must not be read."""
+    frees those blocks and reuses them while the table still lists their old ids, so they must not be read.
+    ``persistent``: the tables go through the builder's :class:`StepTables` (wider than vLLM's table) and give the
+    same outputs."""
     torch.manual_seed(1)
     B, Hq, H, page_size, D = 40, 4, 2, 4, 8
     kv = vllm_cache(B, H, page_size, D)
@@ -205,8 +215,9 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_lef
     def make(tq):
         return made.setdefault(tq, PagedAttention(sparsity, backend="torch"))
 
+    tables = StepTables(8, vllm_bt.shape[1] + 1, device="cpu") if persistent else None
     groups = plan_groups(qsl, vllm_bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
-                         page_size=page_size, scale=D ** -0.5)
+                         page_size=page_size, scale=D ** -0.5, tables=tables)
     assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
         [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
     assert isinstance(groups[0].tokens, slice) and not isinstance(groups[3].tokens, slice)
@@ -240,3 +251,415 @@ def test_throughput_bench_has_a_help():
     with pytest.raises(SystemExit) as exc:
         module.main(["--help"])
     assert exc.value.code == 0
+
+
+# ---- no host sync per layer, persistent step tables, CUDA-graph batches (issue 26) --------------------------
+_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor's value on the host or gives a value-dependent shape, including those
+    made inside PyTorch's C++ (``aten._local_scalar_dense`` is what ``item()``, ``bool()`` and a 0-dim index run)."""
+
+    def __init__(self, found):
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name.startswith(("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique")) or (
+                name.startswith(("index.", "index_put")) and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+                    if i is not None)):
+            self.found.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync(monkeypatch):
+    """Patch the Tensor methods that read values on the host (as tests/test_plan.py does) and record the aten ops
+    that do; yields the list of what was called (empty = no host sync, no value-dependent shape)."""
+    found = []
+
+    def forbid(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, **kw):
+            found.append(name)
+            return real(self, *a, **kw)
+        return wrapped
+
+    with monkeypatch.context() as m:
+        for name in _SYNCS:
+            m.setattr(torch.Tensor, name, forbid(name))
+        m.setattr(torch, "nonzero", forbid("nonzero"))
+        with _HostReads(found):
+            yield found
+
+
+def mixed_step(seed=2, B=40, Hq=4, H=2, page_size=4, D=8):
+    """A step of a mixed batch written into a vLLM cache: (kv, k_cache, v_cache, boxes, qsl, vllm block table, seq_lens,
+    query, step keys, step values, slots); the rows: 2 decodes, a fresh prefill of 5, a chunk of 3 into a cache of 9
+    tokens, and two padding tokens at the end (slot -1), as vLLM's piecewise padding leaves them."""
+    torch.manual_seed(seed)
+    kv = vllm_cache(B, H, page_size, D)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    vl = FakeVllm(B, page_size)
+    vl.free.remove(0)
+    contexts, query_lens = {0: 13, 1: 6, 2: 0, 3: 9}, {0: 1, 1: 1, 2: 5, 3: 3}
+    for r, n in contexts.items():
+        if n:
+            write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
+        else:
+            vl.blocks[r], vl.lens[r] = [], 0
+    reqs = list(query_lens)
+    slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs] + [torch.tensor([-1, -1])])
+    T = slots.shape[0]
+    bt, sl = vl.tables(reqs)
+    qsl = torch.tensor([0] + [query_lens[r] for r in reqs]).cumsum(0)
+    return (kv, k_cache, v_cache, boxes, qsl, bt, sl, torch.randn(T, Hq, D), torch.randn(T, H, D), torch.randn(T, H, D),
+            slots)
+
+
+@pytest.mark.parametrize("page_budget", [None, 2])
+@pytest.mark.parametrize("window_left", [-1, 4])
+def test_per_layer_calls_make_no_host_sync(monkeypatch, page_budget, window_left):
+    """write_kv and attend_groups (each group's plan.run: decode, chunked and fresh prefill, sliding window) read no
+    tensor value on the host and make no value-dependent shape: the builder (plan_groups) reads them once per step.
+    The first layer's attention runs unwatched: a plan may build per-step tables lazily at its first run (the plan's
+    own contract, tests/test_plan.py); every write and every later layer is watched."""
+    kv, k_cache, v_cache, boxes, qsl, bt, sl, query, step_k, step_v, slots = mixed_step()
+    H, D = k_cache.shape[-2:]
+    made = {}
+    groups = plan_groups(qsl, bt, sl, make_attention=lambda tq: made.setdefault(tq, PagedAttention(
+        SparsityConfig(page_budget=page_budget), backend="torch")), num_q_heads=4, num_kv_heads=H, head_dim=D,
+        page_size=4, scale=D ** -0.5, tables=StepTables(8, bt.shape[1], device="cpu"))
+    output = torch.zeros_like(query)
+    k_min, k_max = box_views(boxes)
+    found = []
+    for layer in range(3):
+        with no_host_sync(monkeypatch) as seen:
+            write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, 4)
+        found += seen
+        with no_host_sync(monkeypatch) if layer else contextlib.nullcontext([]) as seen:
+            attend_groups(groups, layer, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
+                          window_left=window_left)
+        found += seen
+    assert found == []
+    assert torch.isfinite(output).all()
+
+
+def test_host_sync_probe_sees_what_it_must():
+    """The probe itself: a 0-dim index, bool(), a boolean mask and nonzero are all caught (C++ paths included)."""
+    x = torch.arange(6.0)
+    for f in (lambda: x[torch.tensor(2)], lambda: bool((x > 2).any()), lambda: x[x > 2], lambda: x.nonzero(),
+              lambda: x.tolist()):
+        mp = pytest.MonkeyPatch()
+        with no_host_sync(mp) as found:
+            f()
+        mp.undo()
+        assert found, f
+
+
+@pytest.mark.parametrize("case", ["trailing", "middle", "only_padding", "block_0_slot_0"])
+def test_padding_slots_leave_memory_bit_identical(case):
+    """Padding slots (-1) write nothing: vLLM's memory outside the real slots and the visible boxes are unchanged,
+    also when the step has no real token or a real token writes block 0's slot 0 (where slot -1 is clamped)."""
+    B, H, page_size, D = 6, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D)
+    kv.normal_()
+    kv[5] = float("nan")                                   # a poisoned block (NaN != NaN: compared bitwise below)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    slots = {"trailing": [9, 10, -1, -1], "middle": [-1, 9, -1, 10], "only_padding": [-1, -1, -1],
+             "block_0_slot_0": [-1, 0, 1, -1]}[case]
+    slots = torch.tensor(slots)
+    key, value = torch.randn(len(slots), H, D), torch.randn(len(slots), H, D)
+    before = kv.clone()
+    write_kv(k_cache, v_cache, boxes, key, value, slots, page_size)
+    want = before.clone()
+    want_k, want_v = block_pools(want, H, D, page_size)
+    k_min, k_max = box_views(boxes)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k[2 * (s // page_size), s % page_size] = key[t]
+            want_v[2 * (s // page_size), s % page_size] = value[t]
+    assert torch.equal(kv.view(torch.int32), want.view(torch.int32))
+    touched = sorted({s // page_size for s in slots.tolist() if s >= 0})
+    for b in range(B):
+        page = 2 * b
+        if b in touched:     # a box restarted (slot 0 written) or grown from empty: the written keys' box
+            keys = torch.stack([key[t] for t, s in enumerate(slots.tolist()) if s >= 0 and s // page_size == b])
+            assert torch.equal(k_min[page], keys.amin(0)) and torch.equal(k_max[page], keys.amax(0))
+        else:
+            assert torch.isinf(k_min[page]).all() and (k_min[page] > 0).all() and (k_max[page] < 0).all()
+
+
+def test_step_tables_allocated_once_and_values_copied():
+    """The buffers are allocated at construction; every step (batches shrinking and growing within capacity)
+    copies into the same storage: tinyattn page ids 2 x vLLM's, seq_lens as given, narrower tables zero-filled."""
+    tables = StepTables(6, 5, device="cpu")
+    bt_ptr, sl_ptr = tables.block_table.data_ptr(), tables.seq_lens.data_ptr()
+    torch.manual_seed(0)
+    for rows, width in ((3, 5), (1, 5), (6, 5), (2, 3), (4, 7)):
+        vllm_bt = torch.randint(0, 50, (rows, width), dtype=torch.int32)
+        seq_lens = torch.randint(0, 20, (rows,), dtype=torch.int32)
+        bt, sl = tables.load(vllm_bt, seq_lens)
+        assert bt.data_ptr() == bt_ptr and sl.data_ptr() == sl_ptr
+        assert tables.block_table.data_ptr() == bt_ptr and tables.seq_lens.data_ptr() == sl_ptr
+        assert bt.shape == (rows, 5) and bt.dtype == sl.dtype == torch.int32
+        cols = min(width, 5)
+        assert torch.equal(bt[:, :cols], 2 * vllm_bt[:, :cols]) and (bt[:, cols:] == 0).all()
+        assert torch.equal(sl, seq_lens)
+    with pytest.raises(ValueError, match=r"block_table: expected at most max_num_seqs=6 rows .*got 7"):
+        tables.load(torch.zeros(7, 5, dtype=torch.int32), torch.zeros(7, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"max_pages_per_seq: expected an int >= 1, got 0"):
+        StepTables(2, 0, device="cpu")
+
+
+def test_uniform_decode_rows():
+    q = torch.tensor
+    assert uniform_decode_rows(q([0, 1, 2, 3, 3, 3]), 5) == 5          # 3 decodes + 2 padding rows
+    assert uniform_decode_rows(q([0, 1, 2]), 2) == 2                   # no padding
+    assert uniform_decode_rows(q([0, 0, 0]), 2) == 2                   # padding only (vLLM's capture dummy run: -1 slots)
+    assert uniform_decode_rows(q([0, 1, 1, 2]), 3) is None             # a padding row before a decode
+    assert uniform_decode_rows(q([0, 1, 3]), 3) is None                # a prefill
+    assert uniform_decode_rows(q([0, 1, 2, 2]), 4) is None             # tokens != rows
+    assert uniform_decode_rows(q([0]), 0) is None
+
+
+def _backends():
+    out = ["torch"]
+    try:
+        import triton  # noqa: F401
+        out.append("triton")                     # under TRITON_INTERPRET=1 (tests/conftest.py) on the CPU
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("page_budget", [None, 2])
+def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
+    """A decode batch as vLLM pads it for a CUDA graph (3 decodes + 2 rows of 0 tokens, seq_len 0, null-block rows,
+    slots -1) is one decode group over all 5 rows on the persistent tables: the real rows equal the reference, the
+    padding rows are 0 (no NaN), and a later, smaller batch of the same size reuses the same plan and storage."""
+    B, Hq, H, page_size, D = 24, 4, 2, 4, 8
+    torch.manual_seed(3)
+    kv = vllm_cache(B, H, page_size, D)
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    vl = FakeVllm(B, page_size)
+    vl.free.remove(0)
+    for r, n in enumerate((13, 6, 9)):
+        write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
+    tables = StepTables(8, 6, device="cpu")
+    attn = PagedAttention(SparsityConfig(page_budget=page_budget), backend=backend)
+    planned = []
+    real_plan = attn.plan.plan
+    attn.plan.plan = lambda *a, **kw: (planned.append(kw), real_plan(*a, **kw))[1]
+    for real in (3, 2):
+        reqs = list(range(real))
+        slots = torch.cat([vl.schedule(r, 1) for r in reqs] + [torch.full((5 - real,), -1)])
+        step_k, step_v = torch.randn(5, H, D), torch.randn(5, H, D)
+        write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, page_size)
+        bt, sl = vl.tables(reqs)
+        bt = torch.cat([torch.nn.functional.pad(bt, (0, 6 - bt.shape[1])), torch.zeros(5 - real, 6, dtype=torch.int32)])
+        sl = torch.cat([sl, torch.zeros(5 - real, dtype=torch.int32)])
+        qsl = torch.tensor([0] + list(range(1, real + 1)) + [real] * (5 - real))
+        rows = uniform_decode_rows(qsl, 5)
+        groups = plan_groups(qsl, bt, sl, make_attention=lambda tq: attn, num_q_heads=Hq, num_kv_heads=H,
+                             head_dim=D, page_size=page_size, scale=D ** -0.5, tables=tables, decode_rows=rows)
+        assert [(g.num_query_tokens, g.num_rows, g.tokens) for g in groups] == [(1, 5, slice(0, 5))]
+        assert groups[0].attn is attn
+        if paging._plan_has_graph_mode():          # the plan's graph mode: buffers at this capacity, kept
+            assert (planned[-1]["max_batch"], planned[-1]["max_pages_per_seq"]) == (5, 6)
+        query = torch.randn(5, Hq, D)
+        output = torch.full_like(query, float("nan"))
+        k_min, k_max = box_views(boxes)
+        attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
+        assert torch.equal(output[real:], torch.zeros_like(output[real:]))
+        if page_budget:
+            want = ref.sparse_paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real], k_min=k_min,
+                                              k_max=k_max, page_budget=page_budget)
+        else:
+            want = ref.paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real])
+        torch.testing.assert_close(output[:real], want, atol=2e-5, rtol=1e-4)
+        assert tables.block_table.data_ptr() == tables.block_table[:5].data_ptr()
+
+
+# ---- the metadata builder and the implementation (vLLM's venv only) -----------------------------------------
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    """A real VllmConfig of a tiny random Llama (4 query / 2 KV heads, head_dim 8, max_model_len 64), with full
+    decode CUDA graphs switched on by hand (vLLM's CPU platform turns them off) at capture sizes 1, 2, 4, 8."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    transformers = pytest.importorskip("transformers")
+    from vllm.config import CUDAGraphMode, ModelConfig, VllmConfig
+
+    out = tmp_path_factory.mktemp("tiny-llama-config")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             max_position_embeddings=64).save_pretrained(out)
+    config = VllmConfig(model_config=ModelConfig(model=str(out), dtype="float32", max_model_len=64,
+                                                 skip_tokenizer_init=True))
+    config.scheduler_config.max_num_seqs = 6
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    return config
+
+
+def make_builder(vllm_config, monkeypatch, graphs: bool, budget: int | None = 2, page_size=4):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tinyattn.integrations.vllm.backend import TinyAttnMetadataBuilder
+
+    monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", "1" if graphs else "0")
+    monkeypatch.setenv("TINYATTN_PAGE_BUDGET", str(budget or 0))
+    spec = FullAttentionSpec(block_size=page_size, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    return TinyAttnMetadataBuilder(spec, [], vllm_config, torch.device("cpu"), block_table_width=32)
+
+
+def common_metadata(query_lens, seq_lens, block_table, slot_mapping, num_tokens=None):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=sl, seq_lens_cpu_upper_bound=sl, num_reqs=len(sl),
+        num_actual_tokens=num_tokens or int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=slot_mapping)
+
+
+@pytest.mark.parametrize("value, want", [("1", "UNIFORM_SINGLE_TOKEN_DECODE"), ("0", "NEVER"), (None, "NEVER")])
+def test_builder_declares_cuda_graphs_only_with_the_setting(monkeypatch, value, want):
+    pytest.importorskip("vllm.v1.attention.backend")
+    from tinyattn.integrations.vllm.backend import TinyAttnMetadataBuilder
+
+    if value is None:
+        monkeypatch.delenv("TINYATTN_VLLM_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", value)
+    assert TinyAttnMetadataBuilder.get_cudagraph_support(None, None).name == want
+
+
+def test_cuda_graphs_setting_parsed(monkeypatch):
+    from tinyattn.integrations.vllm import cuda_graphs_enabled, register
+
+    monkeypatch.setenv("TINYATTN_VLLM", "1")
+    monkeypatch.setenv("TINYATTN_VLLM_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match=r"^TINYATTN_VLLM_CUDA_GRAPHS: expected 1 "):
+        register()                                  # a bad value stops start-up, before vLLM is imported
+
+    assert not cuda_graphs_enabled({}) and not cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": "0"})
+    assert cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": " 1 "})
+    with pytest.raises(ValueError, match=r"TINYATTN_VLLM_CUDA_GRAPHS: expected 1 .* or 0 / unset .*got 'on'"):
+        cuda_graphs_enabled({"TINYATTN_VLLM_CUDA_GRAPHS": "on"})
+
+
+def _step(builder, reqs, vl, query_lens, pad_rows=0):
+    """Hand-made CommonAttentionMetadata of one step of ``reqs`` (FakeVllm) with ``query_lens`` new tokens each (the
+    slots scheduled here), plus ``pad_rows`` padding rows as vLLM pads a graph batch; returns (metadata, slots)."""
+    slots = torch.cat([vl.schedule(r, n) for r, n in zip(reqs, query_lens)] + [torch.full((pad_rows,), -1)])
+    bt, sl = vl.tables(reqs)
+    bt = torch.nn.functional.pad(bt, (0, 32 - bt.shape[1]))
+    bt = torch.cat([bt, torch.zeros(pad_rows, 32, dtype=torch.int32)])
+    common = common_metadata(list(query_lens) + [0] * pad_rows, sl.tolist() + [0] * pad_rows, bt, slots,
+                             num_tokens=sum(query_lens) + pad_rows)
+    return builder.build(0, common), slots
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_builder_keeps_its_buffers_and_plans_graph_batches_over_all_rows(vllm_config, monkeypatch, graphs):
+    """Across steps that grow and shrink (a mixed batch, padded decode batches of 4 and 2 rows, an unpadded decode
+    batch of 3, which no graph captures, then 1 + 1 padding row and 1), the builder's tables stay where they were allocated and hold the step's
+    values (2 x vLLM's block ids); with graphs on, a padded decode batch is one group over all its rows (one plan per
+    capture size), without, its padding rows are left out as before. Every output equals the reference; padding
+    rows are 0 and nothing is NaN."""
+    from tinyattn.integrations.vllm.backend import TinyAttnImpl
+
+    builder = make_builder(vllm_config, monkeypatch, graphs)
+    impl = TinyAttnImpl(num_heads=4, head_size=8, scale=8 ** -0.5, num_kv_heads=2)
+    layer = type("Layer", (), {"layer_name": "model.layers.1.self_attn.attn"})()
+    bt_ptr, sl_ptr = builder.tables.block_table.data_ptr(), builder.tables.seq_lens.data_ptr()
+    assert builder.tables.block_table.shape == (8, 32)          # max(max_num_seqs 6, capture size 8) x width
+    torch.manual_seed(5)
+    kv = vllm_cache(30, 2, 4, 8)
+    vl = FakeVllm(30, 4)
+    vl.free.remove(0)
+    keys = {}
+    steps = [([0, 1, 2], [7, 5, 9], 0), ([0, 1, 2], [1, 1, 1], 1), ([0, 1], [1, 1], 0), ([0, 1, 2], [1, 1, 1], 0),
+             ([2], [1], 1), ([1], [1], 0)]
+    for reqs, query_lens, pad_rows in steps:
+        meta, slots = _step(builder, reqs, vl, query_lens, pad_rows)
+        T = slots.shape[0]
+        key, value, query = torch.randn(T, 2, 8), torch.randn(T, 2, 8), torch.randn(T, 4, 8)
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                keys[s] = (key[t], value[t])
+        impl.do_kv_cache_update(layer, key, value, kv, slots)
+        output = torch.full_like(query, float("nan"))
+        impl.forward(layer, query, key, value, kv, meta, output)
+        assert builder.tables.block_table.data_ptr() == bt_ptr and builder.tables.seq_lens.data_ptr() == sl_ptr
+        rows = len(reqs) + pad_rows
+        assert torch.equal(builder.tables.seq_lens[:len(reqs)], torch.tensor([vl.lens[r] for r in reqs],
+                                                                             dtype=torch.int32))
+        bt, sl = vl.tables(reqs)
+        assert torch.equal(builder.tables.block_table[:len(reqs), :bt.shape[1]], 2 * bt)
+        decode = set(query_lens) == {1}
+        padded_graph = graphs and decode and rows in (1, 2, 4, 8)
+        if padded_graph:
+            assert [(g.num_rows, g.tokens) for g in meta.groups] == [(rows, slice(0, rows))]
+            assert meta.groups[0].attn is builder._graph_attention[rows]
+            assert torch.equal(output[len(reqs):], torch.zeros_like(output[len(reqs):]))
+        else:
+            assert sum(g.num_rows for g in meta.groups) == len(reqs)
+        k_cache, v_cache = block_pools(kv, 2, 8, 4)
+        k_min, k_max = box_views(impl._pools(kv)[3])
+        start = 0
+        for i, (r, tq) in enumerate(zip(reqs, query_lens)):
+            q = query[start: start + tq]
+            got = output[start: start + tq]
+            start += tq
+            if tq == 1:
+                want = ref.sparse_paged_attention(q, k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1], k_min=k_min,
+                                                  k_max=k_max, page_budget=2)
+            else:
+                want = ref.paged_attention(q[None], k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1])
+            torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-4)
+        if pad_rows and not padded_graph:
+            assert output[start:].isnan().all()          # left to vLLM, as before (never read)
+        else:
+            assert not output.isnan().any()
+    if graphs:
+        assert sorted(builder._graph_attention) == [1, 2, 4]
+
+
+def test_backend_layer_call_makes_no_host_sync(vllm_config, monkeypatch):
+    """TinyAttnImpl.do_kv_cache_update + forward (the per-layer calls vLLM makes, here on CPU tensors) read no tensor
+    value on the host, for a mixed step and for a padded CUDA-graph decode batch; the builder does, once per step.
+    Two layers per step: the first layer's forward unwatched (a plan may build per-step tables at its first run)."""
+    from tinyattn.integrations.vllm.backend import TinyAttnImpl
+
+    builder = make_builder(vllm_config, monkeypatch, graphs=True)
+    impls = [TinyAttnImpl(num_heads=4, head_size=8, scale=8 ** -0.5, num_kv_heads=2) for _ in range(2)]
+    layers = [type("Layer", (), {"layer_name": f"model.layers.{i}.self_attn.attn"})() for i in range(2)]
+    torch.manual_seed(6)
+    kvs = [vllm_cache(30, 2, 4, 8) for _ in range(2)]
+    vl = FakeVllm(30, 4)
+    vl.free.remove(0)
+    for reqs, query_lens, pad_rows in (([0, 1, 2], [7, 5, 9], 0), ([0, 1, 2], [1, 1, 3], 2), ([0, 1, 2], [1, 1, 1], 1)):
+        meta, slots = _step(builder, reqs, vl, query_lens, pad_rows)
+        T = slots.shape[0]
+        key, value, query = torch.randn(T, 2, 8), torch.randn(T, 2, 8), torch.randn(T, 4, 8)
+        output = torch.zeros_like(query)
+        for i, (impl, layer, kv) in enumerate(zip(impls, layers, kvs)):
+            impl._pools(kv)                               # the views of vLLM's cache: made once, at the first call
+            with no_host_sync(monkeypatch) as found:
+                impl.do_kv_cache_update(layer, key, value, kv, slots)
+            assert found == []
+            with no_host_sync(monkeypatch) if i else contextlib.nullcontext([]) as found:
+                impl.forward(layer, query, key, value, kv, meta, output)
+            assert found == []

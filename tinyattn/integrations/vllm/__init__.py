@@ -8,6 +8,9 @@ Nothing changes unless ``TINYATTN_VLLM=1``. Then :func:`register`:
   head at each decode step; unset or 0 = dense), ``TINYATTN_SINK_PAGES`` (default 0),
   ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0); a bad
   value stops start-up with a ``ValueError`` naming the variable and the allowed values;
+- reads ``TINYATTN_VLLM_CUDA_GRAPHS`` (:func:`cuda_graphs_enabled`; ``1`` on, unset / ``0`` off): whether the
+  backend declares CUDA-graph support for uniform single-token decode batches to vLLM. Off by default: the
+  graph path has never run on a GPU, and a graph replayed over stale metadata would give wrong tokens silently;
 - registers :class:`tinyattn.integrations.vllm.backend.TinyAttnBackend` as vLLM's ``CUSTOM`` attention
   backend (``--attention-backend CUSTOM`` on CUDA) and, on vLLM's CPU platform, which always picks its own
   ``CPU_ATTN`` backend, in place of that one;
@@ -22,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["register", "settings_from_env", "ENV_VARS", "BACKEND_PATH"]
+__all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "BACKEND_PATH"]
 
 BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
 
@@ -88,12 +91,25 @@ def enabled(environ=None) -> bool:
     return raw == "1"
 
 
+def cuda_graphs_enabled(environ=None) -> bool:
+    """``TINYATTN_VLLM_CUDA_GRAPHS``: ``1`` declares CUDA-graph support (uniform single-token decode batches),
+    unset / empty / ``0`` declares none (vLLM runs attention eagerly), anything else a ``ValueError``."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("TINYATTN_VLLM_CUDA_GRAPHS", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"TINYATTN_VLLM_CUDA_GRAPHS: expected 1 (declare CUDA-graph support for uniform decode "
+                         f"batches; opt-in, not yet run on a GPU) or 0 / unset (no CUDA graphs for attention), "
+                         f"got {raw!r}")
+    return raw == "1"
+
+
 def register() -> bool:
     """vLLM's ``vllm.general_plugins`` entry point; returns whether tinyattn was registered."""
     global _registered
     if not enabled():
         return False
     sparsity = settings_from_env()
+    graphs = cuda_graphs_enabled()
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -105,8 +121,9 @@ def register() -> bool:
         from vllm.logger import init_logger
 
         init_logger("vllm.tinyattn").info(
-            "tinyattn %s attention backend registered (%s; %s)", _version(),
-            "replaces CPU_ATTN" if on_cpu else "select it with --attention-backend CUSTOM", describe(sparsity))
+            "tinyattn %s attention backend registered (%s; %s%s)", _version(),
+            "replaces CPU_ATTN" if on_cpu else "select it with --attention-backend CUSTOM", describe(sparsity),
+            "; CUDA graphs for uniform decode declared (TINYATTN_VLLM_CUDA_GRAPHS=1, opt-in)" if graphs else "")
     _registered = True
     return True
 

@@ -10,11 +10,17 @@ Per forward step:
    step (Quest selection per request and KV head in sparse layers), each other query length as one dense,
    causal (bottom-right) prefill group: through the paged op with ``Tq > 1`` when the rows have cached context,
    causal SDPA over the step's own keys/values when they have none. This is the per-step plan of
-   :class:`tinyattn.PagedAttentionPlan`.
+   :class:`tinyattn.PagedAttentionPlan`. The step's tables are copied into buffers allocated once at
+   capacity (:class:`~tinyattn.integrations.vllm.step_tables.StepTables`); every value read on the host is read
+   here, once per step.
 2. Per layer, :meth:`TinyAttnImpl.do_kv_cache_update` writes the new keys/values into the layer's paged
    cache and grows the page boxes (:func:`~tinyattn.integrations.vllm.paging.write_kv`), then
    :meth:`TinyAttnImpl.forward` runs each group's plan on this layer's pools
    (:class:`tinyattn.layer.PagedAttention`: dense layers, sink / recent pages and the fused Quest path).
+
+The per-layer calls make no host sync and no value-dependent shape (``tests/vllm_backend/test_vllm_units.py``).
+With ``TINYATTN_VLLM_CUDA_GRAPHS=1`` the builder declares CUDA-graph support for uniform single-token decode
+batches (:class:`TinyAttnMetadataBuilder`); opt-in, never yet run on a GPU.
 
 The torch backend runs on the CPU, the Triton kernels on CUDA (tinyattn's ``backend=None`` rule).
 """
@@ -27,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -42,8 +48,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from tinyattn.layer import PagedAttention
 
-from . import describe, settings_from_env
-from .paging import attend_groups, block_pools, box_views, make_boxes, plan_groups, write_kv
+from . import cuda_graphs_enabled, describe, settings_from_env
+from .paging import attend_groups, block_pools, box_views, make_boxes, plan_groups, uniform_decode_rows, write_kv
+from .step_tables import StepTables
 
 __all__ = ["TinyAttnBackend", "TinyAttnMetadata", "TinyAttnMetadataBuilder", "TinyAttnImpl"]
 
@@ -89,11 +96,30 @@ class TinyAttnMetadata:
 
 
 class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """Plans each step once, on tables kept in persistent buffers (:class:`StepTables`, allocated at capacity).
+
+    CUDA graphs: with ``TINYATTN_VLLM_CUDA_GRAPHS=1`` the builder declares
+    ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` (as ``flashinfer`` does where it cannot replay wider
+    queries): vLLM then captures full graphs of pure decode batches, one per capture size, and runs other
+    batches piecewise (attention eager). A padded decode batch (:func:`uniform_decode_rows`) is planned as one
+    decode group over all its rows, on the persistent tables, with one :class:`PagedAttention` per capture
+    size (as ``flashinfer`` keeps one decode wrapper per graph batch size), so that the tensors a replay reads
+    are the ones the eager ``build`` of that step wrote. Without the setting: ``NEVER``, as before. Opt-in
+    because it has not run on a GPU: a graph replayed over stale metadata gives wrong tokens silently.
+    """
+
     reorder_batch_threshold: int | None = 1      # decodes first: one contiguous decode group
+    requires_block_table_width: ClassVar[bool] = True
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """``UNIFORM_SINGLE_TOKEN_DECODE`` with ``TINYATTN_VLLM_CUDA_GRAPHS=1``, else ``NEVER``."""
+        if cuda_graphs_enabled():
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
-                 device: torch.device):
+                 device: torch.device, block_table_width: int | None = None):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.sparsity = settings_from_env()
         self.num_kv_heads = kv_cache_spec.num_kv_heads
@@ -106,6 +132,13 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
         self.scale = scales.pop() if len(scales) == 1 else self.head_dim ** -0.5   # layers pass their own
         self.backend = None if device.type == "cuda" else "torch"
         self._attention: dict[int, PagedAttention] = {}
+        self._graph_attention: dict[int, PagedAttention] = {}      # decode plans per CUDA-graph batch size
+        self.cuda_graphs = cuda_graphs_enabled()
+        compilation = vllm_config.compilation_config
+        self._capture_sizes = frozenset(compilation.cudagraph_capture_sizes or ())
+        max_pages = block_table_width or -(-vllm_config.model_config.max_model_len // self.page_size)
+        max_rows = max(vllm_config.scheduler_config.max_num_seqs, compilation.max_cudagraph_capture_size or 0)
+        self.tables = StepTables(max_rows, max_pages, device=device)
 
     def _make_attention(self, num_query_tokens: int) -> PagedAttention:
         attn = self._attention.get(num_query_tokens)
@@ -113,16 +146,32 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
             attn = self._attention[num_query_tokens] = PagedAttention(self.sparsity, backend=self.backend)
         return attn
 
+    def _graph_decode_rows(self, m: CommonAttentionMetadata) -> int | None:
+        """Rows of a step that vLLM may replay as a full CUDA graph (a padded uniform decode batch), else None."""
+        if not self.cuda_graphs or m.num_reqs not in self._capture_sizes:
+            return None
+        if self.vllm_config.compilation_config.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
+            return None
+        return uniform_decode_rows(m.query_start_loc_cpu[: m.num_reqs + 1], m.num_actual_tokens)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TinyAttnMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
+        make_attention = self._make_attention
+        decode_rows = self._graph_decode_rows(m)
+        if decode_rows is not None:
+            attn = self._graph_attention.get(decode_rows)
+            if attn is None:
+                attn = self._graph_attention[decode_rows] = PagedAttention(self.sparsity, backend=self.backend)
+            make_attention = lambda tq: attn  # noqa: E731
         host_lens = m.seq_lens_cpu_upper_bound                 # exact for prefill rows, the ones it is read for
         groups = plan_groups(m.query_start_loc_cpu[: num_reqs + 1], m.block_table_tensor[:num_reqs],
-                             m.seq_lens[:num_reqs], make_attention=self._make_attention,
+                             m.seq_lens[:num_reqs], make_attention=make_attention,
                              num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              page_size=self.page_size, scale=self.scale,
-                             seq_lens_cpu=None if host_lens is None else host_lens[:num_reqs])
+                             seq_lens_cpu=None if host_lens is None else host_lens[:num_reqs], tables=self.tables,
+                             decode_rows=decode_rows)
         return TinyAttnMetadata(num_actual_tokens=m.num_actual_tokens, slot_mapping=m.slot_mapping, groups=groups)
 
 

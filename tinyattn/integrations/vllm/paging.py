@@ -13,29 +13,37 @@ so that page ``2b`` of ``k_cache`` holds block ``b``'s keys and page ``2b`` of `
 tinyattn ops read vLLM's memory directly in their own NHD layout (docs/layout.md), every page stays inside
 its vLLM block (zeroing, prefix caching and preemption see ordinary blocks), and the block table is the
 only thing translated. The page boxes follow the same trick in a small tensor of their own
-(``[2 * num_blocks, Hkv, D]``: row ``2b`` = ``k_min`` of block ``b``, row ``2b + 1`` = its ``k_max``;
-``k_min = boxes[:-1]``, ``k_max = boxes[1:]``: every pool and box view has the same number of pages).
+(``[2 * num_blocks + 2, Hkv, D]``: row ``2b`` = ``k_min`` of block ``b``, row ``2b + 1`` = its ``k_max``, the last
+two rows a spare block for padding tokens; ``k_min = boxes[:2 * num_blocks - 1]``, ``k_max = boxes[1:2 * num_blocks]``:
+every pool and box view has the same number of pages).
 
 :func:`write_kv` stores a step's keys and values at vLLM's ``slot_mapping`` and maintains the boxes
 incrementally, like :meth:`tinyattn.cache.PagedKVCache.write`: a block whose slot 0 is written in this
 step starts from an empty box (vLLM reuses freed blocks, and a block is always filled from slot 0), every
-other touched block's box grows with ``amin`` / ``amax``.
+other touched block's box grows with ``amin`` / ``amax``. It makes no host sync and no value-dependent shape
+(padding slots are redirected, not dropped), so that it can run inside a CUDA graph, as does
+:func:`attend_groups`; everything that reads a value on the host happens once per step, in the builder.
 
 :func:`plan_groups` splits a step's requests by query length (vLLM's mixed prefill/decode batches): all
 decode rows (1 query token) form one group planned as a decode step (sparse in sparse layers), every other
 query length one dense, causal group with ``Tq`` equal to that length (through the paged op when the rows have
 cached context: chunked prefill, prefix-cache hits; with causal SDPA over the step's own keys and values when
-they have none, a *fresh* prefill: the same keys, without the paged op's ``[Tq x seq_len]`` mask).
+they have none, a *fresh* prefill: the same keys, without the paged op's ``[Tq x seq_len]`` mask). A uniform
+single-token decode batch that vLLM padded for a CUDA graph (:func:`uniform_decode_rows`) is one decode group of
+all its rows, the padding rows (``seq_len`` 0, output 0) included, so that the plan covers what the graph replays.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "plan_groups", "attend_groups"]
+__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "uniform_decode_rows", "plan_groups",
+           "attend_groups"]
 
 
 def _block_is_one_run(kv_cache: torch.Tensor) -> bool:
@@ -70,16 +78,22 @@ def block_pools(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_
 
 
 def make_boxes(num_blocks: int, num_kv_heads: int, head_dim: int, *, dtype, device) -> torch.Tensor:
-    """Empty page boxes of ``num_blocks`` blocks: ``[2 * num_blocks, Hkv, D]`` (+inf mins, -inf maxes)."""
-    boxes = torch.empty(num_blocks, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """Empty page boxes of ``num_blocks`` blocks: ``[2 * num_blocks + 2, Hkv, D]`` (+inf mins, -inf maxes).
+
+    Rows ``2b`` / ``2b + 1`` are block ``b``'s ``k_min`` / ``k_max``; the last two rows are a spare block that
+    :func:`write_kv` sends its padding tokens to (no host sync to drop them) and that :func:`box_views` leaves out.
+    """
+    boxes = torch.empty(num_blocks + 1, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
     boxes[:, 0] = float("inf")
     boxes[:, 1] = float("-inf")
-    return boxes.view(2 * num_blocks, num_kv_heads, head_dim)
+    return boxes.view(2 * (num_blocks + 1), num_kv_heads, head_dim)
 
 
 def box_views(boxes: torch.Tensor):
-    """``(k_min, k_max)`` as the ops take them, indexed by tinyattn page id ``2b`` (see the module doc)."""
-    return boxes[:-1], boxes[1:]
+    """``(k_min, k_max)`` as the ops take them, indexed by tinyattn page id ``2b`` (see the module doc):
+    ``2 * num_blocks - 1`` pages each, like the pools of :func:`block_pools`."""
+    pages = boxes.shape[0] - 3
+    return boxes[:pages], boxes[1: pages + 1]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor | None, key: torch.Tensor,
@@ -88,32 +102,44 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     offset``; negative = padding, skipped) and maintain the boxes of the touched blocks.
 
     ``k_cache`` / ``v_cache``: from :func:`block_pools`; ``boxes``: from :func:`make_boxes` (or ``None``: dense
-    mode keeps no boxes).
+    mode keeps no boxes). No host sync and no value-dependent shape (CUDA-graph safe): a padding token is
+    written to the row of the step's first real token with that token's key and value (duplicate indices with
+    equal values), or, in a step of padding only, writes back what that row holds; in the boxes it targets the
+    spare block of :func:`make_boxes` with neutral values. Memory outside the real slots is left bit-identical.
     """
     n = min(slot_mapping.shape[0], key.shape[0])
     if n == 0:
         return
     slots, key, value = slot_mapping[:n].to(torch.int64), key[:n], value[:n]
-    if bool((slots < 0).any()):                                   # padding tokens (one host sync)
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
     if key.dtype != k_cache.dtype:
         key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+    real = slots >= 0
+    slots = slots.clamp_min(0)
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
     rows = 2 * blocks * block_size + offsets                      # rows of the [-1, Hkv, D] pool views
     Hkv, D = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, Hkv, D).index_copy_(0, rows, key)
-    v_cache.view(-1, Hkv, D).index_copy_(0, rows, value)
+    k_rows, v_rows = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    # a real token ([1], on device; 0 when there is none): never a 0-dim index, which Python reads on the host
+    first = real.to(torch.int32).argmax().view(1)
+    row, first_real = rows[first], real[first][:, None, None]
+    mask = real[:, None, None]
+    key_w = torch.where(mask, key, torch.where(first_real, key[first], k_rows[row]))
+    value_w = torch.where(mask, value, torch.where(first_real, value[first], v_rows[row]))
+    rows = torch.where(real, rows, row)
+    k_rows.index_copy_(0, rows, key_w)
+    v_rows.index_copy_(0, rows, value_w)
     if boxes is None:
         return
+    spare = boxes.shape[0] - 2                                    # make_boxes' spare block: never read
+    box_rows = torch.where(real, 2 * blocks, spare)
     # a block written from slot 0 is new (or reused): its box restarts empty before growing
-    started = 2 * blocks[offsets == 0]
+    started = torch.where(real & (offsets == 0), box_rows, spare)
     boxes.index_fill_(0, started, float("inf"))
     boxes.index_fill_(0, started + 1, float("-inf"))
     key = key.to(boxes.dtype)
-    boxes.index_reduce_(0, 2 * blocks, key, "amin")
-    boxes.index_reduce_(0, 2 * blocks + 1, key, "amax")
+    boxes.index_reduce_(0, box_rows, key, "amin")
+    boxes.index_reduce_(0, box_rows + 1, key, "amax")
 
 
 @dataclass
@@ -129,9 +155,41 @@ class Group:
     attn: object
 
 
+@functools.lru_cache(maxsize=None)
+def _plan_has_graph_mode() -> bool:
+    from tinyattn.ops.plan import PagedAttentionPlan
+
+    return "max_pages_per_seq" in inspect.signature(PagedAttentionPlan.plan).parameters
+
+
+def _graph_capacity(rows: int, width: int) -> dict:
+    """The plan's graph-mode capacity for a CUDA-graph batch (its buffers then keep their storage and ``plan()``
+    reads nothing on the host); ``{}`` with a plan that predates graph mode (main before 02fff0f)."""
+    return dict(max_batch=rows, max_pages_per_seq=width) if _plan_has_graph_mode() else {}
+
+
+def uniform_decode_rows(query_start_loc_cpu: torch.Tensor, num_tokens: int) -> int | None:
+    """``R`` when a step is a uniform single-token decode batch as vLLM pads it for a CUDA graph, else ``None``.
+
+    Such a step has ``R`` rows and ``num_tokens == R`` tokens: rows with one query token, then padding rows with
+    none (their ``query_start_loc`` repeats, their ``seq_lens`` are 0, their block-table rows vLLM's null block,
+    their padding tokens' slots -1). ``query_start_loc_cpu``: ``[R + 1]`` host tensor.
+    """
+    starts = query_start_loc_cpu.tolist()
+    rows = len(starts) - 1
+    if rows < 1 or num_tokens != rows:
+        return None
+    lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    real = sum(lens)
+    if lens != [1] * real + [0] * (rows - real):
+        return None
+    return rows
+
+
 def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                 make_attention, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                scale: float, seq_lens_cpu: torch.Tensor | None = None) -> list[Group]:
+                scale: float, seq_lens_cpu: torch.Tensor | None = None, tables=None,
+                decode_rows: int | None = None) -> list[Group]:
     """Group a step's rows by query length and plan each group once (all layers of the step share it).
 
     Decode rows (``Tq == 1``) form one group planned as a decode step. Prefill rows with cached context
@@ -143,7 +201,23 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
         block_table: ``[R, max_blocks]`` vLLM block ids (device); seq_lens: ``[R]`` tokens incl. the queries.
         make_attention: ``Tq -> PagedAttention`` (the builder keeps one per length to reuse its buffers).
         seq_lens_cpu: ``seq_lens`` on the host, exact for prefill rows (default: ``seq_lens``, copied).
+        tables: a :class:`tinyattn.integrations.vllm.step_tables.StepTables`: the translated tables are copied
+            into its persistent buffers and the plans made on views of them (default: new tensors).
+        decode_rows: ``R`` from :func:`uniform_decode_rows` (a CUDA-graph batch): one decode group of all ``R``
+            rows and tokens, padding rows included (``seq_len`` 0: their output is 0), whatever the lengths.
     """
+    if tables is not None:
+        all_bt, all_sl = tables.load(block_table, seq_lens)
+    else:
+        all_bt, all_sl = block_table * 2, seq_lens
+    if decode_rows is not None:
+        if decode_rows != block_table.shape[0]:
+            raise ValueError(f"decode_rows: expected the step's {block_table.shape[0]} rows, got {decode_rows}")
+        attn = make_attention(1)
+        attn.begin(all_bt, all_sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   page_size=page_size, num_query_tokens=1, decode=True, scale=scale, trusted=True,
+                   **_graph_capacity(decode_rows, all_bt.shape[1]))
+        return [Group(1, decode_rows, slice(0, decode_rows), attn)]
     starts = query_start_loc_cpu.tolist()
     lens = (seq_lens if seq_lens_cpu is None else seq_lens_cpu).tolist()
     by_key: dict[tuple[int, bool], list[int]] = {}
@@ -166,9 +240,9 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
         if fresh:
             groups.append(Group(tq, len(rows), tokens, None))
             continue
-        bt, sl = block_table[idx], seq_lens[idx]
+        bt, sl = all_bt[idx], all_sl[idx]
         attn = make_attention(tq)
-        attn.begin(bt * 2, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        attn.begin(bt, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
         groups.append(Group(tq, len(rows), tokens, attn))
     return groups
