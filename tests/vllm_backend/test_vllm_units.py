@@ -473,8 +473,8 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
                              head_dim=D, page_size=page_size, scale=D ** -0.5, tables=tables, decode_rows=rows)
         assert [(g.num_query_tokens, g.num_rows, g.tokens) for g in groups] == [(1, 5, slice(0, 5))]
         assert groups[0].attn is attn
-        if paging._plan_has_graph_mode():          # the plan's graph mode: buffers at this capacity, kept
-            assert (planned[-1]["max_batch"], planned[-1]["max_pages_per_seq"]) == (5, 6)
+        # the plan's graph mode: buffers at this capacity, kept
+        assert (planned[-1]["max_batch"], planned[-1]["max_pages_per_seq"]) == (5, 6)
         query = torch.randn(5, Hq, D)
         output = torch.full_like(query, float("nan"))
         k_min, k_max = box_views(boxes)

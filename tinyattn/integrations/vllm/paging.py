@@ -35,8 +35,6 @@ all its rows, the padding rows (``seq_len`` 0, output 0) included, so that the p
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -155,19 +153,6 @@ class Group:
     attn: object
 
 
-@functools.lru_cache(maxsize=None)
-def _plan_has_graph_mode() -> bool:
-    from tinyattn.ops.plan import PagedAttentionPlan
-
-    return "max_pages_per_seq" in inspect.signature(PagedAttentionPlan.plan).parameters
-
-
-def _graph_capacity(rows: int, width: int) -> dict:
-    """The plan's graph-mode capacity for a CUDA-graph batch (its buffers then keep their storage and ``plan()``
-    reads nothing on the host); ``{}`` with a plan that predates graph mode (main before 02fff0f)."""
-    return dict(max_batch=rows, max_pages_per_seq=width) if _plan_has_graph_mode() else {}
-
-
 def uniform_decode_rows(query_start_loc_cpu: torch.Tensor, num_tokens: int) -> int | None:
     """``R`` when a step is a uniform single-token decode batch as vLLM pads it for a CUDA graph, else ``None``.
 
@@ -216,7 +201,7 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
         attn = make_attention(1)
         attn.begin(all_bt, all_sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=1, decode=True, scale=scale, trusted=True,
-                   **_graph_capacity(decode_rows, all_bt.shape[1]))
+                   max_batch=decode_rows, max_pages_per_seq=all_bt.shape[1])    # graph mode: fixed storage
         return [Group(1, decode_rows, slice(0, decode_rows), attn)]
     starts = query_start_loc_cpu.tolist()
     lens = (seq_lens if seq_lens_cpu is None else seq_lens_cpu).tolist()
