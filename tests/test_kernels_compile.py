@@ -6,20 +6,21 @@ has it set, so the compiler runs in a subprocess with it unset. The list of spec
 the launchers' own block-size heuristics (``tinyattn.kernels.compile``).
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=600):
+def _run(*args, quiet_seconds=120):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is today's default
-    return subprocess.run([sys.executable, "-m", "tinyattn.kernels.compile", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_subprocess([sys.executable, "-m", "tinyattn.kernels.compile", *args], quiet_seconds=quiet_seconds,
+                          cwd=ROOT, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -30,7 +31,7 @@ def test_every_specialisation_compiles(arch):
 
 
 def test_specialisation_list_covers_every_kernel_and_dtype():
-    result = _run("--list", timeout=120)
+    result = _run("--list", quiet_seconds=10)
     assert result.returncode == 0, result.stderr[-3000:]
     names = result.stdout
     for kernel in ("attention[", "merge[", "metadata[", "scores[", "topk[", "attention_bwd[", "page_grad_norm[",
@@ -44,6 +45,6 @@ def test_specialisation_list_covers_every_kernel_and_dtype():
 
 def test_refuses_to_run_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "tinyattn.kernels.compile", "--arch", "90"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_subprocess([sys.executable, "-m", "tinyattn.kernels.compile", "--arch", "90"], quiet_seconds=10,
+                            cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "TRITON_INTERPRET" in result.stderr

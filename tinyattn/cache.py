@@ -92,7 +92,7 @@ class PagedKVCache:
     :meth:`drop_pages` (evict pages, positions kept) and :meth:`copy_pages`.
 
     Raises:
-        ValueError for sizes below 1, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
+        ValueError for sizes below 1, ``device="cuda"`` where torch has no CUDA device, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
         ``box_dtype`` not in :data:`tinyattn.ops.boxes.BOX_DTYPES` (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
@@ -108,6 +108,10 @@ class PagedKVCache:
         storage = quant.storage_dtype(kv_cache_dtype, dtype)
         self.kv_cache_dtype, self.model_dtype = kv_cache_dtype, dtype
         self.dtype, self.device = storage, torch.device(device)         # dtype: what the pools hold
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: expected a device this torch can allocate on, got {str(device)!r}, but torch "
+                             f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False): use "
+                             f"device='cpu', or install a CUDA build of torch on a machine with a GPU")
         self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)

@@ -371,7 +371,9 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                          num_sink_pages, num_recent_pages)
-    if page_indices is not None:
+    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages (issue 28)
+        V.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, shapes.page_size, k_scale)
+    else:
         selection = dict(num_sink_pages=selection["num_sink_pages"], num_recent_pages=selection["num_recent_pages"])
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
