@@ -363,7 +363,7 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     pages (the profiler reads them; the list's width is its budget).
     """
     sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
+                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale) + V.box_versions(k_min, k_max)
     tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
     hit = V.recall("sparse", sig, tables) if all(isinstance(t, torch.Tensor) for t in tables) else None
     if hit is not None:

@@ -345,6 +345,15 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
         expect_device(name, x, device, "q")
 
 
+def box_versions(k_min, k_max) -> tuple:
+    """Which boxes a validated call read: each box tensor's storage and in-place version counter, added to the
+    call's :func:`signature` so that :func:`recall` re-runs :func:`check_boxes_filled` on other or rewritten boxes
+    (a repeat call on unchanged boxes and tables stays a recall). Empty while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return ()
+    return tuple((x.data_ptr(), x._version) for x in (k_min, k_max) if isinstance(x, _Tensor))
+
+
 def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: int, k_scale=None) -> None:
     """With value checks on: every page in use (a valid page of a row, below ``seq_lens``) holds a bounding box
     that can be its keys': ``k_min <= k_max`` in every channel, no NaN, and the key in its slot 0 (always valid)
