@@ -1,6 +1,6 @@
 """tinyattn: query-aware sparse paged attention (Quest / TinyServe) as Triton kernels and PyTorch ops.
 
-Public contract: ``docs/api.md`` (it implements the project's design card, DESIGN.md). The kernels live in
+Public contract: ``docs/api.md`` (it implements the project's design card, ``docs/DESIGN.md``). The kernels live in
 ``tinyattn.kernels``, the public functions and their PyTorch twins in ``tinyattn.ops``.
 
 Everything ``docs/api.md`` documents is importable from here. The ops are imported eagerly; the cache,
