@@ -62,13 +62,14 @@ print(json.dumps(out))
 """
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="processes per setting (interleaved)")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per op and process")
     ap.add_argument("--csv", default=None, help="also write the table as CSV here")
-    args = ap.parse_args()
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    args = ap.parse_args(argv)
+    # the torch backend on CPU tensors, as a user runs it (no TRITON_INTERPRET), and no inherited thread settings
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "TRITON_INTERPRET")}
     runs = {name: [] for name in SETTINGS}
     for _ in range(args.rounds):
         for name, (env, threads) in SETTINGS.items():
@@ -90,7 +91,8 @@ def main() -> None:
             f.write("setting,threads,sparse_ms,dense_ms,sdpa_ms\n")
             for r in rows:
                 f.write(f"{r[0]},{r[1]},{r[2]:.3f},{r[3]:.3f},{r[4]:.3f}\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
