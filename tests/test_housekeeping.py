@@ -49,6 +49,8 @@ def test_api_md_names_are_found():
 
 @pytest.mark.parametrize("dotted", sorted(_documented_names()[0]))
 def test_every_tinyattn_dotted_name_in_api_md_exists(dotted):
+    if dotted.startswith(("integrations.hf", "integrations.convert")):
+        pytest.importorskip("transformers", reason="the hf extra")
     assert _resolve(dotted) is not None
 
 
