@@ -132,6 +132,7 @@ def test_eval_rows_json_and_probes(small_eval, tmp_path):
 
 @needs_model
 def test_plots_are_pngs(small_eval, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_eval(small_eval, tmp_path, metrics=("nll", "hit_rate"))
     assert [p.name for p in paths] == ["nll.png", "hit_rate.png"]
     for p in paths:
