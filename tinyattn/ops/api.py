@@ -328,6 +328,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     """
     checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
                               num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
+    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages (issue 28)
+        V.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, checked.shapes.page_size, k_scale)
     window_left = V.check_window_left(window_left)
     if page_indices is None:
         V.check_window_selection(window_left, num_sink_pages)
@@ -363,7 +365,7 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     pages (the profiler reads them; the list's width is its budget).
     """
     sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale) + V.box_versions(k_min, k_max)
+                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
     tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
     hit = V.recall("sparse", sig, tables) if all(isinstance(t, torch.Tensor) for t in tables) else None
     if hit is not None:
@@ -371,9 +373,7 @@ def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_
     _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                          num_sink_pages, num_recent_pages)
-    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages (issue 28)
-        V.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, shapes.page_size, k_scale)
-    else:
+    if page_indices is not None:
         selection = dict(num_sink_pages=selection["num_sink_pages"], num_recent_pages=selection["num_recent_pages"])
     scale = V.check_scale(scale, shapes.head_dim)
     backend = resolve_backend(backend, q.device)
