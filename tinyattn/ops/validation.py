@@ -368,11 +368,11 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
     """
     if not value_checks_active() or seq_lens.numel() == 0:
         return
-    key = tuple((t.data_ptr(), t._version) for t in (k_min, k_max, k_cache, block_table, seq_lens))
+    seen = tuple((t.data_ptr(), t._version) for t in (k_min, k_max, k_cache, block_table, seq_lens))
     passed = getattr(_memo, "boxes", None)
     if passed is None:
         passed = _memo.boxes = {}
-    if passed.get(key[:2]) == key[2:]:
+    if passed.get(seen[:2]) == seen[2:]:
         return
     lens = seq_lens.to(torch.int64)
     cols = torch.arange(block_table.shape[1], device=block_table.device)
@@ -388,7 +388,7 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
     if not bool(bad.any()):                                  # one host sync
         if len(passed) >= 64:
             passed.clear()
-        passed[key[:2]] = key[2:]
+        passed[seen[:2]] = seen[2:]
         return
     i, h, d = bad.nonzero()[0].tolist()
     what = ("k_min > k_max or NaN" if bool(empty[i, h, d]) else
