@@ -45,17 +45,32 @@ def run_subprocess(cmd, *, quiet_seconds: float, **kwargs):
                     f"far:\n{(exc.stdout or '')[-2000:]}\n{(exc.stderr or '')[-2000:]}", pytrace=False)
 
 
+EXTRA_MODULES = ("transformers", "safetensors", "matplotlib")   # the hf and plots extras (pyproject.toml)
+
+
+def _require_extras(report) -> None:
+    """Optional extras are ``pytest.importorskip``-ed, so a plain ``pip install -e ".[test]"`` skips what it cannot
+    run; where they are installed, CI sets ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and a skip for want of one of
+    :data:`EXTRA_MODULES` is a failure (issue 28: no test skipped in CI that CI can run). vLLM is not one: its
+    tests run in the vLLM part of CI, in a venv of their own."""
+    text = str(report.longrepr)
+    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and any(
+            f"could not import '{m}" in text or f"the {x} extra" in text
+            for m, x in zip(EXTRA_MODULES, ("hf", "hf", "plots"))):
+        report.outcome = "failed"
+        report.longrepr = f"TINYATTN_REQUIRE_EXTRAS=1 but an extra is missing: {text}"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Optional extras are ``pytest.importorskip``-ed, so a plain ``pip install -e ".[test]"`` skips what it cannot
-    run; where they are installed, CI sets ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and such a skip is a failure
-    (issue 28: no test skipped in CI that CI can run)."""
     outcome = yield
-    report = outcome.get_result()
-    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and "could not import" in str(
-            report.longrepr):
-        report.outcome = "failed"
-        report.longrepr = f"TINYATTN_REQUIRE_EXTRAS=1 but an extra is missing: {report.longrepr}"
+    _require_extras(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield                        # a module-level importorskip (tests/test_hf.py) skips at collection
+    _require_extras(outcome.get_result())
 
 
 @pytest.fixture(autouse=True)
