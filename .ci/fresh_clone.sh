@@ -3,7 +3,9 @@
 # beside it), make a new virtual environment, install with the README's quick-start install line, and run the
 # README's main job from a directory with no ../shared, with CC/CXX pointing at `false` (no compiler). The printed story must be exactly
 # tests/known_good_stories260K.txt. Also: the console script's name and output, and a built wheel holding the
-# shipped model and texts (tinyattn/data/). About a minute with torch's wheel on local disk.
+# shipped model and texts (tinyattn/data/); the core install leaves matplotlib out (the plots extra) and
+# `eval --plot-dir` without it writes CSV / JSON and names the extra. About a minute and a half with torch's wheel
+# on local disk.
 #   bash .ci/fresh_clone.sh            (run by .ci/run; clones the committed HEAD of this checkout)
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,12 +29,23 @@ if ! eval "$INSTALL" > "$WORK/install.log" 2>&1; then
   exit 1
 fi
 echo "fresh clone: installed in $(( $(date +%s) - t0 ))s"
+if python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("matplotlib") is None)'; then
+  echo "fresh clone: the core install (the README's line) pulled matplotlib; it belongs to the plots extra" >&2
+  exit 1
+fi
+echo "fresh clone: the core install has no matplotlib"
 mkdir -p "$WORK/elsewhere/run"
 cd "$WORK/elsewhere/run"
 [ ! -e ../shared ] && [ ! -e ../../shared ] || { echo "fresh clone: a shared/ folder lies beside the run" >&2; exit 1; }
 python -m tinyattn generate --max-new-tokens 200 --temperature 0 > generate.txt
 tinyattn generate --max-new-tokens 200 --temperature 0 --no-stats > console.txt
 tinyattn --help > help.txt
+python -m tinyattn eval --max-stories 1 --max-context 64 --page-budgets 2,4 --no-progress --plot-dir plots \
+  > eval.txt 2> eval.err || { cat eval.err >&2; echo "fresh clone: eval --plot-dir failed without matplotlib" >&2; exit 1; }
+grep -qF 'pip install "tinyattn[plots]"' eval.err && [ -s plots/results.csv ] && [ -s plots/results.json ] || {
+  cat eval.err >&2; echo "fresh clone: eval --plot-dir without matplotlib did not write CSV/JSON and name the extra" >&2
+  exit 1; }
+echo "fresh clone: eval --plot-dir without matplotlib wrote plots/results.csv|json and named the plots extra"
 python - "$REPO/tests/known_good_stories260K.txt" <<'PY'
 import sys
 expected = open(sys.argv[1], encoding="utf-8").read()

@@ -281,7 +281,7 @@ def pyplot():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        print('matplotlib is not installed: skipping the plot (pip install "tinyattn[plots]")')
         return None
 
 

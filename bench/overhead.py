@@ -142,7 +142,7 @@ def end_to_end_rows(repeats: int, new_tokens: int, budget: int) -> list[dict]:
         kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         runners["HF stock (sdpa)"] = lambda: stock.generate(ids, **kw)
         runners["HF + tinyattn"] = lambda: ours.generate(
-            ids, past_key_values=TinyAttnCache(ours.config, page_size=PAGE_SIZE, page_budget=budget), **kw)
+            ids, cache=TinyAttnCache(ours.config, page_size=PAGE_SIZE, page_budget=budget), **kw)
     texts = {}
     with torch.no_grad():
         for name, fn in runners.items():                               # warm up; keep the tokens

@@ -18,7 +18,7 @@ from tinyattn.selection import H2OPolicy, SelectionMetrics
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
-from conftest import CKPT, TOKENIZER, VALID  # noqa: E402  (shipped with the package)
+from conftest import CKPT, TOKENIZER, VALID, run_subprocess  # noqa: E402  (shipped with the package)
 TORCH = "torch"
 
 needs_model = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{CKPT} is missing")
@@ -132,6 +132,7 @@ def test_eval_rows_json_and_probes(small_eval, tmp_path):
 
 @needs_model
 def test_plots_are_pngs(small_eval, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_eval(small_eval, tmp_path, metrics=("nll", "hit_rate"))
     assert [p.name for p in paths] == ["nll.png", "hit_rate.png"]
     for p in paths:
@@ -152,12 +153,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "tinyattn", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return run_subprocess([sys.executable, "-m", "tinyattn", *args], quiet_seconds=30, cwd=REPO, env=env,
+                          capture_output=True, text=True)
 
 
 @needs_model
 def test_cli_eval_policies_json_and_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     out = tmp_path / "acc"
     proc = run_cli("eval", "--model", str(CKPT), "--tokenizer", str(TOKENIZER), "--data", str(VALID),
                    "--max-stories", "2", "--max-context", "40", "--page-sizes", "4,8", "--token-budgets", "8",

@@ -24,6 +24,15 @@ def _load(name):
     return module
 
 
+def test_cpu_threads_runs_each_setting_in_its_own_process(tmp_path, capsys):
+    """bench/cpu_threads.py: one process per setting (default, 1 thread, OMP_WAIT_POLICY=PASSIVE), a row each."""
+    assert _load("cpu_threads").main(["--rounds", "1", "--iters", "2", "--csv", str(tmp_path / "t.csv")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert [r["setting"] for r in rows] == ["default", "1 thread", "PASSIVE"]
+    assert rows[1]["threads"] == "1" and all(float(r["sparse_ms"]) > 0 for r in rows)
+    assert "| PASSIVE |" in capsys.readouterr().out
+
+
 @pytest.fixture
 def keep_threads():
     n = torch.get_num_threads()

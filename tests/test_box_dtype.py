@@ -182,13 +182,13 @@ def test_runtime_decodes_with_bf16_boxes_and_counts_their_bytes(model, tok):
 
 def test_engine_and_hf_cache_take_box_dtype(model):
     from tinyattn.engine import Engine
-    from tinyattn.integrations.hf import TinyAttnCache
 
     engine = Engine(model, page_size=4, num_pages=8, page_budget=2, backend="torch", box_dtype="bf16")
     assert engine.cache.k_min[0].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="box_dtype: expected one of"):
         Engine(model, page_size=4, num_pages=8, box_dtype="half")
     transformers = pytest.importorskip("transformers")
+    TinyAttnCache = pytest.importorskip("tinyattn.integrations.hf").TinyAttnCache
     cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=32)
     with pytest.raises(ValueError, match="box_dtype: expected one of"):

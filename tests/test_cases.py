@@ -1,4 +1,4 @@
-"""The fault kinds 1-7 of ../shared/spec/CASES.md, each as its own test, on both backends.
+"""The fault kinds 1-7 of the project's CASES.md (faults real users hit in this kind of code), each as its own test, on both backends.
 
 Expected values always come from ``tinyattn.reference`` (or from a second run whose answer must not
 move). The Triton backend runs in the interpreter (TRITON_INTERPRET=1, tests/conftest.py).

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -82,6 +83,10 @@ def test_snippets_run(doc: Path, tmp_path):
     blocks = [(line, code) for line, code in python_blocks(doc) if not SKIP.match(code.splitlines()[0])]
     if not blocks:
         pytest.skip(f"every python block of {doc.name} is marked skip")
+    text = "\n".join(code for _, code in blocks)
+    for extra, module in (("hf", "transformers"), ("plots", "matplotlib")):     # optional extras (pyproject)
+        if re.search(rf"\b{module}\b|integrations\.hf\b" if extra == "hf" else rf"\b{module}\b", text):
+            pytest.importorskip(module, reason=f"{doc.name}'s snippets need the {extra} extra")
     work = tmp_path / "work"
     work.mkdir()
     spec = tmp_path / "blocks.json"
@@ -89,8 +94,8 @@ def test_snippets_run(doc: Path, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPLBACKEND="Agg",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(spec)], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = run_subprocess([sys.executable, "-c", DRIVER, str(spec)], quiet_seconds=60, cwd=work, env=env,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert not re.search(r"\bnan\b", proc.stdout, re.I), proc.stdout
     if doc.name in EXPECT:

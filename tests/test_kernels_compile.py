@@ -7,20 +7,21 @@ of the ops over the default rows of ``tinyattn.kernels.launches.SHAPES``, replay
 specialisation (``tinyattn.kernels.compile``); the whole table is the ``slow`` test.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=600):
+def _run(*args, quiet_seconds=120):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is today's default
-    return subprocess.run([sys.executable, "-m", "tinyattn.kernels.compile", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_subprocess([sys.executable, "-m", "tinyattn.kernels.compile", *args], quiet_seconds=quiet_seconds,
+                          cwd=ROOT, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -33,14 +34,14 @@ def test_every_recorded_specialisation_compiles(arch):
 
 @pytest.mark.slow
 def test_the_whole_shape_table_compiles_for_sm_90():
-    result = _run("--arch", "90", "--full", timeout=3600)
+    result = _run("--arch", "90", "--full", quiet_seconds=360)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
 
 
 def test_recorded_list_covers_every_inference_kernel_with_gpu_specialisations():
     """The recorded launches hold every kernel of a decode / prefill step, with the GPU JIT's specialisations
     (unit strides as constexpr 1, 16-divisible strides and aligned pointers) and the GPU's host choices."""
-    result = _run("--list", timeout=300)
+    result = _run("--list", quiet_seconds=30)
     assert result.returncode == 0, result.stderr[-3000:]
     names = result.stdout
     for kernel in ("kv_write[", "page_minmax[", "score_chunk_topk[", "merge_chunks[", "attn_fwd[", "merge_splits[",
@@ -57,7 +58,7 @@ def test_recorded_list_covers_every_inference_kernel_with_gpu_specialisations():
 
 
 def test_cross_product_list_still_builds():
-    result = _run("--cross", "--list", timeout=120)
+    result = _run("--cross", "--list", quiet_seconds=12)
     assert result.returncode == 0, result.stderr[-3000:]
     for kernel in ("attention[", "merge[", "metadata[", "scores[", "topk[", "chunk_topk[", "kv_write[fp8e4nv"):
         assert kernel in result.stdout
@@ -65,6 +66,6 @@ def test_cross_product_list_still_builds():
 
 def test_refuses_to_run_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "tinyattn.kernels.compile", "--arch", "90"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_subprocess([sys.executable, "-m", "tinyattn.kernels.compile", "--arch", "90"], quiet_seconds=10,
+                            cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "TRITON_INTERPRET" in result.stderr

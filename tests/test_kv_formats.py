@@ -338,7 +338,12 @@ def test_page_operations_keep_scales(fmt):
     a = c.add_sequence()
     c.write(0, c.extend([a], 10), torch.randn(10, 1, 8) * 5, torch.randn(10, 1, 8))
     b = c.fork(a, 6)                                   # ends inside page 1: its box refit from 2 keys
-    assert torch.equal(_dequantized_keys(c, b), _dequantized_keys(c, a)[:6])
+    assert torch.equal(_dequantized_keys(c, b)[:4], _dequantized_keys(c, a)[:4])
+    # the cut page: its scale refit to the 2 kept keys (issue 28; int8 re-rounds them once, fp8 is exact), so
+    # equal to a's within half a step of a's scale (tests/test_quant_rollback.py checks the exact values)
+    half_step = c.k_scale[0][c.pages(a)[1]] * (0.5 if fmt == "int8" else 0.0)
+    torch.testing.assert_close(_dequantized_keys(c, b)[4:], _dequantized_keys(c, a)[4:6], rtol=0,
+                               atol=float(half_step.max()) * 1.0001)
     pb = c.pages(b)[1]
     keys = _dequantized_keys(c, b)[4:6]
     assert torch.equal(c.k_min[0][pb], keys.amin(0)) and torch.equal(c.k_max[0][pb], keys.amax(0))

@@ -310,6 +310,7 @@ def test_table(small):
 
 
 def test_plots_are_written(small, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_task_results(small, tmp_path)
     names = sorted(p.name for p in paths)
     assert names == sorted([f"{kind}_{t}_ps{ps}.png" for kind in ("heatmap", "budget")

@@ -34,6 +34,7 @@ def run(argv, capsys):
 
 
 def test_end_to_end(checkpoint, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     argv = ["eval", "--task", "passkey,multikey", "--model", str(checkpoint), "--contexts", "256,320",
             "--depths", "0,100%", "--budgets", "1/2,1/4", "--page-sizes", "8", "--policies", "dense,quest,h2o",
             "--samples", "1", "--backend", "torch", "--no-progress", "--json", str(tmp_path / "r.json"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+
 from test_cli import run_cli
 
 
@@ -21,6 +23,7 @@ def test_serve_bench_help_explains_every_option():
 
 
 def test_serve_bench_tiny_run(tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     proc = run_cli("serve-bench", "--num-requests", "5", "--request-rate", "200", "--output-len", "12",
                    "--num-pages", "8", "--configs", "dense,quest+exit", "--nll-stories", "1", "--nll-context", "40",
                    "--no-progress", "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),

@@ -1,6 +1,6 @@
 """tinyattn: query-aware sparse paged attention (Quest / TinyServe) as Triton kernels and PyTorch ops.
 
-Public contract: ``docs/api.md`` (it implements the project's design card, DESIGN.md). The kernels live in
+Public contract: ``docs/api.md`` (it implements the project's design card, ``docs/DESIGN.md``). The kernels live in
 ``tinyattn.kernels``, the public functions and their PyTorch twins in ``tinyattn.ops``.
 
 Everything ``docs/api.md`` documents is importable from here. The ops are imported eagerly; the cache,
@@ -10,6 +10,16 @@ stays light: it imports neither triton nor the model code.
 """
 
 import importlib
+import os as _os
+import sys as _sys
+
+# The command line (``python -m tinyattn ...``, the ``tinyattn`` script) runs this before torch loads: it asks
+# OpenMP for idle workers that sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``, read once when torch loads
+# its OpenMP runtime). On a machine where another process holds a core, spinning workers made a decode step of
+# the README's snippet 25-30x slower (README "CPU threads"). A library user's process is left as it is; a value
+# already set is kept.
+if "torch" not in _sys.modules and _sys.argv and (_sys.argv[0] == "-m" or _os.path.basename(_sys.argv[0]) == "tinyattn"):
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .ops import (page_scores, paged_attention, reference, select_pages, sparse_paged_attention,
                   update_page_metadata, value_checks)

@@ -7,6 +7,13 @@ import argparse
 import math
 
 
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}   # --dtype -> torch attribute name
+
+
+class CLIError(Exception):
+    """A user error: printed as ``tinyattn COMMAND: error: ...`` with exit status 2."""
+
+
 def _int_at_least(minimum: int):
     def parse(text: str) -> int:
         try:

@@ -30,6 +30,10 @@ grows to exactly the new ``absmax / 127`` (each growth re-rounds the earlier cod
 new scale). fp8 e4m3: the scale grows by the smallest power of two that holds the new token, so the earlier codes
 are rescaled exactly (a power-of-two factor only shifts e4m3 exponents; e4m3's relative precision does not
 depend on where the absmax falls in its range, so the up-to-2x larger scale costs nothing above the subnormals).
+When tokens are removed from a page that keeps some (:meth:`PagedKVCache.truncate`, a :meth:`~PagedKVCache.fork`
+that ends inside a page, and so ``TinyAttnCache.crop``), its scales are refit to the kept tokens: int8 to their
+``absmax / 127`` (codes re-rounded once), fp8 shrunk by the largest power of two that still holds them (codes
+exact); pages that go back to the pool (``free``, ``drop_pages``, whole pages cut) restart at the next write.
 
 The page boxes of a quantized cache are fp32 boxes of the **dequantized** keys (``code.float() * scale``, the
 product attention computes): they grow by the new keys, and a page whose K scale grew (its stored keys changed)
@@ -88,7 +92,7 @@ class PagedKVCache:
     :meth:`drop_pages` (evict pages, positions kept) and :meth:`copy_pages`.
 
     Raises:
-        ValueError for sizes below 1, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
+        ValueError for sizes below 1, ``device="cuda"`` where torch has no CUDA device, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
         ``box_dtype`` not in :data:`tinyattn.ops.boxes.BOX_DTYPES` (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
@@ -104,6 +108,10 @@ class PagedKVCache:
         storage = quant.storage_dtype(kv_cache_dtype, dtype)
         self.kv_cache_dtype, self.model_dtype = kv_cache_dtype, dtype
         self.dtype, self.device = storage, torch.device(device)         # dtype: what the pools hold
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: expected a device this torch can allocate on, got {str(device)!r}, but torch "
+                             f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False): use "
+                             f"device='cpu', or install a CUDA build of torch on a machine with a GPU")
         self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)
@@ -282,7 +290,9 @@ class PagedKVCache:
 
         Whole pages past ``length`` go back to the pool. A new partial last page keeps its K/V (the slots past
         ``length`` are never read, and the next :meth:`write` overwrites them), and its box is **recomputed**
-        from the keys of its remaining valid slots: boxes stay exact, not merely a sound upper bound.
+        from the keys of its remaining valid slots: boxes stay exact, not merely a sound upper bound. int8 / fp8:
+        that page's K and V scales are first refit to its kept tokens (module docstring), so tokens written after
+        a rollback are not quantized on the coarse scale of larger tokens that were cut (kvcached#362).
 
         Raises:
             ValueError: unknown ``seq_id``, ``length`` outside ``[0, length(seq_id)]``.
@@ -391,7 +401,8 @@ class PagedKVCache:
         return operator.index(value)
 
     def _refit_last_box(self, seq_id: int) -> None:
-        """Recompute the box of the sequence's last page from its valid slots (after a cut inside the page)."""
+        """Recompute the box of the sequence's last page from its valid slots (after a cut inside the page);
+        int8 / fp8: first refit the page's scales to the kept tokens (:meth:`_refit_scales`)."""
         valid = self._lens[seq_id] % self.page_size
         pages = self._pages[seq_id]
         if not valid or not pages or pages[-1] < 0:
@@ -399,11 +410,36 @@ class PagedKVCache:
         page = pages[-1]
         if self.quantized:
             self._fill[page] = valid
+            self._refit_scales(page, valid)
         for layer, (k_cache, k_min, k_max) in enumerate(zip(self.k_cache, self.k_min, self.k_max)):
             keys = k_cache[page, :valid]                                   # [valid, Hkv, D]
             if self.quantized:                                             # the keys attention reads
                 keys = quant.dequantize(keys[None], self.k_scale[layer][page][None])[0]
             boxes.store_box(k_min, k_max, page, keys.amin(0), keys.amax(0))
+
+    def _refit_scales(self, page: int, valid: int) -> None:
+        """Shrink the K and V scales of ``page`` (every layer) to what its first ``valid`` slots hold, and
+        re-quantize those slots onto them (issue 28: a scale kept from tokens that were cut would quantize every
+        later token of the page with the coarse step of the cut ones).
+
+        int8: the scale becomes ``absmax / 127`` of the kept dequantized values (``code * scale``), as if they
+        had been written into an empty page (each code re-rounded by at most half a step of the new scale).
+        fp8 e4m3: the scale shrinks by the largest power of two that still holds them (the growth rule run
+        backwards), so the kept codes are rescaled exactly. An all-zero page gets scale 0: the next write sets it.
+        """
+        m = quant.qmax(self.dtype)
+        for pools, scales in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)):
+            for pool, scale in zip(pools, scales):
+                old = scale[page]                                              # [Hkv]
+                x = pool[page, :valid].float() * old[None, :, None]           # [valid, Hkv, D] what attention reads
+                absmax = x.abs().amax(dim=(0, 2))                              # [Hkv]
+                if self.dtype == torch.float8_e4m3fn:
+                    shrink = torch.exp2(torch.floor(torch.log2(m * old / absmax)).clamp_min(0))
+                    new = torch.where(absmax > 0, old / shrink, 0.0)
+                else:
+                    new = absmax / m
+                pool[page, :valid] = quant.quantize(x, new[None, :, None], self.dtype)
+                scale[page] = new
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

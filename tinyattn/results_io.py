@@ -4,18 +4,35 @@
 (:class:`tinyattn.retrieval.evaluate.TaskResult`) write their results the same way: :class:`SavesRows` gives a
 result class ``save_json`` / ``save_csv``, and :func:`write_result_files` is the ``--json`` / ``--csv`` /
 ``--plot-dir`` block of both commands.
+
+The plots need matplotlib, an optional extra (``pip install "tinyattn[plots]"``): without it a command given
+``--plot-dir`` writes the figures' data (``results.json`` and ``results.csv`` in that folder) and says how to
+install it (:func:`have_matplotlib`, :data:`PLOTS_HINT`).
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["SavesRows", "write_json", "write_csv", "write_result_files"]
+__all__ = ["SavesRows", "write_json", "write_csv", "write_result_files", "have_matplotlib", "PLOTS_HINT"]
+
+PLOTS_HINT = 'pip install "tinyattn[plots]"'      # matplotlib: the one optional dependency of the plots
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib can be imported (without importing it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def no_plots_note(instead: str) -> str:
+    """The note a plotting command prints when matplotlib is missing; ``instead`` says what it wrote."""
+    return f"note: matplotlib is not installed: no PNG drawn; {instead}. For the plots: {PLOTS_HINT}"
 
 
 def write_json(path: str | os.PathLike, document) -> None:
@@ -53,9 +70,16 @@ class SavesRows:
 
 
 def write_result_files(result: SavesRows, *, json_path=None, csv_path=None,
-                       plot: Callable[[], Iterable] | None = None) -> None:
+                       plot: Callable[[], Iterable] | None = None, plot_dir=None) -> None:
     """Write what a command's ``--json`` / ``--csv`` ask for and the plots ``plot()`` makes (``None``: none),
-    each followed by ``wrote PATH`` on stderr."""
+    each followed by ``wrote PATH`` on stderr. Without matplotlib, ``plot`` is not called: ``results.json`` and
+    ``results.csv`` go to ``plot_dir`` instead, with a note naming the ``plots`` extra."""
+    if plot is not None and not have_matplotlib():
+        if plot_dir is not None:
+            json_path = Path(plot_dir) / "results.json" if json_path is None else json_path
+            csv_path = Path(plot_dir) / "results.csv" if csv_path is None else csv_path
+        plot = None
+        print(no_plots_note("the figures' data is in the JSON / CSV files below"), file=sys.stderr)
     if json_path is not None:
         result.save_json(json_path)
         print(f"wrote {json_path}", file=sys.stderr)

@@ -356,11 +356,11 @@ def run(args) -> int:
     import warnings
 
     from tinyattn import assets
-    from tinyattn.cli import _load
+    from tinyattn.models.loading import load_model
     from tinyattn.models import load_stories
 
     data = assets.resolve_file(args.data, "--data", assets.default_finetune_text_path)
-    model, tok = _load(args)
+    model, tok = load_model(args)
     stories = load_stories(data)
     if not stories:
         raise ValueError(f"--data: no stories in {data}")
@@ -404,8 +404,16 @@ def run(args) -> int:
             write(path, rows, settings)
             print(f"wrote {path}", file=sys.stderr)
     if args.plot is not None:
-        plot(rows, args.plot, title)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        from ..results_io import have_matplotlib, no_plots_note
+
+        if have_matplotlib():
+            plot(rows, args.plot, title)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        else:                                  # the plots extra is optional: the plot's data instead
+            data = args.plot.with_suffix(".csv")
+            if args.csv is None:
+                _write_csv(data, rows, settings)
+            print(no_plots_note(f"its data is in {args.csv or data}"), file=sys.stderr)
     incomplete = [r.config for r in rows if r.completed != r.num_requests]
     if incomplete:
         print(f"error: not every request completed in {', '.join(incomplete)}", file=sys.stderr)

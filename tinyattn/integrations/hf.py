@@ -397,7 +397,8 @@ class TinyAttnCache(Cache):
         """Drop the last ``-tokens_to_remove`` columns (``transformers`` 5 convention: a count <= 0).
 
         Rows lose the real tokens among those columns (:meth:`PagedKVCache.truncate`: whole pages go back to
-        the pool, and the bounds of a row's new partial last page are recomputed from its remaining keys).
+        the pool, and the bounds of a row's new partial last page are recomputed from its remaining keys; with an
+        int8 / fp8 ``kv_cache_dtype`` that page's scales are refit to the kept tokens first).
         """
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: expected an int <= 0 (the number of tokens to remove, negated), "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import re
 import time
 import warnings
@@ -316,7 +317,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     rows = [EvalRow(policy=DENSE, page_size=None, page_budget=None, token_budget=None, pages_read_fraction=1.0,
                     **summarize(dense_nll, [torch.ones(len(x), dtype=torch.bool) for x in dense_nll], zeros))]
 
-    bar = tqdm(configs, desc="configs", disable=None if progress else True, unit="config")
+    bar = tqdm(configs, desc="configs", disable=not progress, unit="config",   # also into a log: every 30 s
+               mininterval=0.1 if sys.stderr.isatty() else 30)
     for ps, budget, pol, name in bar:
         bar.set_postfix_str(f"{name} page_size={ps} page_budget={budget} ({budget * ps} tokens)")
         t0 = time.perf_counter()

@@ -331,6 +331,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     """
     checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
                               num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
+    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages (issue 28)
+        V.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, checked.shapes.page_size, k_scale)
     window_left = V.check_window_left(window_left)
     if page_indices is None:
         V.check_window_selection(window_left, num_sink_pages)

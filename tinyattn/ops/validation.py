@@ -345,6 +345,64 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
         expect_device(name, x, device, "q")
 
 
+def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: int, k_scale=None) -> None:
+    """With value checks on: every page in use (a valid page of a row, below ``seq_lens``) holds a bounding box
+    that can be its keys': ``k_min <= k_max`` in every channel, no NaN, and the key in its slot 0 (always valid)
+    inside the box. Boxes allocated with ``torch.empty`` (or NaN) and never filled by
+    :func:`tinyattn.update_page_metadata` fail here instead of selecting arbitrary pages (issue 28); zero-filled
+    ones fail the slot-0 test unless the keys are zero there too.
+
+    Args: ``k_min``, ``k_max`` ``[num_pages, Hkv, D]``; ``k_cache`` ``[num_pages, page_size, Hkv, D]`` (int8 /
+    fp8 with ``k_scale`` ``[num_pages, Hkv]``: the dequantized key is compared); ``block_table`` ``[B, P]`` and
+    ``seq_lens`` ``[B]`` already checked by :func:`check_table_values`. Cost: gathers ``2 + 1`` rows of
+    ``Hkv x D`` per page in use and one host sync (measured in docs/api.md#value-checks).
+
+    Runs with the other value checks (not under :func:`value_checks` ``(False)`` nor while ``torch.compile``
+    traces), and not again for boxes and tables it already passed on this thread that no in-place write has
+    touched since (keyed on each tensor's storage and version counter; the last 64 box pairs are kept, so a
+    model's layers, each with its own boxes, are each checked once while nothing changes).
+
+    Raises:
+        ValueError naming ``k_min``/``k_max``, the physical page, KV head and channel, and saying to call
+        ``update_page_metadata``.
+    """
+    if not value_checks_active() or seq_lens.numel() == 0:
+        return
+    tensors = (k_min, k_max, k_cache, block_table, seq_lens)
+    # inference tensors keep no version counter: those calls are always checked
+    seen = None if any(t.is_inference() for t in tensors) else tuple((t.data_ptr(), t._version) for t in tensors)
+    passed = getattr(_memo, "boxes", None)
+    if passed is None:
+        passed = _memo.boxes = {}
+    if seen is not None and passed.get(seen[:2]) == seen[2:]:
+        return
+    lens = seq_lens.to(torch.int64)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    used = cols[None, :] < ((lens + page_size - 1) // page_size)[:, None]          # [B, P]
+    pages = block_table[used].to(torch.int64).clamp_(min=0)                         # [U] physical pages in use
+    lo, hi = k_min.index_select(0, pages).float(), k_max.index_select(0, pages).float()       # [U, Hkv, D]
+    key = k_cache.select(1, 0).index_select(0, pages).float()                       # [U, Hkv, D] slot 0
+    if k_scale is not None:
+        key = key * k_scale.index_select(0, pages).float()[..., None]
+    empty = ~(lo <= hi)                                      # k_min > k_max, or NaN in either
+    outside = torch.isfinite(key) & ((key < lo) | (key > hi))
+    bad = empty | outside
+    if not bool(bad.any()):                                  # one host sync
+        if seen is not None:
+            if len(passed) >= 64:
+                passed.clear()
+            passed[seen[:2]] = seen[2:]
+        return
+    i, h, d = bad.nonzero()[0].tolist()
+    what = ("k_min > k_max or NaN" if bool(empty[i, h, d]) else
+            f"a box that does not hold the page's first key ({float(key[i, h, d]):.4g} outside "
+            f"[{float(lo[i, h, d]):.4g}, {float(hi[i, h, d]):.4g}])")
+    raise ValueError(f"k_min, k_max: expected the bounding box of each page in use (k_min <= k_max in every "
+                     f"channel, no NaN, holding the page's keys), got {what} at physical page {int(pages[i])}, KV "
+                     f"head {h}, channel {d}. Fill the boxes with tinyattn.update_page_metadata(k_cache, block_table, "
+                     f"seq_lens, k_min, k_max) after writing keys (PagedKVCache.write keeps them up to date).")
+
+
 def check_page_indices(page_indices, shapes: PagedShapes, device: torch.device) -> None:
     expect_tensor("page_indices", page_indices)
     expect_dim("page_indices", page_indices, (3,), "[B, Hkv, page_budget]")

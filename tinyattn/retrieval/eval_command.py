@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
     print(f"model: {model_name}; {result.options['seconds']:.0f} s")
     print(format_task_table(result))
     write_result_files(result, json_path=args.json, csv_path=args.csv,
-                       plot=(lambda: plot_task_results(result, args.plot_dir)) if args.plot_dir is not None else None)
+                       plot=(lambda: plot_task_results(result, args.plot_dir)) if args.plot_dir is not None else None,
+                       plot_dir=args.plot_dir)
     return 0
 
 

@@ -41,6 +41,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 import warnings
 import zlib
@@ -386,7 +387,9 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                  for c in contexts for ps in page_sizes}
     n_samples = len(depths) * samples              # per (task, context)
     total = len(tasks) * n_samples * sum(1 + n for n in n_configs.values())
-    bar = tqdm(total=total, desc="retrieval", unit="sample-config", disable=None if progress else True)
+    # shown also when stderr is no terminal (a log file, CI): one update per 30 s there (issue 28)
+    bar = tqdm(total=total, desc="retrieval", unit="sample-config", disable=not progress,
+               mininterval=0.1 if sys.stderr.isatty() else 30)
     tallies: dict[tuple, _Tally] = {}
     t0 = time.perf_counter()
     for task in tasks:
