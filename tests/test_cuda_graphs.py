@@ -44,9 +44,10 @@ def test_runtime_on_cpu_falls_back_with_one_warning_and_the_known_good_text(mode
         rt = LlamaRuntime(model, page_size=16, page_budget=64, backend=TORCH, cuda_graphs=True)
     assert len(record) == 1
     assert rt.graphs_off is not None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                  # no second warning from generate
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
         out = rt.generate([[tok.bos_id]], max_new_tokens=60)
+    assert not [w for w in later if "cuda_graphs" in str(w.message)]       # no second warning from generate
     plain = LlamaRuntime(model, page_size=16, page_budget=64, backend=TORCH).generate([[tok.bos_id]],
                                                                                       max_new_tokens=60)
     assert out.tokens == plain.tokens
@@ -155,3 +156,40 @@ def test_prepare_refuses_a_row_wider_than_the_capacity(model, tok):
     with pytest.raises(ValueError, match="max_batch=4"):
         graphs.bucket(5)
     assert graphs.can_replay(4) and not graphs.can_replay(5) and not graphs.can_replay(0)
+
+
+def _graphable_on_cpu(monkeypatch):
+    """Pretend the setup can be captured: the runtime / engine then route decode steps through DecodeGraphs,
+    which on a CPU runs its body eagerly (capture=False by device) with the same buffers and calls."""
+    monkeypatch.setattr(graphs_module, "why_not_graphed", lambda *a, **k: None)
+
+
+def test_engine_routes_decode_through_the_graph_body_across_buckets(model, tok, monkeypatch):
+    """Engine(cuda_graphs=True) with three requests of different lengths: the decode batch shrinks 3 -> 2 -> 1
+    (buckets 4, 2, 1), every decode forward goes through DecodeGraphs (Triton interpreter), and the tokens and
+    peak pages equal the eager engine's on the torch backend (the padding page is not counted)."""
+    _graphable_on_cpu(monkeypatch)
+    prompts = [tok.encode(t, bos=True) for t in TEXTS]
+    params = [SamplingParams(max_new_tokens=n) for n in (2, 3, 5)]
+    kw = dict(page_size=PAGE_SIZE, num_pages=16, page_budget=BUDGET, max_num_seqs=4)
+    engine = Engine(model, backend="triton", cuda_graphs=True, **kw)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.cache.num_pages == 17
+    plain = Engine(model, backend=TORCH, **kw)
+    assert engine.generate(prompts, params) == plain.generate(prompts, params)
+    assert graphs.steps == sum(b > 0 for b in engine.stats.decode_batch_sizes) == 4
+    assert engine.stats.peak_pages == plain.stats.peak_pages
+
+
+def test_runtime_routes_decode_through_the_graph_body(model, tok, monkeypatch):
+    _graphable_on_cpu(monkeypatch)
+    prompts = [tok.encode(t, bos=True) for t in TEXTS[1:]]
+    kw = dict(page_size=PAGE_SIZE, page_budget=BUDGET)
+    rt = LlamaRuntime(model, backend="triton", cuda_graphs=True, **kw)
+    seen = []
+    real = DecodeGraphs.step
+    monkeypatch.setattr(DecodeGraphs, "step", lambda self, *a: (seen.append(len(a[0])), real(self, *a))[1])
+    out = rt.generate(prompts, max_new_tokens=4, eos_id=None)
+    assert seen == [2, 2, 2]
+    assert out.tokens == LlamaRuntime(model, backend=TORCH, **kw).generate(prompts, max_new_tokens=4,
+                                                                         eos_id=None).tokens

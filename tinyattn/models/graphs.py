@@ -130,6 +130,7 @@ class DecodeGraphs:
         self._pool = None
         self._key = None
         self._weights = None
+        self.steps = 0                                                  # steps run here (replayed or not)
         self.replays = 0                                                # steps served by a graph replay
 
     def __repr__(self) -> str:
@@ -209,6 +210,7 @@ class DecodeGraphs:
         rows). The first step of a bucket runs eagerly and captures it; later ones replay."""
         B = len(seq_ids)
         b = self.prepare(seq_ids, tokens)
+        self.steps += 1
         if not self.capture:
             return self.body(b)[:B]
         if b in self._graphs:
