@@ -196,7 +196,8 @@ class DecodeGraphs:
             tokens=self._tokens[:b].view(b, 1), batch=b, num_tokens=1, cache=cache, slots=self._slots[:b],
             attention=self.attention, cis=self._cis[:b],
             pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)),
-            scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(cache.k_scale, cache.v_scale)] or [{}] * cfg.n_layers,
+            scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(cache.k_scale, cache.v_scale)]
+            or [{}] * cfg.n_layers,
             weights=self._weights, norm_eps=model._norm_eps,
             attn_out=self._attn_out[:b], trusted_slots=True)
         x = model.embed(step)

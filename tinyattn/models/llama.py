@@ -298,7 +298,8 @@ class LlamaModel(nn.Module):
                         seq_ids=list(seq_ids), trusted=True)                # tables made by the cache
         no_boxes = [None] * cfg.n_layers                    # a cache made with page_boxes=False
         return ForwardStep(
-            tokens=tokens.to(self.device, non_blocking=True), batch=B, num_tokens=T, cache=cache, slots=slots, attention=attention,
+            tokens=tokens.to(self.device, non_blocking=True), batch=B, num_tokens=T, cache=cache, slots=slots,
+            attention=attention,
             cis=self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2),  # [N, 1, D/2] complex
             pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)),
             scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
@@ -590,7 +591,7 @@ class LlamaRuntime:
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
-        t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(1, -1)
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)     # on the host: validated with no device sync
         logits = self.model(t, cache, [seq_id], sparse=False, attention=self.attention,
                             last_only=last_only)  # dense; a stateful policy (h2o) observes it
         return logits[0]
