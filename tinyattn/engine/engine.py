@@ -111,6 +111,7 @@ class Engine:
         self.cache = model.new_cache(page_size=page_size, num_pages=num_pages + self._reserved_pages,
                                      kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)
         self.runner = ModelRunner(model, self.cache, self.sparsity, backend=backend, plugins=plugins)
+        self._logit_hooks = [p for p in plugins if type(p).after_logits is not Plugin.after_logits]
         if graphed:
             from tinyattn.models.graphs import DecodeGraphs
 
@@ -220,10 +221,12 @@ class Engine:
                 self.stats.early_exits += int((skipped > 0).sum())
                 self.stats.layers_skipped += int(skipped.sum())
             now = self.clock()
+            # greedy rows' tokens in one host read for the batch (one sync on a GPU, not one per row)
+            greedy = None if self._logit_hooks else logits.argmax(-1).tolist()
             for row, req in enumerate(reqs):
                 req.num_cached += 1
                 if req.num_cached == req.num_tokens:
-                    self._sample(req, logits[row], now, finished)
+                    self._sample(req, logits[row], now, finished, greedy=None if greedy is None else greedy[row])
         for req, n in batch.prefill:
             tokens = torch.tensor([req.tokens_from(req.num_cached, n)], dtype=torch.long)
             logits, _ = self.runner.forward(tokens, [req.seq_id], decode=False, requests=[req])
@@ -237,12 +240,15 @@ class Engine:
         return sum(self.scheduler._pages_needed(r, 1) for r in batch.decode) + sum(
             self.scheduler._pages_needed(r, n) for r, n in batch.prefill)
 
-    def _sample(self, req: Request, logits: torch.Tensor, now: float, finished: list) -> None:
+    def _sample(self, req: Request, logits: torch.Tensor, now: float, finished: list, greedy: int | None = None
+                ) -> None:
+        """Draw ``req``'s next token from ``logits`` ``[V]`` (``greedy``: its argmax, already read, when no plug-in
+        changes logits); stop and finish it if it ends."""
         for p in self.plugins:
             logits = p.after_logits(req, logits)
         params = req.params
         if params.temperature == 0:
-            tok = int(logits.argmax())
+            tok = greedy if greedy is not None else int(logits.argmax())
         else:
             probs = torch.softmax(logits[None].float() / params.temperature, dim=-1)
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
