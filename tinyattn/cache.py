@@ -207,7 +207,7 @@ class PagedKVCache:
             start, pages = self._lens[seq_id], self._pages[seq_id]
             slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
-        out = _int_tensor(slots, "q", torch.int64).to(self.device)
+        out = _int_tensor(slots, "q", torch.int64).to(self.device, non_blocking=True)   # no host sync (GPU)
         # write() trusts exactly these slots (no range check, no host sync) unless one lands in a dropped page
         self._issued = (out, None) if min(slots, default=0) >= 0 else None     # pages: computed when needed
         return out
@@ -443,7 +443,7 @@ class PagedKVCache:
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              backend: str | None = None) -> None:
+              backend: str | None = None, trusted: bool = False) -> None:
         """Store ``k``, ``v`` ``[N, Hkv, D]`` at ``slots`` ``[N]`` of ``layer`` and grow the pages' boxes.
 
         The write op :func:`tinyattn.ops.kv_write.write_kv`: on CUDA pools the fused Triton kernel (one launch per
@@ -452,6 +452,9 @@ class PagedKVCache:
         a key leaves its page's box looser than needed (still an upper bound, so selection stays safe);
         :func:`tinyattn.update_page_metadata` recomputes it exactly. Raises ``TypeError``/``ValueError`` for
         non-integer or out-of-pool ``slots`` and mismatched ``k``/``v`` shapes, before anything is written.
+        ``trusted``: ``slots`` (int64, on the cache's device) are in range by construction, e.g. copied from
+        :meth:`extend`'s into a CUDA graph's static buffer: the range check and its host sync are skipped, as for
+        :meth:`extend`'s own tensor.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer}")
@@ -464,7 +467,7 @@ class PagedKVCache:
             if tuple(x.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
         issued = getattr(self, "_issued", None)
-        if issued is not None and slots is issued[0]:
+        if trusted or (issued is not None and slots is issued[0]):
             pages = None                                       # made by extend(): in range by construction
         else:
             slots = slots.to(device=self.device, dtype=torch.int64)
@@ -490,13 +493,13 @@ class PagedKVCache:
         for s in seq_ids:
             pages = self._pages[s][:width]
             flat += pages + [-1] * (width - len(pages))
-        return _int_tensor(flat, "i", torch.int32).view(len(seq_ids), width).to(self.device)
+        return _int_tensor(flat, "i", torch.int32).view(len(seq_ids), width).to(self.device, non_blocking=True)
 
     def seq_lens(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """int32 ``[B]`` valid tokens per sequence."""
         seq_ids = list(seq_ids)
         self._check_ids(seq_ids)
-        return _int_tensor([self._lens[s] for s in seq_ids], "i", torch.int32).to(self.device)
+        return _int_tensor([self._lens[s] for s in seq_ids], "i", torch.int32).to(self.device, non_blocking=True)
 
     def _check_ids(self, seq_ids) -> None:
         for seq_id in seq_ids:

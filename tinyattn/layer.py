@@ -135,19 +135,18 @@ class PagedAttention:
             scale: softmax scale (default ``head_dim ** -0.5``). seq_ids: the rows' ids in the cache
                 (state key of stateful policies). trusted: the tables come from :class:`tinyattn.PagedKVCache` (or
                 were checked once): skip the value checks and their host sync (default: check).
-            max_batch, max_pages_per_seq: the plan's graph-mode capacity (:meth:`PagedAttentionPlan.plan`), passed
-                on when given (the vLLM backend's CUDA-graph batches).
+            max_batch, max_pages_per_seq: the plan's capacity (graph mode, see
+                :meth:`tinyattn.PagedAttentionPlan.plan`): buffers allocated once, later steps only copy values,
+                so the layers' calls can be captured in a CUDA graph (:mod:`tinyattn.models.graphs`).
         """
         s = self.sparsity
-        capacity = {name: value for name, value in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq))
-                    if value is not None}
         self.decode = num_query_tokens == 1 if decode is None else bool(decode)
         budget = s.page_budget if self.decode else None
         self.plan.plan(block_table, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, page_size=page_size, num_query_tokens=num_query_tokens,
                        page_budget=budget, num_sink_pages=s.num_sink_pages if budget else 0,
                        num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted,
-                       **capacity)
+                       max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
         self.seq_ids = seq_ids
         self._fused = s.policy.fused and self.metrics is None
         return self
@@ -156,7 +155,7 @@ class PagedAttention:
                  k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None, *,
                  page_indices: torch.Tensor | None = None, scale: float | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 window_left: int = -1) -> torch.Tensor:
+                 window_left: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output (shape and dtype of ``q``) of model layer ``layer`` under the current step.
 
         ``q``: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; the pool and boxes of this layer;
@@ -170,13 +169,24 @@ class PagedAttention:
         ``window_left``: this layer's sliding window (FlashInfer's convention: keys at ``[p - window_left, p]``
         for a query at position ``p``; ``-1`` = full attention). A sliding layer attends densely over its window
         and never selects (see the module's table); ``TypeError`` / ``ValueError`` unless an int ``>= -1``.
+        ``out``: a tensor like ``q`` to write the result into (returned); on the Triton backend's fused Quest,
+        dense and windowed paths nothing else is allocated (a CUDA-graph step, :mod:`tinyattn.models.graphs`).
         """
         if (self._fused and page_indices is None and k_scale is None and v_scale is None and type(window_left) is int
                 and window_left == -1 and (scale is None or scale == self.plan.scale) and k_cache.dtype == q.dtype):
             # the common decode / prefill layer under fused Quest: the decision of the table below, in one test
             if self.decode and self.sparsity.layer_is_sparse(layer):
-                return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max)
-            return self.plan.run(q, k_cache, v_cache)
+                return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, out=out)
+            return self.plan.run(q, k_cache, v_cache, out=out)
+        if out is not None:
+            return _into(out, self._attend(layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale,
+                                           v_scale, window_left, out))
+        return self._attend(layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale, v_scale,
+                            window_left, None)
+
+    def _attend(self, layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale, v_scale, window_left,
+                out):
+        """:meth:`__call__` past its fast path (``out`` given to the plan where the layer's own dtype is kept)."""
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
         if k_scale is None and k_cache.dtype != q.dtype and k_cache.is_floating_point() \
@@ -184,7 +194,7 @@ class PagedAttention:
             return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max, page_indices=page_indices,
                         scale=scale, window_left=window_left).to(q.dtype)
         # a layer's own scale (GPT-2 scales per layer) is passed down with every call, never stored in the plan
-        scales = dict(k_scale=k_scale, v_scale=v_scale, scale=scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale, scale=scale, out=out)
         if page_indices is not None:
             return self.plan.run(q, k_cache, v_cache, page_indices=page_indices, window_left=window_left, **scales)
         if check_window_left(window_left) >= 0:        # a sliding layer: dense over its window, never selects
@@ -192,6 +202,7 @@ class PagedAttention:
         sparse = self.decode and self.sparsity.layer_is_sparse(layer)
         if sparse and self._fused:
             return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)
+        scales.pop("out")
         stateful = self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer)
         if k_scale is not None and (sparse or stateful):      # policies and metrics read float pools
             k_cache, v_cache = quant.dequantize(k_cache, k_scale, q.dtype), quant.dequantize(v_cache, v_scale, q.dtype)
@@ -230,3 +241,10 @@ class PagedAttention:
         if self.metrics is not None:
             self.metrics.record(ctx, idx)
         return out
+
+
+def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` written into ``out`` (no copy when the plan already wrote there); returns ``out``."""
+    if result is not out:
+        out.copy_(result)
+    return out

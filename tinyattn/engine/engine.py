@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 
 import torch
 
@@ -56,6 +57,13 @@ class Engine:
             ``"fp8_e4m3"``; see :class:`tinyattn.PagedKVCache`); ``ValueError`` naming the supported set otherwise.
         box_dtype: dtype of the page boxes (``"auto"``, exact; ``"fp32"``, ``"bf16"``, ``"fp16"`` rounded outward;
             see :mod:`tinyattn.ops.boxes`).
+        cuda_graphs: replay decode forwards as CUDA graphs captured per batch-size bucket (``1, 2, 4, ...`` up to
+            ``max_num_seqs``; :mod:`tinyattn.models.graphs`), as :class:`tinyattn.models.LlamaRuntime` does. A step
+            with an early-exit hook, a plug-in that changes a layer's sparsity, a profiler, or more rows than
+            ``max_num_seqs`` runs eagerly; so do prefill chunks. Where no step can be captured (a model off CUDA,
+            the torch backend, an int8 / fp8 pool, a policy other than Quest) one warning says why and every step
+            runs eagerly. The pool gets one extra page for the padding rows (``num_pages`` stays what requests
+            may use).
 
     Example::
 
@@ -67,7 +75,7 @@ class Engine:
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -90,9 +98,25 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.plugins = plugins
         self.clock = clock
-        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
-                                     box_dtype=box_dtype)
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graphs_off = None        # why requested graphs cannot be used (a sentence), else None
+        if self.cuda_graphs:
+            from tinyattn.models.graphs import why_not_graphed
+
+            self.graphs_off = why_not_graphed(model, self.sparsity, backend=backend, kv_cache_dtype=kv_cache_dtype)
+            if self.graphs_off is not None:
+                warnings.warn(f"cuda_graphs=True: {self.graphs_off}; decode steps run eagerly", stacklevel=2)
+        graphed = self.cuda_graphs and self.graphs_off is None
+        self._reserved_pages = int(graphed)            # the padding rows' scratch page, outside num_pages
+        self.cache = model.new_cache(page_size=page_size, num_pages=num_pages + self._reserved_pages,
+                                     kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)
         self.runner = ModelRunner(model, self.cache, self.sparsity, backend=backend, plugins=plugins)
+        self._logit_hooks = [p for p in plugins if type(p).after_logits is not Plugin.after_logits]
+        if graphed:
+            from tinyattn.models.graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(model, self.cache, self.sparsity, backend=backend,
+                                              max_batch=max_num_seqs, max_pages_per_seq=num_pages)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, recompute=recompute, on_release=self._on_release)
         self.stats = EngineStats(num_pages=num_pages)
@@ -183,21 +207,26 @@ class Engine:
         self.stats.steps += 1
         self.stats.step_tokens.append(batch.num_tokens)
         self.stats.decode_batch_sizes.append(len(batch.decode))
-        self.stats.peak_pages = max(self.stats.peak_pages, self.scheduler.pages_in_use() + self._new_pages(batch))
+        self.stats.peak_pages = max(self.stats.peak_pages, self.scheduler.pages_in_use() - self._reserved_pages
+                                    + self._new_pages(batch))
         if batch.decode:
             reqs = batch.decode
             tokens = torch.tensor([[r.token_at(r.num_cached)] for r in reqs], dtype=torch.long)
             logits, exit_layer = self.runner.forward(tokens, [r.seq_id for r in reqs], decode=True, requests=reqs)
             self.stats.decode_rows += len(reqs)
+            if self.runner.graphs is not None:
+                self.stats.graphed_steps = self.runner.graphs.replays
             if exit_layer is not None:
                 skipped = self.model.config.n_layers - 1 - exit_layer
                 self.stats.early_exits += int((skipped > 0).sum())
                 self.stats.layers_skipped += int(skipped.sum())
             now = self.clock()
+            # greedy rows' tokens in one host read for the batch (one sync on a GPU, not one per row)
+            greedy = None if self._logit_hooks else logits.argmax(-1).tolist()
             for row, req in enumerate(reqs):
                 req.num_cached += 1
                 if req.num_cached == req.num_tokens:
-                    self._sample(req, logits[row], now, finished)
+                    self._sample(req, logits[row], now, finished, greedy=None if greedy is None else greedy[row])
         for req, n in batch.prefill:
             tokens = torch.tensor([req.tokens_from(req.num_cached, n)], dtype=torch.long)
             logits, _ = self.runner.forward(tokens, [req.seq_id], decode=False, requests=[req])
@@ -211,12 +240,15 @@ class Engine:
         return sum(self.scheduler._pages_needed(r, 1) for r in batch.decode) + sum(
             self.scheduler._pages_needed(r, n) for r, n in batch.prefill)
 
-    def _sample(self, req: Request, logits: torch.Tensor, now: float, finished: list) -> None:
+    def _sample(self, req: Request, logits: torch.Tensor, now: float, finished: list, greedy: int | None = None
+                ) -> None:
+        """Draw ``req``'s next token from ``logits`` ``[V]`` (``greedy``: its argmax, already read, when no plug-in
+        changes logits); stop and finish it if it ends."""
         for p in self.plugins:
             logits = p.after_logits(req, logits)
         params = req.params
         if params.temperature == 0:
-            tok = int(logits.argmax())
+            tok = greedy if greedy is not None else int(logits.argmax())
         else:
             probs = torch.softmax(logits[None].float() / params.temperature, dim=-1)
             tok = int(torch.multinomial(probs, 1, generator=req.generator))

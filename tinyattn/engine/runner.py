@@ -66,6 +66,7 @@ class ModelRunner:
         self.plugins = list(plugins)
         self._attention: dict[SparsityConfig, PagedAttention] = {}
         self._exit_hooks = [p for p in self.plugins if _overrides(p, "after_layer")]
+        self.graphs = None     # a tinyattn.models.graphs.DecodeGraphs over the cache (Engine(cuda_graphs=True))
 
     def attention_for(self, config: SparsityConfig) -> PagedAttention:
         """The one attention layer of ``config`` (built once, its plan's buffers reused every step)."""
@@ -103,6 +104,10 @@ class ModelRunner:
         model, cache = self.model, self.cache
         attention = self.step_attention(decode)
         hooks = self._exit_hooks if decode else []
+        if (decode and not hooks and self.graphs is not None and getattr(attention, "sparsity", None) is self.sparsity
+                and tokens.shape[1] == 1 and self.graphs.can_replay(len(seq_ids))):
+            # the model's decode step, replayed from a CUDA graph (one per batch bucket; host bookkeeping outside)
+            return self.graphs.step(list(seq_ids), tokens[:, 0].tolist()), None
         if not hooks:                  # the model's own forward, through the step's attention layer(s)
             return model(tokens, cache, list(seq_ids), sparse=decode, attention=attention, last_only=True), None
         cfg = model.config

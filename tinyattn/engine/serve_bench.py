@@ -140,6 +140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stories260K's 5; earlier exits cost much NLL with an untrained exit head)")
     g.add_argument("--backend", choices=["torch", "triton"], default=None,
                    help="attention backend (default: by device: triton on CUDA, torch on CPU)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode forwards as CUDA graphs per batch-size bucket (Engine(cuda_graphs=True)); "
+                        "steps with early exit or per-layer plug-ins run eagerly; off CUDA one warning, eager")
     g = p.add_argument_group("output")
     g.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the rows (and the settings) as JSON")
     g.add_argument("--csv", type=Path, default=None, metavar="PATH", help="write the rows as CSV")
@@ -235,7 +238,8 @@ def build_engine(model, config: str, args, num_pages: int | None = None):
                   num_recent_pages=args.num_recent_pages, dense_layers=args.dense_layers if sparse else 0,
                   policy=base if sparse else "quest", backend=args.backend,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  recompute=args.recompute, plugins=plugins, kv_cache_dtype=args.kv_cache_dtype)
+                  recompute=args.recompute, plugins=plugins, kv_cache_dtype=args.kv_cache_dtype,
+                  cuda_graphs=getattr(args, "cuda_graphs", False))
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:

@@ -20,6 +20,7 @@ class EngineStats:
     - ``peak_pages``: most pages in use at once; ``num_pages``: the pool.
     - ``early_exits``: decode rows that stopped before the last layer; ``layers_skipped``: layers they skipped;
       ``decode_rows``: rows through decode forwards (replayed ones included).
+    - ``graphed_steps``: decode forwards replayed from a CUDA graph (``Engine(cuda_graphs=True)``).
     """
 
     steps: int = 0
@@ -34,6 +35,7 @@ class EngineStats:
     early_exits: int = 0
     layers_skipped: int = 0
     peak_pages: int = 0
+    graphed_steps: int = 0
     num_pages: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
@@ -57,4 +59,5 @@ class EngineStats:
             f"{self.generated_tokens} generated",
             f"KV pages:     peak {self.peak_pages} of {self.num_pages}",
         ] + ([f"early exit:   {self.early_exits} of {self.decode_rows} decode rows, "
-              f"{self.layers_skipped_per_token:.2f} layers skipped per row"] if self.early_exits else []))
+              f"{self.layers_skipped_per_token:.2f} layers skipped per row"] if self.early_exits else [])
+          + ([f"cuda graphs:  {self.graphed_steps} decode forwards replayed"] if self.graphed_steps else []))

@@ -147,6 +147,8 @@ class ForwardStep:
     scales: list
     weights: list = None          # each block's FusedWeights, then the folded classifier (LlamaModel._weights)
     norm_eps: list = None         # each block's (attention_norm, ffn_norm) eps, then the final norm's
+    attn_out: torch.Tensor = None  # a [B, Hq, D] buffer every layer's attention writes into (a graphed step)
+    trusted_slots: bool = False   # slots in range by construction: the cache skips its range check (graphs.py)
 
 
 def _derived(owner, name: str, weights, build):
@@ -262,7 +264,7 @@ class LlamaModel(nn.Module):
         B, T = tokens.shape
         if T == 0:
             raise ValueError("tokens must hold at least one token per row (T >= 1), got T = 0")
-        lo, hi = tokens.aminmax()
+        lo, hi = tokens.aminmax()            # CPU tokens (the runtime's, the engine's): no device sync
         if int(lo) < 0 or int(hi) >= cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got min {int(lo)} max {int(hi)}")
         if attention is None:
@@ -280,20 +282,24 @@ class LlamaModel(nn.Module):
     # layers (the engine's early exit) calls the same blocks, so the math lives here once.
     def start_step(self, tokens: torch.Tensor, cache, seq_ids, *, attention, decode: bool) -> "ForwardStep":
         """Extend the rows by ``tokens`` ``[B, T]`` (validated ids), plan ``attention`` for the step, and take
-        the RoPE factors of the new positions. ``decode``: sparse layers select (else dense, a prefill)."""
+        the RoPE factors of the new positions. ``decode``: sparse layers select (else dense, a prefill).
+
+        No host sync on a GPU: the host-built values (tokens, lengths, tables, slots) go to the device by
+        asynchronous copies, and the plan trusts the cache's tables."""
         cfg = self.config
         B, T = tokens.shape
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         start = [cache.length(s) for s in seq_ids]                                   # before extend
         slots = cache.extend(list(seq_ids), T)  # [B*T], row-major (row b's T tokens together)
-        positions = torch.tensor(start, dtype=torch.long, device=self.device)[:, None] + torch.arange(
+        positions = torch.tensor(start, dtype=torch.long).to(self.device, non_blocking=True)[:, None] + torch.arange(
             T, device=self.device)                                                   # [B, T] absolute positions
         attention.begin(cache.block_table(seq_ids), cache.seq_lens(seq_ids), num_q_heads=Hq, num_kv_heads=Hkv,
                         head_dim=hd, page_size=cache.page_size, num_query_tokens=T, decode=decode,
                         seq_ids=list(seq_ids), trusted=True)                # tables made by the cache
         no_boxes = [None] * cfg.n_layers                    # a cache made with page_boxes=False
         return ForwardStep(
-            tokens=tokens.to(self.device), batch=B, num_tokens=T, cache=cache, slots=slots, attention=attention,
+            tokens=tokens.to(self.device, non_blocking=True), batch=B, num_tokens=T, cache=cache, slots=slots,
+            attention=attention,
             cis=self._rope_cis(positions, max(start) + T).view(B * T, 1, hd // 2),  # [N, 1, D/2] complex
             pools=list(zip(cache.k_cache, cache.v_cache, cache.k_min or no_boxes, cache.k_max or no_boxes)),
             scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
@@ -317,7 +323,10 @@ class LlamaModel(nn.Module):
         qk = qkv[:, :n_qk].view(B * T, Hq + Hkv, hd)                                         # [N, Hq+Hkv, hd]
         if cfg.uses_rope(li):
             qk = _rotate(qk, step.cis)
-        step.cache.write(li, step.slots, qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd))
+        if step.trusted_slots:
+            step.cache.write(li, step.slots, qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd), trusted=True)
+        else:
+            step.cache.write(li, step.slots, qk[:, Hq:], qkv[:, n_qk:].view(B * T, Hkv, hd))
         return qk[:, :Hq].view(B, Hq, hd) if T == 1 else qk[:, :Hq].reshape(B, T, Hq, hd)
 
     def layer_forward(self, li: int, x: torch.Tensor, step: "ForwardStep") -> torch.Tensor:
@@ -327,7 +336,11 @@ class LlamaModel(nn.Module):
         B, T = step.batch, step.num_tokens
         w, norm_eps = step.weights[li], step.norm_eps[li][1]
         q = self.write_kv(li, x, step)
-        attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li))
+        if step.attn_out is None:
+            attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li))
+        else:           # a graphed step: no allocation outside the graph's pool
+            attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li),
+                                  out=step.attn_out)
         x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
         h = torch.mm(x, w.w13).mul_(_inv_rms(x, norm_eps).to(x.dtype))
         a, b = h.chunk(2, dim=-1)
@@ -405,6 +418,7 @@ class GenerationStats:
     pages_used: int = 0
     page_size: int = 0
     selection: object = None  # a tinyattn.selection.SelectionMetrics when the runtime tracks selection quality
+    graphed_steps: int = 0    # decode steps replayed from a CUDA graph (LlamaRuntime(cuda_graphs=True))
 
     @property
     def tokens_per_s(self) -> float:
@@ -463,7 +477,9 @@ class GenerationStats:
             f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {self.pages_used} pages of "
             f"{self.page_size} tokens in use at the end",
         ] + ([f"selection:          {self.selection.format()} (sparse layers, steps that selected)"]
-             if self.selection is not None and self.selection.samples else []))
+             if self.selection is not None and self.selection.samples else [])
+          + ([f"cuda graphs:        {self.graphed_steps} of {self.decode_steps} decode steps replayed"]
+             if self.graphed_steps else []))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -504,6 +520,12 @@ class LlamaRuntime:
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8), ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` (narrower boxes are rounded outward, so Quest's bound stays a bound; see
             :mod:`tinyattn.ops.boxes`).
+        cuda_graphs: in :meth:`generate`, replay decode steps as CUDA graphs captured per batch-size bucket
+            (``1, 2, 4, ...`` up to the batch; :mod:`tinyattn.models.graphs`): host bookkeeping outside the
+            graph, embedding, every layer's K/V write, selection and attention, and the head inside. Where steps
+            cannot be captured (a model off CUDA, the torch backend, an int8 / fp8 cache, a policy other than
+            Quest, selection metrics) they run eagerly after one warning here; prefill, and steps under a
+            profiler, always run eagerly. Costs one extra KV page per :meth:`generate` (the padding rows').
 
     Example::
 
@@ -516,7 +538,7 @@ class LlamaRuntime:
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
@@ -542,24 +564,34 @@ class LlamaRuntime:
             raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
         self.backend = backend
         self.attention = PagedAttention(self.sparsity, backend=backend)   # one plan, reused every step
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graphs_off = None        # why requested graphs cannot be used (a sentence), else None
+        if self.cuda_graphs:
+            from .graphs import why_not_graphed
+
+            self.graphs_off = why_not_graphed(model, self.sparsity, backend=backend, kv_cache_dtype=kv_cache_dtype,
+                                              selection_metrics=self.selection_metrics)
+            if self.graphs_off is not None:
+                warnings.warn(f"cuda_graphs=True: {self.graphs_off}; decode steps run eagerly", stacklevel=2)
 
     def __repr__(self) -> str:
         s = self.sparsity
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
                 f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r}, "
-                f"kv_cache_dtype={self.kv_cache_dtype!r}, box_dtype={self.box_dtype!r})")
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, box_dtype={self.box_dtype!r}, "
+                f"cuda_graphs={self.cuda_graphs})")
 
     # -------------------------------------------------------------- building blocks
-    def new_cache(self, max_tokens: list[int]):
-        """A cache with exactly enough pages for sequences of the given maximum lengths."""
-        num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens)
+    def new_cache(self, max_tokens: list[int], *, extra_pages: int = 0):
+        """A cache with exactly enough pages for sequences of the given maximum lengths (plus ``extra_pages``)."""
+        num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens) + extra_pages
         return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype,
                                     box_dtype=self.box_dtype)
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
-        t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(1, -1)
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)     # on the host: validated with no device sync
         logits = self.model(t, cache, [seq_id], sparse=False, attention=self.attention,
                             last_only=last_only)  # dense; a stateful policy (h2o) observes it
         return logits[0]
@@ -570,23 +602,39 @@ class LlamaRuntime:
 
         ``selection_metrics`` (a :class:`tinyattn.selection.SelectionMetrics`, default ``stats.selection``)
         accumulates the step's hit rate and captured mass against the oracle."""
-        t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.device).reshape(-1, 1)
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1)     # on the host: validated with no device sync
         if selection_metrics is None and stats is not None:
             selection_metrics = stats.selection
         logits = self.model(t, cache, seq_ids, sparse=True, attention=self.attention,
                             last_only=True, selection_metrics=selection_metrics)
         if stats is not None:
-            self._count_reads(stats, cache.seq_lens(seq_ids))
+            self._count_reads(stats, [cache.length(s) for s in seq_ids])
         return logits
 
-    def _count_reads(self, stats: GenerationStats, seq_lens: torch.Tensor) -> None:
+    def _graphed_decode(self, graphs, cache, seq_ids: list[int], tokens: list[int], stats: GenerationStats
+                        ) -> torch.Tensor:
+        """A decode step of :meth:`generate`: replayed by ``graphs`` (a :class:`tinyattn.models.graphs.DecodeGraphs`)
+        when it can, else :meth:`decode`."""
+        if graphs is None or not graphs.can_replay(len(seq_ids)):
+            return self.decode(cache, seq_ids, tokens, stats)
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got min {min(tokens)} max {max(tokens)}")
+        replays = graphs.replays
+        logits = graphs.step(seq_ids, tokens)
+        stats.graphed_steps += graphs.replays - replays
+        self._count_reads(stats, [cache.length(s) for s in seq_ids])
+        return logits
+
+    def _count_reads(self, stats: GenerationStats, seq_lens) -> None:
         """Add one decode step's reads to ``stats``: the :mod:`tinyattn.metrics` model (DESIGN.md §1) per
         (row, KV head), dense layers at ``page_budget=None``, sparse layers at the runtime's budget, sliding
         layers their window's pages and keys (in both columns: full attention of a sliding layer is its window)."""
         cfg = self.model.config
         page_size, D, Hkv = self.page_size, cfg.head_dim, cfg.n_kv_heads
         elem = quant.storage_dtype(self.kv_cache_dtype, self.model.dtype).itemsize    # bytes per stored value
-        lens = seq_lens.tolist()             # the per-row formulas on Python ints: no tensor op per step
+        # the per-row formulas on Python ints: no tensor op per step (a list from the runtime: no device sync)
+        lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
         sliding = [i for i in range(cfg.n_layers) if cfg.is_sliding(i)]
         n_sparse = sum(self.sparsity.layer_is_sparse(i) and not cfg.is_sliding(i) for i in range(cfg.n_layers))
         n_dense = cfg.n_layers - n_sparse - len(sliding)
@@ -650,9 +698,16 @@ class LlamaRuntime:
         if self.selection_metrics and not self.sparsity.is_dense:
             stats.selection = selection.SelectionMetrics()
         self.sparsity.policy.reset()  # per-sequence state is keyed by the ids of the new cache
-        cache = self.new_cache([len(p) + max_new_tokens for p in prompts])
+        graphed = self.cuda_graphs and self.graphs_off is None and max_new_tokens > 1
+        cache = self.new_cache([len(p) + max_new_tokens for p in prompts], extra_pages=int(graphed))
         stats.kv_cache_bytes = _cache_bytes(cache)
         seq_ids = [cache.add_sequence() for _ in prompts]
+        graphs = None
+        if graphed:       # per call: the graphs hold this cache's pools (the padding rows take the extra page)
+            from .graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, cache, self.sparsity, backend=self.backend, max_batch=len(prompts),
+                                  max_pages_per_seq=-(-longest // self.page_size))
         out: list[list[int]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
 
@@ -676,7 +731,7 @@ class LlamaRuntime:
             keep = [i for i, row in enumerate(active) if row in set(still)]
             toks = [next_tokens[i] for i in keep]
             active = still
-            logits = self.decode(cache, [seq_ids[r] for r in active], toks, stats)
+            logits = self._graphed_decode(graphs, cache, [seq_ids[r] for r in active], toks, stats)
         stats.decode_s = time.perf_counter() - t0
         stats.generated_tokens = sum(len(o) for o in out)
         stats.pages_used = sum(int(n) for n in (cache.seq_lens(seq_ids).long() + self.page_size - 1) // self.page_size)
