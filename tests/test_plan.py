@@ -80,7 +80,7 @@ def test_plan_run_matches_reference_torch(shapes, data, seed):
 @given(P=st.integers(1, 20), budget=st.integers(1, 8), sinks=st.integers(0, 2), recent=st.integers(0, 2),
        seed=st.integers(0, 2**16), n_ties=st.integers(0, 3))
 def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties):
-    """The plan's selection (the stable sort of the PyTorch path, or the compiled CPU kernel's) keeps exactly the
+    """The plan's selection (the stable sort of the PyTorch path) keeps exactly the
     pages of the reference select_pages (ties to the lower page, NaN as -inf, forced recent and sink pages)."""
     S, Hkv, D = 4, 2, 4
     if sinks + max(recent, 1) > budget:

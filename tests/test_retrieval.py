@@ -342,6 +342,23 @@ def test_curriculum_parsing():
     assert parse_curriculum("512:2:passkey+decoy") == ((512, 2, ("passkey", "decoy")),)
 
 
+@pytest.mark.parametrize("columns", ["80", "120"])
+def test_train_retrieval_help_shows_a_default_curriculum_that_parses_back(columns, capsys, monkeypatch):
+    """argparse wraps help only at spaces (else mid-word): the printed default, its lines joined, must be the
+    default itself, not "512:30 0:copy+p asskey..." (a new user copies it into --curriculum)."""
+    from tinyattn.cli import main
+    from tinyattn.retrieval.command import parse_curriculum
+    from tinyattn.retrieval.recipe import TrainConfig
+
+    monkeypatch.setenv("COLUMNS", columns)
+    with pytest.raises(SystemExit) as exc:
+        main(["train-retrieval", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    shown = re.search(r"--curriculum LEN:STEPS,\.\.\. .*?\(default: (.*?)\)", text).group(1)
+    assert parse_curriculum(shown) == TrainConfig().curriculum, shown
+
+
 @pytest.mark.parametrize("bad", ["512", "512:0", "1024:5,512:5", "a:b", "512:5:needle", "512:5:passkey:x"])
 def test_train_retrieval_rejects_a_bad_curriculum(bad, capsys):
     from tinyattn.cli import main

@@ -62,7 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .recipe import CIRCUITS, MODEL_DEFAULTS as m, TrainConfig
 
     d = TrainConfig()
-    cur = ",".join(":".join([str(st[0]), str(st[1])] + (["+".join(st[2])] if len(st) > 2 else []))
+    # ", " between stages (parse_curriculum strips it): argparse's help wrapping breaks only at spaces and
+    # would otherwise split a stage mid-number ("512:30 0:...")
+    cur = ", ".join(":".join([str(st[0]), str(st[1])] + (["+".join(st[2])] if len(st) > 2 else []))
                    for st in d.curriculum)
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, required=True, metavar="DIR",
