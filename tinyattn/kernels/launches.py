@@ -137,9 +137,6 @@ def run_shape(shape: Shape) -> None:
     quantized = quant.is_quantized(pool_dtype)
     box_dtype = tinyattn.ops.boxes.box_dtype_for(shape.box_dtype, pool_dtype, quantized)
     k_cache = torch.empty(num_pages, S, Hkv, D, dtype=pool_dtype)          # never touched: kernels do not run
-    # ... but the public ops' value checks read slot 0 of every page in use against its box (issue 28): zero it,
-    # so the zero boxes hold it (1 slot in S is written; the rest stays untouched, unallocated memory)
-    k_cache[:, 0].zero_()
     v_cache = torch.empty_like(k_cache)
     k_min = torch.zeros(num_pages, Hkv, D, dtype=box_dtype)
     k_max = torch.zeros_like(k_min)
