@@ -263,9 +263,10 @@ class PagedAttentionPlan:
                 attended within the window.
 
         Nothing is validated here (see :meth:`plan`) beyond the shapes, the dtypes (``TypeError`` for an integer
-        ``q``, a ``v_cache`` of another dtype than ``k_cache``, a ``k_max`` of another dtype than ``k_min``) and the
-        KV format (a quantized pool needs its scales, ``[num_pages, Hkv]``, and the torch backend: else
-        ``ValueError``); no host sync. Differentiable in ``q``, ``k_cache``, ``v_cache`` (float pools).
+        ``q``, a float ``k_cache`` of another dtype than ``q``, a ``v_cache`` of another dtype than ``k_cache``, a
+        ``k_max`` of another dtype than ``k_min``) and the KV format (a quantized pool needs its scales,
+        ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``); no host sync. Differentiable in ``q``,
+        ``k_cache``, ``v_cache`` (float pools).
         """
         step = self.step
         if step is None:
@@ -336,6 +337,9 @@ class PagedAttentionPlan:
                              f"{tuple(v_cache.shape)}")
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
+        if k_cache.dtype != q.dtype and k_cache.dtype not in V.QUANTIZED_DTYPES:    # the public ops' rule
+            raise TypeError(f"k_cache: expected dtype {V._dtype_name(q.dtype)} (that of q), or int8 / "
+                            f"float8_e4m3fn with k_scale / v_scale, got {V._dtype_name(k_cache.dtype)}")
         if self._max_page_id is not None and self._max_page_id >= k_cache.shape[0]:
             raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
                              f"k_cache), got {self._max_page_id}")
