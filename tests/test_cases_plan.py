@@ -341,3 +341,48 @@ def test_public_ops_see_tables_changed_between_calls(backend):
     listed[0, 0, 1] = 6
     _close(tinyattn.sparse_paged_attention(*args(), page_indices=listed, backend=backend),
            R.sparse_paged_attention(*args(), page_indices=listed))
+
+
+# ---- kind 5: what run() is given beside the planned tables ---------------------------------------------------------
+_LISTED = [[[0, 3, -1], [1, 2, 5]]] * 3           # [B=3, Hkv=2, K=3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_indices, error, match", [
+    (torch.tensor([[[0, 3, -1]]] * 3), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),   # Hkv 1
+    (torch.tensor(_LISTED[:1]), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),          # B 1
+    (torch.tensor([[0, 3, -1]] * 3), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),     # 2-D
+    (torch.tensor(_LISTED, dtype=torch.float32), TypeError, "page_indices: expected dtype"),
+    (torch.ones(3, 2, 3, dtype=torch.bool), TypeError, "page_indices: expected dtype"),
+])
+def test_run_rejects_page_indices_of_another_shape_or_dtype(backend, page_indices, error, match):
+    """A ``[B, 1, K]`` / ``[1, Hkv, K]`` / ``[B, K]`` list was broadcast by the torch plan (or failed deep inside it)
+    and read past its end by the Triton kernel (a silently wrong answer); float / bool lists were read as pages."""
+    p = _problem(1, [29, 30, 13])
+    with pytest.raises(error, match=match):
+        _plan(backend, p).run(p.q[:, 0], p.k_cache, p.v_cache, page_indices=page_indices)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                          ("0.5", TypeError), (True, TypeError)])
+def test_run_rejects_a_bad_scale_override(backend, scale, error):
+    """``run(scale=...)`` (a layer's own scale) is checked like ``plan(scale=...)``: NaN / inf gave NaN outputs, a
+    string was parsed."""
+    p = _problem(1, [29, 30, 13])
+    with pytest.raises(error, match="scale: expected"):
+        _plan(backend, p).run(p.q[:, 0], p.k_cache, p.v_cache, scale=scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_rejects_integer_boxes_and_an_out_of_another_dtype(backend):
+    """Integer boxes were scored as numbers; an int ``out`` received the output truncated to integers."""
+    p = _problem(1, [29, 30, 13])
+    k_min, k_max = p.bounds()
+    plan = _plan(backend, p, page_budget=3)
+    q = p.q[:, 0]
+    with pytest.raises(TypeError, match="k_min: expected a floating dtype"):
+        plan.run(q, p.k_cache, p.v_cache, k_min=k_min.int(), k_max=k_max.int())
+    for dtype in (torch.int32, torch.float16):
+        with pytest.raises(TypeError, match="out: expected dtype float32"):
+            plan.run(q, p.k_cache, p.v_cache, out=torch.zeros(q.shape, dtype=dtype))
