@@ -386,3 +386,39 @@ def test_run_rejects_integer_boxes_and_an_out_of_another_dtype(backend):
     for dtype in (torch.int32, torch.float16):
         with pytest.raises(TypeError, match="out: expected dtype float32"):
             plan.run(q, p.k_cache, p.v_cache, out=torch.zeros(q.shape, dtype=dtype))
+
+
+# ---- kind 2 on the paths an lse request skips, and on the torch backend's chunked (split-K) path --------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window_left", [-1, 2])
+@pytest.mark.parametrize("budget", [None, 3])
+def test_no_lse_path_with_empty_rows_and_very_negative_logits(backend, window_left, budget):
+    """Without ``return_lse`` the torch plan runs SDPA with an additive ``-inf`` mask: an empty row, queries that
+    see nothing and logits near -1e8 must still give the reference (zeros, no NaN)."""
+    p = _problem(4, [29, 0, 13], num_query_tokens=2, logit_scale=1e4)
+    k_min, k_max = p.bounds()
+    sel = dict(k_min=k_min, k_max=k_max) if budget else {}
+    got = _plan(backend, p, num_query_tokens=2, page_budget=budget).run(p.q, p.k_cache, p.v_cache,
+                                                                         window_left=window_left, **sel)
+    want = _want(p, p.q, k_min=k_min, k_max=k_max, page_budget=budget, window_left=window_left)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("Tq, budget", [(1, None), (1, 5), (2, 6)])
+def test_torch_plan_in_chunks_matches_the_reference(monkeypatch, Tq, budget):
+    """The torch plan's split-K path (ops/chunked.py: chunks of keys merged by lse), forced on a small step: empty
+    row, ragged tails, NaN in unused slots, selection, with and without lse."""
+    from tinyattn.ops import chunked
+    monkeypatch.setattr(chunked, "MIN_BYTES", 0)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 4 * 2 * 16 * 4)       # 16 keys per chunk here
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    p = _problem(9, [61, 0, 37, 3], num_query_tokens=Tq)
+    k_min, k_max = _boxes(p)
+    q = _q(p, Tq)
+    sel = dict(k_min=k_min, k_max=k_max) if budget else {}
+    plan = _plan("torch", p, num_query_tokens=Tq, page_budget=budget)
+    assert chunked.chunk_keys(64, 8, 16) == 16
+    _close(plan.run(q, p.k_cache, p.v_cache, return_lse=True, **sel),
+           _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget, return_lse=True))
+    _close(plan.run(q, p.k_cache, p.v_cache, **sel), _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget))
