@@ -262,10 +262,12 @@ class PagedAttentionPlan:
                 query's window last (``-inf``) and needs ``num_sink_pages = 0``; listed ``page_indices`` are
                 attended within the window.
 
-        Nothing is validated here (see :meth:`plan`) beyond the shapes, the dtypes (``TypeError`` for an integer
-        ``q``, a ``v_cache`` of another dtype than ``k_cache``, a ``k_max`` of another dtype than ``k_min``) and the
-        KV format (a quantized pool needs its scales, ``[num_pages, Hkv]``, and the torch backend: else
-        ``ValueError``); no host sync. Differentiable in ``q``, ``k_cache``, ``v_cache`` (float pools).
+        Nothing is validated here (see :meth:`plan`) beyond the shapes (``page_indices`` ``[B, Hkv, K]`` included),
+        the dtypes (``TypeError`` for an integer ``q``, a float ``k_cache`` of another dtype than ``q``, a ``v_cache``
+        of another dtype than ``k_cache``, integer boxes, a ``k_max`` of another dtype than ``k_min``, an ``out`` of
+        another dtype than ``q``, ``page_indices`` neither int32 nor int64), ``scale`` (a finite real) and the KV
+        format (a quantized pool needs its scales, ``[num_pages, Hkv]``, and the torch backend: else ``ValueError``);
+        no host sync. Differentiable in ``q``, ``k_cache``, ``v_cache`` (float pools).
         """
         step = self.step
         if step is None:
@@ -275,7 +277,7 @@ class PagedAttentionPlan:
             window_left = V.check_window_left(window_left)
             if window_left >= 0 and k_min is not None and step.page_budget is not None:
                 V.check_window_selection(window_left, step.num_sink_pages)
-        scale = step.scale if scale is None else float(scale)
+        scale = step.scale if scale is None else V.check_scale(scale, step.head_dim)
         scales = None
         if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
@@ -336,6 +338,9 @@ class PagedAttentionPlan:
                              f"{tuple(v_cache.shape)}")
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
+        if k_cache.dtype != q.dtype and k_cache.dtype not in V.QUANTIZED_DTYPES:    # the public ops' rule
+            raise TypeError(f"k_cache: expected dtype {V._dtype_name(q.dtype)} (that of q), or int8 / "
+                            f"float8_e4m3fn with k_scale / v_scale, got {V._dtype_name(k_cache.dtype)}")
         if self._max_page_id is not None and self._max_page_id >= k_cache.shape[0]:
             raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
                              f"k_cache), got {self._max_page_id}")
@@ -343,6 +348,9 @@ class PagedAttentionPlan:
             raise ValueError(f"k_min, k_max: expected both or neither, got k_min={'None' if k_min is None else 'a tensor'}"
                              f" and k_max={'None' if k_max is None else 'a tensor'}")
         if k_min is not None:
+            if not k_min.is_floating_point():
+                raise TypeError(f"k_min: expected a floating dtype (the pool's or float32), got "
+                                f"{V._dtype_name(k_min.dtype)}")
             if k_max.dtype != k_min.dtype:
                 raise TypeError(f"k_max: expected dtype {k_min.dtype} (that of k_min), got {k_max.dtype}")
             if page_indices is not None:
@@ -353,6 +361,14 @@ class PagedAttentionPlan:
                     raise ValueError(f"{name}: expected shape {box} [num_pages, Hkv, D], got {tuple(x.shape)}")
         if out is not None and out.shape != q.shape:
             raise ValueError(f"out: expected shape {tuple(q.shape)} (that of q), got {tuple(out.shape)}")
+        if out is not None and out.dtype != q.dtype:
+            raise TypeError(f"out: expected dtype {V._dtype_name(q.dtype)} (that of q), got {V._dtype_name(out.dtype)}")
+        if page_indices is not None:       # the public ops' checks that need no host sync (a kernel reads the shape)
+            if page_indices.dtype not in V.INDEX_DTYPES:
+                raise TypeError(f"page_indices: expected dtype int32 or int64, got {V._dtype_name(page_indices.dtype)}")
+            if page_indices.dim() != 3 or tuple(page_indices.shape[:2]) != (step.batch, step.num_kv_heads):
+                raise ValueError(f"page_indices: expected shape [B={step.batch}, Hkv={step.num_kv_heads}, K] (the "
+                                 f"plan's), got {tuple(page_indices.shape)}")
 
 
 def _finish(q, out4, lse, return_lse, out):
