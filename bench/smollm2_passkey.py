@@ -43,6 +43,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=5, help="samples decoded together (KV memory: batch x context)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--h2o-prefill", choices=["observe", "skip"], default="observe",
+                   help="observe: the prefill runs with an H2O observer attached (the harness's way; ~3x the "
+                        "prefill's cost on the CPU); skip: a plain dense prefill, H2O's statistics then come from "
+                        "the decoded question tokens only")
+    p.add_argument("--depth-part", default="1/1", metavar="I/N",
+                   help="run only the I-th of N interleaved slices of the depths (to split a run over processes; "
+                        "merge with --merge)")
+    p.add_argument("--merge", default=None, metavar="DIR1,DIR2,...",
+                   help="merge the passkey_<recipe>.json of these output folders into --out (tables, plots) and exit")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -56,10 +65,14 @@ def main(argv=None) -> int:
     from tinyattn.retrieval.subword_tasks import make_subword_sample
     from tinyattn.selection import H2OPolicy, get_policy
 
+    if args.merge:
+        return _merge(args)
     model, tok = sources.load_model(args.model), sources.load_tokenizer(args.model)
     newline = tok.encode("\n", bos=False)[0]
     contexts = [int(c) for c in args.contexts.split(",")]
     depths = [i / (args.depths - 1) for i in range(args.depths)] if args.depths > 1 else [0.5]
+    part, parts = (int(x) for x in args.depth_part.split("/"))
+    depths = depths[part - 1::parts]
     fractions = [parse_fraction(b) for b in args.budgets.split(",")]
     policies = args.policies.split(",")
     recipes = {r: RECIPES[r] for r in args.recipes.split(",")}
@@ -94,7 +107,8 @@ def main(argv=None) -> int:
                                                                 for q, a in zip(prompts, answers)))
             sids = [cache.add_sequence() for _ in batch]
             observer = H2OPolicy()
-            pre_att = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
+            pre_att = (PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
+                       if args.h2o_prefill == "observe" and "h2o" in policies else PagedAttention(None))
             first = []
             for sid, q, n in zip(sids, prompts, n_pre):
                 first.append(prefill(model, cache, sid, q[:n], attention=pre_att))
@@ -155,6 +169,29 @@ def _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, form
         summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
                     format_task_table(result), ""]
     (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
+
+
+def _merge(args) -> int:
+    from tinyattn.retrieval.evaluate import TaskResult
+    from tinyattn.retrieval.report import format_task_table, plot_task_results
+
+    dirs = [Path(d) for d in args.merge.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = ["# Passkey on SmolLM2-135M-Instruct (dequantized Q4_1)\n", f"merged from {', '.join(map(str, dirs))}\n"]
+    for rname in args.recipes.split(","):
+        parts = [TaskResult.load_json(d / f"passkey_{rname}.json") for d in dirs if (d / f"passkey_{rname}.json").is_file()]
+        if not parts:
+            continue
+        rows = sorted((r for p in parts for r in p.rows), key=lambda r: (-r.context, r.depth))
+        options = dict(parts[0].options, depths=sorted({r.depth for r in rows}))
+        result = TaskResult(rows=rows, options=options)
+        _save(result, args.out / f"passkey_{rname}")
+        plot_task_results(result, args.out, prefix=f"{rname}_")
+        sink, dl = RECIPES[rname]
+        summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
+                    format_task_table(result), "", format_task_table(result, "token_accuracy"), ""]
+    (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
+    return 0
 
 
 def _save(result, stem: Path) -> None:
