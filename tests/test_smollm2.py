@@ -78,17 +78,24 @@ def tiny_hf(folder):
                                                              attn_implementation="tinyattn").eval()
 
 
+def greedy(model, ids: list[int], cache) -> list[int]:
+    """``NEW_TOKENS`` greedy tokens of a transformers model over ``cache``, one forward per token, EOS not special
+    (``generate`` with ``min_new_tokens`` would mask EOS instead, which is not plain greedy)."""
+    out, x = [], torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = model(x, past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(int(logits.argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
+
+
 @pytest.fixture(scope="session")
 def stock_greedy(stock, tokenizer):
-    """Stock's 64 greedy tokens per prompt (EOS does not stop it)."""
-    out = []
-    for text in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(text)])
-        with torch.no_grad():
-            g = stock.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=tokenizer.eos_id)
-        out.append(g[0, ids.shape[1]:].tolist())
-    return out
+    """Stock's 64 greedy tokens per prompt (its DynamicCache)."""
+    import transformers
+
+    return [greedy(stock, tokenizer.encode(t), transformers.DynamicCache()) for t in PROMPTS]
 
 
 def test_folder_holds_transformers_dequantized_tensors(folder, stock):
@@ -148,12 +155,8 @@ def test_hf_tinyattn_dense_decode_logits_match_stock(index, tiny_hf, stock, toke
 def test_hf_tinyattn_dense_greedy_matches_stock(tiny_hf, tokenizer, stock_greedy):
     from tinyattn.integrations.hf import TinyAttnCache
 
-    for text, want in zip(PROMPTS, stock_greedy):
-        ids = torch.tensor([tokenizer.encode(text)])
-        with torch.no_grad():
-            g = tiny_hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                 cache=TinyAttnCache(tiny_hf.config, page_size=16), pad_token_id=tokenizer.eos_id)
-        assert g[0, ids.shape[1]:].tolist() == want
+    got = [greedy(tiny_hf, tokenizer.encode(t), TinyAttnCache(tiny_hf.config, page_size=16)) for t in PROMPTS]
+    assert got == stock_greedy
 
 
 def test_subword_passkey_sample_is_exact(tokenizer):
