@@ -180,3 +180,20 @@ def test_sources_reject_unknown(tmp_path):
     with pytest.raises(ValueError, match="model source"):
         sources.resolve_source(tmp_path / "nothing.bin")
     assert sources.is_source("smollm2") and sources.is_source("x.gguf") and not sources.is_source("stories.bin")
+
+
+def test_cli_generate_and_eval_task_take_smollm2(tmp_path, capsys):
+    from tinyattn.cli import main
+
+    assert main(["generate", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "2",
+                 "--no-stats", "--threads", "1"]) == 0
+    assert "The capital of France is Paris" in capsys.readouterr().out
+    assert main(["eval", "--model", "smollm2", "--task", "passkey", "--contexts", "256", "--depths", "0.5",
+                 "--budgets", "1/4", "--policies", "dense,quest", "--samples", "1", "--no-progress",
+                 "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
+                 "--plot-dir", str(tmp_path), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 256 | 1/4 |" in out
+    rows = __import__("json").loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"dense", "quest"} and rows[0]["accuracy"] == 1.0
+    assert list(tmp_path.glob("*.png"))
