@@ -92,11 +92,20 @@ def smollm2_gguf_path() -> Path:
 
 def is_source(value) -> bool:
     """Whether ``value`` (a ``--model`` option) names a pretrained source rather than a llama2.c checkpoint:
-    ``"smollm2"``, a ``.gguf`` file or a folder with a ``config.json``."""
+    ``"smollm2"``, a ``.gguf`` file or a Hugging Face folder (``config.json`` with a ``model_type``)."""
     if value is None:
         return False
     text = str(value)
-    return text.lower() == SMOLLM2 or text.lower().endswith(".gguf") or (Path(text) / "config.json").is_file()
+    return text.lower() == SMOLLM2 or text.lower().endswith(".gguf") or _is_hf_folder(Path(text))
+
+
+def _is_hf_folder(path: Path) -> bool:
+    """A folder whose ``config.json`` names a ``model_type`` (a Hugging Face checkpoint; tinyattn's retrieval
+    checkpoints have a ``config.json`` without one)."""
+    try:
+        return isinstance(json.loads((path / "config.json").read_text()).get("model_type"), str)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def resolve_source(source) -> Path:
@@ -111,9 +120,10 @@ def resolve_source(source) -> Path:
     path = Path(text).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and _is_hf_folder(path):
         return path
-    raise ValueError(f"model source: expected 'smollm2', a .gguf file or a Hugging Face folder with config.json, "
+    raise ValueError(f"model source: expected 'smollm2', a .gguf file or a Hugging Face folder (config.json with a "
+                     f"model_type), "
                      f"got {text!r}")
 
 
