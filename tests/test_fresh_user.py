@@ -42,7 +42,7 @@ def test_shipped_files_match_the_data_readme():
     readme = (DATA / "README.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `([^`]+)` \| ([\d,]+) \| ([0-9a-f]{64}) \|", readme, re.M)
     assert {name for name, _, _ in rows} == {"stories260K.bin", "tok512.bin", "tinystories_valid_excerpt.txt",
-                                             "tinystories_sample.txt"}
+                                             "tinystories_sample.txt", "book_of_mormon_1nephi.txt"}
     for name, size, sha in rows:
         path = assets.data_path(name)
         assert path == DATA / name

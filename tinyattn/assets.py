@@ -35,7 +35,7 @@ __all__ = ["DATA_FILES", "data_path", "default_model_path", "default_tokenizer_p
 
 #: the files of ``tinyattn/data/`` that :func:`data_path` serves
 DATA_FILES = ("stories260K.bin", "tok512.bin", "tinystories_valid_excerpt.txt", "tinystories_sample.txt",
-              "README.md", "LICENSE-stories260K", "LICENSE-TinyStories")
+              "README.md", "LICENSE-stories260K", "LICENSE-TinyStories", "book_of_mormon_1nephi.txt")
 
 _extracted = contextlib.ExitStack()      # only used when the package is not on a file system (a zip)
 atexit.register(_extracted.close)

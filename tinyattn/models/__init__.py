@@ -3,6 +3,8 @@
 - :class:`LlamaModel`, :class:`LlamaRuntime`: LLaMA-family model over a paged KV cache, dense prefill,
   query-aware sparse decode (see :mod:`tinyattn.models.llama`).
 - :func:`load_llama2c`: llama2.c checkpoints; :class:`Tokenizer`: llama2.c tokenizers.
+- :mod:`tinyattn.models.sources`: pretrained sources (``"smollm2"``, a Llama GGUF, a Hugging Face folder) ->
+  a cached Hugging Face folder, a :class:`LlamaModel` and an :class:`HFTokenizer`.
 - :func:`evaluate`: teacher-forced NLL / perplexity / agreement with dense per page budget.
 """
 
@@ -18,6 +20,7 @@ from .llama import (
 )
 from .llama2c import load_llama2c, read_llama2c_header
 from .tokenizer import Tokenizer
+from .hf_tokenizer import HFTokenizer
 from .evaluate import EvalResult, evaluate, format_eval_table, load_stories
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "load_llama2c",
     "read_llama2c_header",
     "Tokenizer",
+    "HFTokenizer",
     "EvalResult",
     "evaluate",
     "format_eval_table",

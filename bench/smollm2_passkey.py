@@ -1,0 +1,204 @@
+"""Passkey retrieval on SmolLM2-135M-Instruct (dequantized Q4_1): depth x context x budget grids per policy and
+per recipe (sink pages + dense first layers), one dense prefill per (context, depth, sample) shared by every
+configuration.
+
+For each context (largest first, so the 8K table lands first) and each batch of samples: the prompts up to their
+question are prefilled densely once (:func:`tinyattn.retrieval.evaluate.prefill`, with an H2O observer attached,
+as the harness does), then every (recipe, policy, budget) decodes the question and the answer greedily from that
+cache (:func:`tinyattn.retrieval.evaluate.greedy_decode`) and the cache is truncated back to the prompt. The
+samples are the harness's (:func:`tinyattn.retrieval.subword_tasks.make_subword_sample`, seeds
+:func:`~tinyattn.retrieval.evaluate.sample_seed`), so ``eval --model smollm2 --task passkey`` gives the same
+prompts.
+
+Writes, after each context, ``OUT/passkey_<recipe>.json`` / ``.csv`` (the harness's :class:`TaskResult` rows) and
+the harness's heat maps and accuracy-vs-budget curves (``OUT/<recipe>_*.png``), plus ``OUT/passkey_summary.md``.
+
+    nice -n 5 python bench/smollm2_passkey.py --out docs/smollm2 --contexts 8192,4096,2048,1024 --depths 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+RECIPES = {"default": (0, 0), "sink1_dense2": (1, 2)}      # name -> (num_sink_pages, dense_layers)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("docs/smollm2"))
+    p.add_argument("--contexts", default="8192,4096,2048,1024")
+    p.add_argument("--depths", type=int, default=10, help="depths evenly spaced in [0, 1] (default 10)")
+    p.add_argument("--samples", type=int, default=1, help="samples per (context, depth)")
+    p.add_argument("--budgets", default="1/8,1/16,1/32,1/64")
+    p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--batch", type=int, default=5, help="samples decoded together (KV memory: batch x context)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--h2o-prefill", choices=["observe", "skip"], default="observe",
+                   help="observe: the prefill runs with an H2O observer attached (the harness's way; ~3x the "
+                        "prefill's cost on the CPU); skip: a plain dense prefill, H2O's statistics then come from "
+                        "the decoded question tokens only")
+    p.add_argument("--depth-part", default="1/1", metavar="I/N",
+                   help="run only the I-th of N interleaved slices of the depths (to split a run over processes; "
+                        "merge with --merge)")
+    p.add_argument("--merge", default=None, metavar="DIR1,DIR2,...",
+                   help="merge the passkey_<recipe>.json of these output folders into --out (tables, plots) and exit")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from tqdm.auto import tqdm
+
+    from tinyattn.layer import PagedAttention, SparsityConfig
+    from tinyattn.models import sources
+    from tinyattn.retrieval.evaluate import (TaskResult, TaskRow, greedy_decode, page_budget_for, parse_fraction,
+                                             prefill, sample_seed, _prefill_length)
+    from tinyattn.retrieval.report import format_task_table, plot_task_results
+    from tinyattn.retrieval.subword_tasks import make_subword_sample
+    from tinyattn.selection import H2OPolicy, get_policy
+
+    if args.merge:
+        return _merge(args)
+    model, tok = sources.load_model(args.model), sources.load_tokenizer(args.model)
+    newline = tok.encode("\n", bos=False)[0]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    depths = [i / (args.depths - 1) for i in range(args.depths)] if args.depths > 1 else [0.5]
+    part, parts = (int(x) for x in args.depth_part.split("/"))
+    depths = depths[part - 1::parts]
+    fractions = [parse_fraction(b) for b in args.budgets.split(",")]
+    policies = args.policies.split(",")
+    recipes = {r: RECIPES[r] for r in args.recipes.split(",")}
+    ps = args.page_size
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list] = {r: [] for r in recipes}
+    t_start = time.perf_counter()
+    log = []
+    for context in contexts:
+        items = []
+        for depth in depths:
+            for i in range(args.samples):
+                s = make_subword_sample("passkey", context_tokens=context, depth=depth, tokenizer=tok,
+                                        seed=sample_seed(0, "passkey", context, depth, i))
+                items.append((depth, s, _prefill_length(s, "passkey", "question", newline)))
+        configs = [("dense", None, None, 0, 0)]
+        for rname, (sink, dl) in recipes.items():
+            for pol in policies:
+                if pol == "dense":
+                    continue
+                for f in fractions:
+                    configs.append((pol, f, page_budget_for(context, ps, f, num_sink_pages=sink), sink, dl, rname))
+        tally: dict[tuple, list] = {}
+        bar = tqdm(total=len(items) * (1 + len(configs)), desc=f"passkey {context}", unit="sample-config")
+        t_ctx = time.perf_counter()
+        for start in range(0, len(items), args.batch):
+            batch = items[start:start + args.batch]
+            prompts = [list(s.prompt) for _, s, _ in batch]
+            answers = [list(s.answer) for _, s, _ in batch]
+            n_pre = [n for _, _, n in batch]
+            cache = model.new_cache(page_size=ps, num_pages=sum(-(-(len(q) + len(a)) // ps)
+                                                                for q, a in zip(prompts, answers)))
+            sids = [cache.add_sequence() for _ in batch]
+            observer = H2OPolicy()
+            pre_att = (PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
+                       if args.h2o_prefill == "observe" and "h2o" in policies else PagedAttention(None))
+            first = []
+            for sid, q, n in zip(sids, prompts, n_pre):
+                first.append(prefill(model, cache, sid, q[:n], attention=pre_att))
+                bar.update(1)
+            first = torch.stack(first)
+            for c in configs:
+                pol, frac, budget, sink, dl = c[:5]
+                if pol == "dense":
+                    att = PagedAttention(None)
+                else:
+                    policy = copy.deepcopy(observer) if pol == "h2o" else get_policy(pol)
+                    att = PagedAttention(SparsityConfig(page_budget=budget, num_sink_pages=sink, num_recent_pages=1,
+                                                        dense_layers=dl, policy=policy))
+                got = greedy_decode(model, cache, sids, [q[n:] for q, n in zip(prompts, n_pre)],
+                                    [len(a) for a in answers], attention=att, first_logits=first)
+                for sid, n in zip(sids, n_pre):
+                    cache.truncate(sid, n)
+                for (depth, _, _), g, a in zip(batch, got, answers):
+                    t = tally.setdefault((c, depth), [0, 0.0, 0])
+                    t[0] += g == a
+                    t[1] += sum(x == y for x, y in zip(g, a)) / len(a)
+                    t[2] += 1
+                bar.update(len(batch))
+            del cache
+        bar.close()
+        log.append({"context": context, "seconds": round(time.perf_counter() - t_ctx, 1)})
+        for rname in recipes:
+            for c in configs:
+                if c[0] != "dense" and c[5] != rname:
+                    continue
+                pol, frac, budget = c[:3]
+                for depth in depths:
+                    e, share, n = tally[(c, depth)]
+                    rows[rname].append(TaskRow(task="passkey", policy=pol, context=context, depth=depth, page_size=ps,
+                                               page_budget=budget,
+                                               budget_fraction=None if frac is None else float(frac),
+                                               token_budget=None if budget is None else budget * ps,
+                                               accuracy=e / n, token_accuracy=share / n, samples=n))
+        _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, format_task_table, plot_task_results)
+    return 0
+
+
+def _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, format_task_table, plot_task_results):
+    summary = [f"# Passkey on SmolLM2-135M-Instruct (dequantized Q4_1)\n",
+               f"command: `python bench/smollm2_passkey.py {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items())}`",
+               f"timings: {json.dumps(log)}; total {time.perf_counter() - t_start:.0f} s\n"]
+    for rname, (sink, dl) in recipes.items():
+        result = TaskResult(rows=sorted(rows[rname], key=lambda r: (-r.context, r.depth)),
+                            options=dict(model="SmolLM2-135M-Instruct (dequantized Q4_1)", recipe=rname,
+                                         num_sink_pages=sink, dense_layers=dl, num_recent_pages=1,
+                                         page_size=args.page_size, samples=args.samples, depths=depths,
+                                         contexts=contexts, seconds=round(time.perf_counter() - t_start, 1)))
+        _save(result, args.out / f"passkey_{rname}")
+        try:
+            plot_task_results(result, args.out, prefix=f"{rname}_")
+        except Exception as exc:                    # a plot failure must not lose the numbers
+            print(f"plot failed: {exc}")
+        summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
+                    format_task_table(result), ""]
+    (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
+
+
+def _merge(args) -> int:
+    from tinyattn.retrieval.evaluate import TaskResult
+    from tinyattn.retrieval.report import format_task_table, plot_task_results
+
+    dirs = [Path(d) for d in args.merge.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = ["# Passkey on SmolLM2-135M-Instruct (dequantized Q4_1)\n", f"merged from {', '.join(map(str, dirs))}\n"]
+    for rname in args.recipes.split(","):
+        parts = [TaskResult.load_json(d / f"passkey_{rname}.json") for d in dirs if (d / f"passkey_{rname}.json").is_file()]
+        if not parts:
+            continue
+        rows = sorted((r for p in parts for r in p.rows), key=lambda r: (-r.context, r.depth))
+        options = dict(parts[0].options, depths=sorted({r.depth for r in rows}))
+        result = TaskResult(rows=rows, options=options)
+        _save(result, args.out / f"passkey_{rname}")
+        plot_task_results(result, args.out, prefix=f"{rname}_")
+        sink, dl = RECIPES[rname]
+        summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
+                    format_task_table(result), "", format_task_table(result, "token_accuracy"), ""]
+    (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
+    return 0
+
+
+def _save(result, stem: Path) -> None:
+    from tinyattn.results_io import write_result_files
+
+    write_result_files(result, json_path=stem.with_suffix(".json"), csv_path=stem.with_suffix(".csv"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
