@@ -25,6 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+
 
 def run_side(checkout: Path, bench_args: list[str], extra: list[str], out: Path) -> list[dict]:
     """One run of the checkout's own ``bench/decode_attention.py``; its CSV rows."""
@@ -69,10 +73,7 @@ def main(argv=None) -> int:
         print(f"| {t['side']} | {t['context']} | {t['method']} | {t['budget_tokens']} | {t['threads']} | "
               f"{t['speedup_median']:.2f} | {t['speedup_min']:.2f}-{t['speedup_max']:.2f} |")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
+        C.write_csv(args.csv, table)
     return 0
 
 

@@ -15,7 +15,6 @@ Written in a session without a GPU: never run yet (figures: none).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -25,11 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(t[:-1]) * 1024 if t.upper().endswith("K") else int(t) for t in text.split(",")]
+import common as C  # noqa: E402
 
 
 def time_steps(step, n: int) -> list[float]:
@@ -76,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=2048, help="Quest token budget (default 2048)")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model and cache dtype (default bf16)")
+    ap.add_argument("--dtype", choices=sorted(C.DTYPES), default="bf16", help="model and cache dtype (default bf16)")
     ap.add_argument("--out", type=Path, default=None, help="folder for graphed_decode.csv (default: print only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -84,8 +79,8 @@ def main(argv=None) -> int:
         return 1
     import e2e_decode as E
 
-    dtype = DTYPES[args.dtype]
-    contexts, batches = _sizes(args.contexts), _sizes(args.batches)
+    dtype = C.DTYPES[args.dtype]
+    contexts, batches = C.parse_sizes(args.contexts), C.parse_sizes(args.batches)
     margs = E.parse_args([])
     margs.contexts = [max(contexts) + 2 * args.steps + 8]
     model = E.build_model(margs, torch.device("cuda"), dtype)
@@ -98,10 +93,7 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} | {r['context']} | {r['eager_ms']:.3f} | {r['graphed_ms']:.3f} | {r['speedup']:.2f}x |")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "graphed_decode.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        C.write_csv(args.out / "graphed_decode.csv", rows)
     return 0
 
 

@@ -183,18 +183,9 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_lef
     same outputs."""
     torch.manual_seed(1)
     B, Hq, H, page_size, D = 40, 4, 2, 4, 8
-    kv = vllm_cache(B, H, page_size, D)
-    k_cache, v_cache = block_pools(kv, H, D, page_size)
-    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
-    vl = FakeVllm(B, page_size)
-    vl.free.remove(0)                                     # the null block is never a request's
     contexts = {0: 13, 1: 6, 2: 0, 3: 9, 4: 0, 5: 6}      # tokens already in the cache
     query_lens = {0: 1, 1: 1, 2: 5, 3: 3, 4: 5, 5: 5}     # 2 decodes, fresh prefills of 5, chunks of 3 and 5
-    for r, n in contexts.items():
-        if n:
-            write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
-        else:
-            vl.blocks[r], vl.lens[r] = [], 0
+    kv, k_cache, v_cache, boxes, vl = cache_with_contexts(contexts, B, H, page_size, D)
     reqs = list(query_lens)
     slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs])
     T = slots.shape[0]
@@ -297,22 +288,29 @@ def no_host_sync(monkeypatch):
             yield found
 
 
-def mixed_step(seed=2, B=40, Hq=4, H=2, page_size=4, D=8):
-    """A step of a mixed batch written into a vLLM cache: (kv, k_cache, v_cache, boxes, qsl, vllm block table, seq_lens,
-    query, step keys, step values, slots); the rows: 2 decodes, a fresh prefill of 5, a chunk of 3 into a cache of 9
-    tokens, and two padding tokens at the end (slot -1), as vLLM's piecewise padding leaves them."""
-    torch.manual_seed(seed)
+def cache_with_contexts(contexts: dict, B: int, H: int, page_size: int, D: int):
+    """A vLLM cache of ``B`` blocks whose request ``r`` already holds ``contexts[r]`` random tokens (written through
+    :func:`write_kv`, boxes kept): ``(kv, k_cache, v_cache, boxes, FakeVllm)``; block 0 (the null block) never given."""
     kv = vllm_cache(B, H, page_size, D)
     k_cache, v_cache = block_pools(kv, H, D, page_size)
     boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
     vl = FakeVllm(B, page_size)
-    vl.free.remove(0)
-    contexts, query_lens = {0: 13, 1: 6, 2: 0, 3: 9}, {0: 1, 1: 1, 2: 5, 3: 3}
+    vl.free.remove(0)                                     # the null block is never a request's
     for r, n in contexts.items():
         if n:
             write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), vl.schedule(r, n), page_size)
         else:
             vl.blocks[r], vl.lens[r] = [], 0
+    return kv, k_cache, v_cache, boxes, vl
+
+
+def mixed_step(seed=2, B=40, Hq=4, H=2, page_size=4, D=8):
+    """A step of a mixed batch written into a vLLM cache: (kv, k_cache, v_cache, boxes, qsl, vllm block table, seq_lens,
+    query, step keys, step values, slots); the rows: 2 decodes, a fresh prefill of 5, a chunk of 3 into a cache of 9
+    tokens, and two padding tokens at the end (slot -1), as vLLM's piecewise padding leaves them."""
+    torch.manual_seed(seed)
+    contexts, query_lens = {0: 13, 1: 6, 2: 0, 3: 9}, {0: 1, 1: 1, 2: 5, 3: 3}
+    kv, k_cache, v_cache, boxes, vl = cache_with_contexts(contexts, B, H, page_size, D)
     reqs = list(query_lens)
     slots = torch.cat([vl.schedule(r, query_lens[r]) for r in reqs] + [torch.tensor([-1, -1])])
     T = slots.shape[0]

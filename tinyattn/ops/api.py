@@ -21,7 +21,7 @@ from .spans import span
 from . import library as L
 from . import validation as V
 from .autograd import attention as differentiable_attention
-from .plan import BACKENDS, PagedAttentionPlan, _empty_attention, resolve_backend  # noqa: F401 (re-exported)
+from .plan import BACKENDS, PagedAttentionPlan, resolve_backend  # noqa: F401 (re-exported)
 
 def _kernels():
     from .. import kernels       # imported lazily: a CPU-only user never needs triton
@@ -62,7 +62,7 @@ def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, sca
     profiler's oracle comparison (None for dense).
     """
     if _nothing_to_attend(q4, k_cache, block_table, page_indices):
-        out, lse = _restore_q_shape(q, *_empty_attention(q4, k_cache, v_cache))
+        out, lse = _restore_q_shape(q, *core.empty_attention(q4, k_cache, v_cache))
         return (out, lse) if return_lse else out
     with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
               page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from .quant import QUANTIZED_DTYPES
+
 NEG_INF = float("-inf")
 
 __all__ = ["math_dtype", "float_order_key", "num_valid_pages", "cdiv_pages", "dense_page_indices", "canonical_page_indices", "page_rows", "first_window_key",
            "mask_pages_before_window", "group_queries", "ungroup", "softmax_parts",
-           "attend_rows", "NEG_INF"]
+           "attend_rows", "finish_output", "empty_attention", "NEG_INF"]
 
 
 def math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -203,4 +205,32 @@ def attend_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
     p, m, denom = softmax_parts(logits)
     out = torch.matmul(p, v) / torch.where(denom > 0, denom, 1.0)
     lse = (m + torch.log(denom)).squeeze(-1)                                             # log(0) = -inf
+    return out, lse
+
+
+def finish_output(q, out4, lse, return_lse, out):
+    """``[B, Tq, Hq, D]`` results back to ``q``'s form (``[B, Hq, D]`` for 3-D ``q``), into ``out`` if given."""
+    o = out4.squeeze(1) if q.dim() == 3 else out4
+    if out is not None:                   # the caller's tensor itself (written in place by the kernel)
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o)
+        o = out
+    if not return_lse:
+        return o
+    lse = lse.float()
+    return o, (lse.squeeze(1) if q.dim() == 3 else lse)
+
+
+def empty_attention(q4, k_cache, v_cache):
+    """out = 0 and lse = -inf everywhere, still connected to q/k/v so that their gradients are zeros.
+
+    Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
+    turn NaN padding into NaN).
+    """
+    link = q4.flatten()[:0].sum()
+    for x in (k_cache, v_cache):
+        if x.is_floating_point() and x.dtype not in QUANTIZED_DTYPES:     # int8 / fp8 pools have no gradient
+            link = link + x.flatten()[:0].sum()
+    out = torch.zeros_like(q4) + link.to(q4.dtype)
+    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
     return out, lse

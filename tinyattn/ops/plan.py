@@ -286,7 +286,7 @@ class PagedAttentionPlan:
             # the explicit autograd route: selection (no gradient), then the custom op with its backward
             o, lse = self._differentiable(q, k_cache, v_cache, k_min, k_max, page_indices, scale, scales,
                                           window_left)
-            return _finish(q, o, lse, return_lse, out)
+            return core.finish_output(q, o, lse, return_lse, out)
         return self._impl.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                                   window_left)
 
@@ -306,7 +306,7 @@ class PagedAttentionPlan:
             # which the next layer rewrites behind autograd's back
             page_indices = core.canonical_page_indices(page_indices, impl.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return _empty_attention(q4, k_cache, v_cache)
+            return core.empty_attention(q4, k_cache, v_cache)
         # autograd keeps the tables for the backward: copies, since the plan's own are rewritten by the next plan()
         return differentiable_attention(q4, k_cache, v_cache, impl.block_table.clone(), impl.seq_lens.clone(),
                                         page_indices, scale, step.backend, window_left)
@@ -369,31 +369,3 @@ class PagedAttentionPlan:
             if page_indices.dim() != 3 or tuple(page_indices.shape[:2]) != (step.batch, step.num_kv_heads):
                 raise ValueError(f"page_indices: expected shape [B={step.batch}, Hkv={step.num_kv_heads}, K] (the "
                                  f"plan's), got {tuple(page_indices.shape)}")
-
-
-def _finish(q, out4, lse, return_lse, out):
-    """``[B, Tq, Hq, D]`` results back to ``q``'s form (``[B, Hq, D]`` for 3-D ``q``), into ``out`` if given."""
-    o = out4.squeeze(1) if q.dim() == 3 else out4
-    if out is not None:                   # the caller's tensor itself (written in place by the kernel)
-        if o.data_ptr() != out.data_ptr():
-            out.copy_(o)
-        o = out
-    if not return_lse:
-        return o
-    lse = lse.float()
-    return o, (lse.squeeze(1) if q.dim() == 3 else lse)
-
-
-def _empty_attention(q4, k_cache, v_cache):
-    """out = 0 and lse = -inf everywhere, still connected to q/k/v so that their gradients are zeros.
-
-    Summing an empty slice of each input adds an exact 0 with a gradient path (a ``0 * x`` term would
-    turn NaN padding into NaN).
-    """
-    link = q4.flatten()[:0].sum()
-    for x in (k_cache, v_cache):
-        if x.is_floating_point() and x.dtype not in V.QUANTIZED_DTYPES:     # int8 / fp8 pools have no gradient
-            link = link + x.flatten()[:0].sum()
-    out = torch.zeros_like(q4) + link.to(q4.dtype)
-    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
-    return out, lse

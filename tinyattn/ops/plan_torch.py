@@ -20,7 +20,6 @@ read. Large steps attend in cache-sized chunks merged by lse (:mod:`tinyattn.ops
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +65,7 @@ class TorchPlan:
         self._lens = lens
         # the pages any row holds (a selecting layer scores these)
         self._num_pages = min(step.max_pages, max((core.cdiv_pages(n, step.page_size) for n in lens), default=0))
-        self._tables: dict = {}          # ("dense" | "sparse", window_left) -> rows / masks of the step
+        self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
         self._keys = None                # selection keys (torch_backend.selection_keys)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
 
@@ -74,15 +73,13 @@ class TorchPlan:
     def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                 window_left):
         """Attention of one layer with no autograd; see :meth:`tinyattn.PagedAttentionPlan.run`."""
-        from .plan import _empty_attention, _finish
-
         step = self.step
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = core.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return _finish(q, *_empty_attention(q4, k_cache, v_cache), return_lse, out)
+            return core.finish_output(q, *core.empty_attention(q4, k_cache, v_cache), return_lse, out)
         selects = k_min is not None and step.selects
         if window_left >= 0 and page_indices is None and not selects and self._query_blocks(window_left):
             return self._run_query_blocks(window_left, q, k_cache, v_cache, return_lse, out, scale, scales)
@@ -114,7 +111,7 @@ class TorchPlan:
             return o.view(q.shape)                                    # decode: [B, Hkv, G, D] is [B, Hq, D]
         o = core.ungroup(o, Tq)
         o = o if o.dtype == q.dtype else o.to(q.dtype)
-        return _finish(q, o, None if lse is None else core.ungroup(lse, Tq), return_lse, out)
+        return core.finish_output(q, o, None if lse is None else core.ungroup(lse, Tq), return_lse, out)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
@@ -311,8 +308,6 @@ class TorchPlan:
 
     def _run_query_blocks(self, window_left, q, k_cache, v_cache, return_lse, out, scale, scales):
         """:meth:`forward` of each query block (:meth:`_query_blocks`), outputs (and lse) concatenated over ``Tq``."""
-        from .plan import _finish
-
         outs, lses = [], []
         for t0, t1, sub in self._blocks[window_left]:
             r = sub.forward(q[:, t0:t1], k_cache, v_cache, None, None, None, return_lse, None, scale, scales,
@@ -320,4 +315,4 @@ class TorchPlan:
             outs.append(r[0] if return_lse else r)
             if return_lse:
                 lses.append(r[1])
-        return _finish(q, torch.cat(outs, 1), torch.cat(lses, 1) if return_lse else None, return_lse, out)
+        return core.finish_output(q, torch.cat(outs, 1), torch.cat(lses, 1) if return_lse else None, return_lse, out)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from . import core
+from .plan_torch import TorchPlan
 from .spans import span
 from .step import Step
 
@@ -33,6 +35,7 @@ class TritonPlan:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
+        self._torch = self._torch_step = None        # fp64 steps run the torch backend's plan (see _fp64)
 
     # ------------------------------------------------------------------------------------------- plan
     def plan(self, step: Step, block_table: torch.Tensor, seq_lens: torch.Tensor, *, max_batch=None,
@@ -94,9 +97,6 @@ class TritonPlan:
     def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                 window_left):
         """Attention of one layer with no autograd; see :meth:`tinyattn.PagedAttentionPlan.run`."""
-        from .plan import _empty_attention, _finish
-        from . import core
-
         step = self.step
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if q4.dtype == torch.float64:      # the kernels compute in fp32 at most: fp64 runs the reference-exact path
@@ -106,7 +106,7 @@ class TritonPlan:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = core.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return _finish(q, *_empty_attention(q4, k_cache, v_cache), return_lse, out)
+            return core.finish_output(q, *core.empty_attention(q4, k_cache, v_cache), return_lse, out)
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if k_min is not None and step.selects:
             page_indices = self.select(q4, k_min, k_max, window_left)
@@ -128,7 +128,7 @@ class TritonPlan:
                                        ws_o=self._ws_o, ws_lse=self._ws_lse,
                                        k_scale=None if scales is None else scales[0],
                                        v_scale=None if scales is None else scales[1], window_left=window_left)
-        return _finish(q, o4, lse, return_lse, out)
+        return core.finish_output(q, o4, lse, return_lse, out)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, page_budget]`` (ascending, ``-1`` padded) of the Quest selection, written into
@@ -144,9 +144,8 @@ class TritonPlan:
             else:
                 k.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size, out=self._scores)
                 if window_left >= 0:
-                    from .core import mask_pages_before_window
-                    mask_pages_before_window(self._scores, self._sl32, step.page_size, step.num_query_tokens,
-                                             window_left)
+                    core.mask_pages_before_window(self._scores, self._sl32, step.page_size, step.num_query_tokens,
+                                                  window_left)
         with span("topk", scores=self._scores, seq_lens=self.seq_lens, page_budget=step.page_budget):
             if self._chunks is not None:       # merge of the chunks' candidates
                 k.chunk_topk.merge_chunks(self._ws_key, self._ws_page, self._sl32, max_pages=self._bt32.shape[1],
@@ -159,10 +158,9 @@ class TritonPlan:
 
     def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
         """fp64 inputs on the Triton backend run the torch backend's plan (the kernels compute in fp32 at most)."""
-        from .plan_torch import TorchPlan
-
-        if getattr(self, "_torch", None) is None or self._torch_step is not self.step:
-            self._torch = TorchPlan()
+        if self._torch is None:
+            self._torch = TorchPlan()                  # kept across steps, as its workspaces are
+        if self._torch_step is not self.step:
             self._torch.plan(self.step, self._bt32, self._sl32)
             self._torch_step = self.step
         return self._torch.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,

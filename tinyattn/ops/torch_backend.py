@@ -39,8 +39,8 @@ _INVALID_KEY = torch.iinfo(torch.int64).min
 _FORCED_KEY = 0x7F800001 << 32                       # above the key of any score (+inf included)
 
 
-def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                   num_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(phys [B, P] int64, valid [B, P] bool)``: the physical page of each logical page, 0 past the row's end
     (a safe dummy, masked by ``valid``)."""
     B, P = block_table.shape
