@@ -32,6 +32,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "out" / "bench"     # scratch (git-ignored); the committed figures: --out docs/bench
+#: sparse-decode recipes of the SmolLM2 benches (issue 27): name -> the SparsityConfig fields besides the budget
+#: and the policy. Quest keeps its first two layers dense; StreamingLLM shows why the first tokens matter; recent
+#: pages guarantee the newest tokens (with one, the page being written may hold a single token)
+RECIPES = {name: dict(num_sink_pages=s, dense_layers=d, num_recent_pages=r) for name, (s, d, r) in {
+    "default": (0, 0, 1), "sink1": (1, 0, 1), "dense2": (0, 2, 1), "sink1_dense2": (1, 2, 1),
+    "sink1_recent2": (1, 0, 2), "sink1_recent4": (1, 0, 4), "sink1_dense2_recent2": (1, 2, 2)}.items()}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a checkout without installing

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from fractions import Fraction
 from pathlib import Path
 
 import torch
+
+from common import RECIPES
 
 
 def main(argv=None) -> int:
@@ -38,10 +39,16 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="1/4,1/8,1/32")
     p.add_argument("--page-sizes", default="16")
     p.add_argument("--policies", default="quest,streaming,h2o,oracle")
-    p.add_argument("--num-sink-pages", type=int, default=0)
-    p.add_argument("--dense-layers", type=int, default=0)
+    p.add_argument("--recipes", default="default",
+                   help=f"sparse-decode recipes (num_sink_pages, dense_layers), any of: "
+                        f"{'; '.join(f'{k} {v}' for k, v in RECIPES.items())}")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--merge", default=None, metavar="DIR1,DIR2,...",
+                   help="merge the long_text.json of these output folders (runs over the same windows and buckets) "
+                        "into --out (rows, plot, summary) and exit")
     args = p.parse_args(argv)
+    if args.merge:
+        return _merge(args)
     torch.set_num_threads(args.threads)
 
     from tqdm.auto import tqdm
@@ -49,7 +56,7 @@ def main(argv=None) -> int:
     from tinyattn.assets import data_path
     from tinyattn.layer import PagedAttention, SparsityConfig
     from tinyattn.models import sources
-    from tinyattn.retrieval.evaluate import prefill
+    from tinyattn.retrieval.evaluate import page_budget_for, prefill
     from tinyattn.selection import get_policy
 
     model, tok = sources.load_model("smollm2"), sources.load_tokenizer("smollm2")
@@ -62,7 +69,8 @@ def main(argv=None) -> int:
     if max(buckets) + n > args.context or args.windows * args.context > len(ids):
         raise SystemExit(f"buckets + tokens must fit the context, and windows x context the text ({len(ids)} tokens)")
     rows, t0 = [], time.perf_counter()
-    total = args.windows * len(page_sizes) * len(buckets) * (1 + len(policies) * len(fractions))
+    recipes = {r: RECIPES[r] for r in args.recipes.split(",")}
+    total = args.windows * len(page_sizes) * len(buckets) * (1 + len(recipes) * len(policies) * len(fractions))
     bar = tqdm(total=total, desc="long text", unit="config")
     for w in range(args.windows):
         window = ids[w * args.context:(w + 1) * args.context]
@@ -88,57 +96,101 @@ def main(argv=None) -> int:
 
                 dense = score(dense_att)
                 bar.update(1)
-                rows.append(dict(window=w, position=b, page_size=ps, policy="dense", budget_fraction=None,
-                                 page_budget=None, nll=dense, dense_nll=dense, ratio=1.0))
-                for pol in policies:
-                    for f in fractions:
-                        budget = max(math.ceil(Fraction(b, ps) * f), args.num_sink_pages + 1)
-                        att = PagedAttention(SparsityConfig(page_budget=budget, num_sink_pages=args.num_sink_pages,
-                                                            num_recent_pages=1, dense_layers=args.dense_layers,
-                                                            policy=get_policy(pol)))
+                rows.append(dict(window=w, position=b, page_size=ps, recipe="dense", policy="dense",
+                                 budget_fraction=None, page_budget=None, nll=dense, dense_nll=dense, ratio=1.0))
+                for rname, recipe in recipes.items():
+                    for pol, f in ((pol, f) for pol in policies for f in fractions):
+                        budget = page_budget_for(b, ps, f, num_sink_pages=recipe["num_sink_pages"],
+                                                 num_recent_pages=recipe["num_recent_pages"])
+                        att = PagedAttention(SparsityConfig(page_budget=budget, policy=get_policy(pol), **recipe))
                         v = score(att)
-                        rows.append(dict(window=w, position=b, page_size=ps, policy=pol, budget_fraction=float(f),
-                                         page_budget=budget, nll=v, dense_nll=dense, ratio=v / dense))
+                        rows.append(dict(window=w, position=b, page_size=ps, recipe=rname, policy=pol,
+                                         budget_fraction=float(f), page_budget=budget, nll=v, dense_nll=dense,
+                                         ratio=v / dense))
                         bar.update(1)
                 _write(args, rows, time.perf_counter() - t0)
     bar.close()
     return 0
 
 
-def _write(args, rows, seconds) -> None:
+def _write(args, rows, seconds, merged=None) -> None:
     from tinyattn.results_io import write_csv, write_json
 
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(vars(args), out=str(args.out), seconds=round(seconds, 1),
+    meta = dict(vars(args), out=str(args.out), seconds=round(seconds, 1), merged=merged,
+                recipes={r: RECIPES[r] for r in args.recipes.split(",")},
                 model="SmolLM2-135M-Instruct (dequantized Q4_1)",
                 text="tinyattn/data/book_of_mormon_1nephi.txt (public domain)",
                 h2o="statistics from the teacher-forced decode steps only (no prefill observation)")
     write_json(args.out / "long_text.json", {"meta": meta, "rows": rows})
     write_csv(args.out / "long_text.csv", list(rows[0]), rows)
+    (args.out / "long_text_summary.md").write_text(
+        f"# Long text on SmolLM2-135M-Instruct: NLL vs dense\n\nmeta: `{json.dumps(meta)}`\n\n"
+        f"{summary_table(rows)}\n")
     _plot(args, rows)
 
 
+def _merge(args) -> int:
+    runs = [json.loads((Path(d) / "long_text.json").read_text()) for d in args.merge.split(",")]
+    rows, seen = [], set()
+    for run in runs:
+        for r in run["rows"]:
+            key = (r["window"], r["position"], r["page_size"], r.get("recipe"), r["policy"], r["budget_fraction"])
+            if key not in seen:                 # each run scores dense again: keep one copy
+                seen.add(key)
+                rows.append(r)
+    args.tokens = runs[0]["meta"]["tokens"]
+    names = (run["meta"]["recipes"] for run in runs)          # a dict, or the option's text in older runs
+    args.recipes = ",".join(dict.fromkeys(r for n in names for r in (n.split(",") if isinstance(n, str) else n)))
+    _write(args, rows, sum(run["meta"]["seconds"] for run in runs), merged=args.merge.split(","))
+    return 0
+
+
+def summary_table(rows) -> str:
+    """Markdown: mean NLL per (page size, recipe, policy, budget) over every scored token, and its change vs
+    dense on the same tokens."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        if r["policy"] != "dense":
+            groups.setdefault((r["page_size"], r["recipe"], r["policy"], r["budget_fraction"]), []).append(r)
+    out = ["| page size | recipe | policy | budget | mean NLL | dense NLL | vs dense |", "|---:|---|---|---|---:|---:|---:|"]
+    for (ps, recipe, pol, f), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][3], kv[0][2])):
+        nll = sum(r["nll"] for r in rs) / len(rs)
+        dense = sum(r["dense_nll"] for r in rs) / len(rs)
+        out.append(f"| {ps} | {recipe} | {pol} | 1/{round(1 / f)} | {nll:.4f} | {dense:.4f} | "
+                   f"{100 * (nll / dense - 1):+.2f}% |")
+    return "\n".join(out)
+
+
 def _plot(args, rows) -> None:
+    """NLL vs dense (%) by position bucket, one panel per budget, a line per (page size, recipe, policy); the
+    mean over the windows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    positions = sorted({r["position"] for r in rows})
-    fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 3.2), squeeze=False)
-    for ax, pos in zip(axes[0], positions):
-        for pol in sorted({r["policy"] for r in rows if r["policy"] != "dense"}):
-            pts = sorted((r["budget_fraction"], r["ratio"]) for r in rows
-                         if r["position"] == pos and r["policy"] == pol)
-            fr = sorted({x for x, _ in pts})
-            ys = [sum(y for x, y in pts if x == f) / sum(1 for x, _ in pts if x == f) for f in fr]
-            ax.plot(fr, [100 * (y - 1) for y in ys], marker="o", label=pol)
-        ax.set_xscale("log", base=2)
+    budgets = sorted({r["budget_fraction"] for r in rows if r["policy"] != "dense"}, reverse=True)
+    fig, axes = plt.subplots(1, len(budgets), figsize=(9 * len(budgets), 4.5), squeeze=False)
+    colors = {pol: f"C{i}" for i, pol in enumerate(sorted({r["policy"] for r in rows}))}
+    styles = {name: st for name, st in zip(sorted({r["recipe"] for r in rows}), ["-", "--", ":", "-.", (0, (5, 1)),
+                                                                                 (0, (1, 3)), (0, (3, 1, 1, 1))])}
+    for ax, f in zip(axes[0], budgets):
+        lines = sorted({(r["page_size"], r["recipe"], r["policy"]) for r in rows if r["budget_fraction"] == f})
+        for ps, rname, pol in lines:
+            sel = [r for r in rows if (r["page_size"], r["recipe"], r["policy"], r["budget_fraction"]) ==
+                   (ps, rname, pol, f)]
+            xs = sorted({r["position"] for r in sel})
+            ys = [100 * (sum(r["nll"] for r in sel if r["position"] == x) /
+                         sum(r["dense_nll"] for r in sel if r["position"] == x) - 1) for x in xs]
+            ax.plot(xs, ys, marker="o" if ps == 16 else "s" if ps == 8 else "^", color=colors[pol],
+                    linestyle=styles.get(rname, "-"), label=f"{pol}, {rname}, page {ps}")
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"tokens at {pos}..{pos + args.tokens}")
-        ax.set_xlabel("budget (fraction of the context's pages)")
+        ax.set_title(f"budget 1/{round(1 / f)} of the context, {args.tokens} tokens per bucket")
+        ax.set_xlabel("position (tokens) of the scored bucket")
         ax.set_ylabel("NLL vs dense (%)")
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("SmolLM2-135M-Instruct (dequantized Q4_1), real text: sparse decode NLL vs dense", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out / "long_text.png", dpi=110)
     plt.close(fig)

@@ -2,10 +2,14 @@
 per recipe (sink pages + dense first layers), one dense prefill per (context, depth, sample) shared by every
 configuration.
 
-For each context (largest first, so the 8K table lands first) and each batch of samples: the prompts up to their
-question are prefilled densely once (:func:`tinyattn.retrieval.evaluate.prefill`, with an H2O observer attached,
-as the harness does), then every (recipe, policy, budget) decodes the question and the answer greedily from that
-cache (:func:`tinyattn.retrieval.evaluate.greedy_decode`) and the cache is truncated back to the prompt. The
+For each context (largest first, so the 8K table lands first) and each batch of samples: the whole prompt,
+question included, is prefilled densely once (:func:`tinyattn.retrieval.evaluate.prefill`; Quest's protocol:
+prefill is dense, sparsity applies to the decoded tokens), then every (recipe, policy, budget) decodes the answer
+greedily from that cache (:func:`tinyattn.retrieval.evaluate.greedy_decode`; the first answer token comes from the
+dense prefill's last logits, as in Quest) and the cache is truncated back to the prompt. H2O's statistics come
+from the question's tokens, prefilled with an observer attached (``--h2o-prefill question``: observing the whole
+8K prefill costs ~3x the prefill on the CPU). ``--question decode`` is the toy harness's protocol instead (the
+question is decoded through the sparse path too). The
 samples are the harness's (:func:`tinyattn.retrieval.subword_tasks.make_subword_sample`, seeds
 :func:`~tinyattn.retrieval.evaluate.sample_seed`), so ``eval --model smollm2 --task passkey`` gives the same
 prompts.
@@ -22,12 +26,11 @@ import argparse
 import copy
 import json
 import time
-from fractions import Fraction
 from pathlib import Path
 
 import torch
 
-RECIPES = {"default": (0, 0), "sink1_dense2": (1, 2)}      # name -> (num_sink_pages, dense_layers)
+from common import RECIPES          # name -> num_sink_pages, dense_layers, num_recent_pages
 
 
 def main(argv=None) -> int:
@@ -38,15 +41,19 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=1, help="samples per (context, depth)")
     p.add_argument("--budgets", default="1/8,1/16,1/32,1/64")
     p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o")
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--recipes", default="default,sink1_dense2", help=f"any of {', '.join(RECIPES)}")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=5, help="samples decoded together (KV memory: batch x context)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--h2o-prefill", choices=["observe", "skip"], default="observe",
-                   help="observe: the prefill runs with an H2O observer attached (the harness's way; ~3x the "
-                        "prefill's cost on the CPU); skip: a plain dense prefill, H2O's statistics then come from "
-                        "the decoded question tokens only")
+    p.add_argument("--question", choices=["prefill", "decode"], default="prefill",
+                   help="prefill: the question is part of the dense prefill, only the answer is decoded (Quest's "
+                        "protocol, default); decode: the question is decoded through each configuration (the toy "
+                        "harness's protocol)")
+    p.add_argument("--h2o-prefill", choices=["observe", "question", "skip"], default="question",
+                   help="what H2O observes of the dense prefill: observe = all of it (the harness's way; ~3x the "
+                        "prefill's cost on the CPU); question = the question's tokens only (default); skip = "
+                        "nothing (its statistics then come from decoded tokens only)")
     p.add_argument("--depth-part", default="1/1", metavar="I/N",
                    help="run only the I-th of N interleaved slices of the depths (to split a run over processes; "
                         "merge with --merge)")
@@ -87,46 +94,57 @@ def main(argv=None) -> int:
             for i in range(args.samples):
                 s = make_subword_sample("passkey", context_tokens=context, depth=depth, tokenizer=tok,
                                         seed=sample_seed(0, "passkey", context, depth, i))
-                items.append((depth, s, _prefill_length(s, "passkey", "question", newline)))
-        configs = [("dense", None, None, 0, 0)]
-        for rname, (sink, dl) in recipes.items():
+                n_q = _prefill_length(s, "passkey", "question", newline)         # where the question starts
+                items.append((depth, s, n_q, len(s.prompt) if args.question == "prefill" else n_q))
+        configs = []
+        for rname, recipe in recipes.items():
             for pol in policies:
                 if pol == "dense":
                     continue
                 for f in fractions:
-                    configs.append((pol, f, page_budget_for(context, ps, f, num_sink_pages=sink), sink, dl, rname))
+                    budget = page_budget_for(context, ps, f, num_sink_pages=recipe["num_sink_pages"],
+                                             num_recent_pages=recipe["num_recent_pages"])
+                    configs.append((pol, f, budget, rname))
+        configs.insert(0, ("dense", None, None, None))
         tally: dict[tuple, list] = {}
         bar = tqdm(total=len(items) * (1 + len(configs)), desc=f"passkey {context}", unit="sample-config")
         t_ctx = time.perf_counter()
         for start in range(0, len(items), args.batch):
             batch = items[start:start + args.batch]
-            prompts = [list(s.prompt) for _, s, _ in batch]
-            answers = [list(s.answer) for _, s, _ in batch]
-            n_pre = [n for _, _, n in batch]
+            prompts = [list(s.prompt) for _, s, _, _ in batch]
+            answers = [list(s.answer) for _, s, _, _ in batch]
+            n_pre = [n for _, _, _, n in batch]
             cache = model.new_cache(page_size=ps, num_pages=sum(-(-(len(q) + len(a)) // ps)
                                                                 for q, a in zip(prompts, answers)))
             sids = [cache.add_sequence() for _ in batch]
             observer = H2OPolicy()
-            pre_att = (PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
-                       if args.h2o_prefill == "observe" and "h2o" in policies else PagedAttention(None))
+            watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
+            plain = PagedAttention(None)
+            observe = "h2o" in policies and args.h2o_prefill != "skip"
             first = []
-            for sid, q, n in zip(sids, prompts, n_pre):
-                first.append(prefill(model, cache, sid, q[:n], attention=pre_att))
+            for sid, q, (_, _, n_q, n) in zip(sids, prompts, batch):
+                # the context before the question, then the question (observed by H2O unless skipped)
+                split = n_q if args.h2o_prefill == "question" else (0 if args.h2o_prefill == "observe" else n)
+                split = min(split, n)
+                logits = prefill(model, cache, sid, q[:split], attention=plain) \
+                    if split else None
+                if split < n:
+                    logits = prefill(model, cache, sid, q[split:n], attention=watch if observe else plain)
+                first.append(logits)
                 bar.update(1)
             first = torch.stack(first)
             for c in configs:
-                pol, frac, budget, sink, dl = c[:5]
+                pol, frac, budget, rname = c
                 if pol == "dense":
                     att = PagedAttention(None)
                 else:
                     policy = copy.deepcopy(observer) if pol == "h2o" else get_policy(pol)
-                    att = PagedAttention(SparsityConfig(page_budget=budget, num_sink_pages=sink, num_recent_pages=1,
-                                                        dense_layers=dl, policy=policy))
+                    att = PagedAttention(SparsityConfig(page_budget=budget, policy=policy, **recipes[rname]))
                 got = greedy_decode(model, cache, sids, [q[n:] for q, n in zip(prompts, n_pre)],
                                     [len(a) for a in answers], attention=att, first_logits=first)
                 for sid, n in zip(sids, n_pre):
                     cache.truncate(sid, n)
-                for (depth, _, _), g, a in zip(batch, got, answers):
+                for (depth, *_), g, a in zip(batch, got, answers):
                     t = tally.setdefault((c, depth), [0, 0.0, 0])
                     t[0] += g == a
                     t[1] += sum(x == y for x, y in zip(g, a)) / len(a)
@@ -137,7 +155,7 @@ def main(argv=None) -> int:
         log.append({"context": context, "seconds": round(time.perf_counter() - t_ctx, 1)})
         for rname in recipes:
             for c in configs:
-                if c[0] != "dense" and c[5] != rname:
+                if c[0] != "dense" and c[3] != rname:
                     continue
                 pol, frac, budget = c[:3]
                 for depth in depths:
@@ -152,13 +170,13 @@ def main(argv=None) -> int:
 
 
 def _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, format_task_table, plot_task_results):
-    summary = [f"# Passkey on SmolLM2-135M-Instruct (dequantized Q4_1)\n",
+    summary = ["# Passkey on SmolLM2-135M-Instruct (dequantized Q4_1)\n",
                f"command: `python bench/smollm2_passkey.py {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items())}`",
                f"timings: {json.dumps(log)}; total {time.perf_counter() - t_start:.0f} s\n"]
-    for rname, (sink, dl) in recipes.items():
+    for rname, recipe in recipes.items():
         result = TaskResult(rows=sorted(rows[rname], key=lambda r: (-r.context, r.depth)),
-                            options=dict(model="SmolLM2-135M-Instruct (dequantized Q4_1)", recipe=rname,
-                                         num_sink_pages=sink, dense_layers=dl, num_recent_pages=1,
+                            options=dict(model="SmolLM2-135M-Instruct (dequantized Q4_1)", recipe=rname, **recipe,
+                                         question=args.question, h2o_prefill=args.h2o_prefill,
                                          page_size=args.page_size, samples=args.samples, depths=depths,
                                          contexts=contexts, seconds=round(time.perf_counter() - t_start, 1)))
         _save(result, args.out / f"passkey_{rname}")
@@ -166,8 +184,7 @@ def _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, form
             plot_task_results(result, args.out, prefix=f"{rname}_")
         except Exception as exc:                    # a plot failure must not lose the numbers
             print(f"plot failed: {exc}")
-        summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
-                    format_task_table(result), ""]
+        summary += [f"## recipe {rname}: {_fields(recipe)}\n", format_task_table(result), ""]
     (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
 
 
@@ -187,11 +204,14 @@ def _merge(args) -> int:
         result = TaskResult(rows=rows, options=options)
         _save(result, args.out / f"passkey_{rname}")
         plot_task_results(result, args.out, prefix=f"{rname}_")
-        sink, dl = RECIPES[rname]
-        summary += [f"## recipe {rname}: num_sink_pages={sink}, dense_layers={dl}, num_recent_pages=1\n",
+        summary += [f"## recipe {rname}: {_fields(RECIPES[rname])}\n",
                     format_task_table(result), "", format_task_table(result, "token_accuracy"), ""]
     (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
     return 0
+
+
+def _fields(recipe: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in recipe.items())
 
 
 def _save(result, stem: Path) -> None:

@@ -12,7 +12,7 @@ layers + every page's ``k_min``/``k_max``) and the ideal speed-up it implies (de
 
 Prints a markdown table and writes ``OUT/speed.json``; the machine and its load go beside it (``--note``).
 
-    nice -n 5 python bench/smollm2_speed.py --context 8192 --new-tokens 32 --out docs/smollm2 --threads 1
+    python bench/smollm2_speed.py --contexts 1024,4096,8192 --batches 1,4 --new-tokens 32 --out docs/smollm2
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _cpu_name() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--contexts", default="8192", help="prompt lengths in tokens, comma-separated (e.g. 1024,4096,8192)")
+    p.add_argument("--batches", default="1", help="batch sizes, comma-separated (rows: disjoint slices of the text)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--fraction", type=int, default=8, help="budget = context / page_size / FRACTION pages")
@@ -52,75 +53,98 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    import transformers
+    from tqdm.auto import tqdm
 
     import tinyattn.integrations.hf  # noqa: F401
-    from tinyattn import metrics
     from tinyattn.assets import data_path
-    from tinyattn.integrations.hf import TinyAttnCache
-    from tinyattn.models import LlamaRuntime, sources
+    from tinyattn.models import sources
 
     folder = sources.hf_checkpoint("smollm2")
-    tok = sources.load_tokenizer(folder)
-    ids = tok.encode(data_path("book_of_mormon_1nephi.txt").read_text(encoding="utf-8"))[:args.context]
-    if len(ids) < args.context:
-        raise SystemExit(f"--context: the text has {len(ids)} tokens")
-    budget = math.ceil(args.context / args.page_size / args.fraction)
-    model = sources.load_model(folder)
-    cfg = model.config
-    n_params = sum(t.numel() for t in {id(t): t for t in model.parameters()}.values())
-    weight_bytes = n_params * 4
-    ctx = args.context + args.new_tokens // 2                  # mean context over the decode steps
-    dense_kv = cfg.n_layers * cfg.n_kv_heads * metrics.dense_bytes(ctx, cfg.head_dim, 4)
-    sparse_kv = cfg.n_layers * cfg.n_kv_heads * metrics.sparse_bytes(ctx, cfg.head_dim, args.page_size, budget, 4, 4)
-    rows = []
+    text = sources.load_tokenizer(folder).encode(data_path("book_of_mormon_1nephi.txt").read_text(encoding="utf-8"))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
-
-    def add(name, ttft, decode_s, steps, kv_bytes):
-        rows.append(dict(config=name, context=args.context, batch=1, ttft_s=round(ttft, 2),
-                         decode_tok_s=round(steps / decode_s, 2), bytes_per_step=weight_bytes + kv_bytes,
-                         ideal_vs_dense=round((weight_bytes + dense_kv) / (weight_bytes + kv_bytes), 3)))
-        print(rows[-1], flush=True)
-
-    for name, pb in (("runtime_dense", None), ("runtime_quest", budget)):
-        if name in skip:
-            continue
-        rt = LlamaRuntime(model, page_size=args.page_size, page_budget=pb)
-        out = rt.generate([ids], max_new_tokens=args.new_tokens, eos_id=None)
-        s = out.stats
-        add(f"{name}" + (f" 1/{args.fraction} ({pb} pages)" if pb else ""), s.prefill_s, s.decode_s,
-            s.decode_steps, dense_kv if pb is None else sparse_kv)
-    del model
-    for name in ("hf_stock", "hf_tinyattn"):
-        if name in skip:
-            continue
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, attn_implementation="sdpa" if name == "hf_stock" else "tinyattn").eval()
-        cache = (transformers.DynamicCache() if name == "hf_stock"
-                 else TinyAttnCache(hf.config, page_size=args.page_size, page_budget=budget))
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            logits = hf(torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for _ in range(args.new_tokens - 1):
-                nxt = logits[:, -1].argmax(-1, keepdim=True)
-                logits = hf(nxt, past_key_values=cache, use_cache=True).logits
-            dec = time.perf_counter() - t0
-        add(name + ("" if name == "hf_stock" else f" quest 1/{args.fraction} ({budget} pages)"), ttft, dec,
-            args.new_tokens - 1, dense_kv if name == "hf_stock" else sparse_kv)
-        del hf, cache
+    names = [n for n in ("runtime_dense", "runtime_quest", "hf_stock", "hf_tinyattn") if n not in skip]
+    model = sources.load_model(folder)
+    hf = {n: _load_hf(folder, n) for n in names if n.startswith("hf_")}
+    rows = []
+    bar = tqdm(total=len(contexts) * len(batches) * len(names), desc="smollm2 speed", unit="run")
+    for context in contexts:
+        for batch in batches:
+            if batch * context > len(text):
+                raise SystemExit(f"--contexts/--batches: {batch} x {context} tokens exceed the text ({len(text)})")
+            prompts = [text[i * context:(i + 1) * context] for i in range(batch)]
+            for name in names:                 # the configurations of one (context, batch) back to back
+                bar.set_postfix_str(f"{name} context={context} batch={batch}")
+                rows.append(_run(name, model, hf.get(name), prompts, args))
+                print(rows[-1], flush=True)
+                bar.update(1)
+    bar.close()
     machine = f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)"
-    table = ["| config | context | TTFT (s) | decode tok/s | bytes/step (model) | ideal speed-up vs dense |",
-             "|---|---:|---:|---:|---:|---:|"]
-    table += [f"| {r['config']} | {r['context']} | {r['ttft_s']} | {r['decode_tok_s']} | "
-              f"{r['bytes_per_step'] / 2**20:.0f} MiB | {r['ideal_vs_dense']:.2f}x |" for r in rows]
+    table = ["| config | context | batch | TTFT (s) | decode tok/s | vs runtime dense | vs HF stock | "
+             "bytes/step (model) | ideal vs dense |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(r, config):               # decode tok/s against `config` at the same context and batch
+        base = [x for x in rows if (x["context"], x["batch"], x["config"]) == (r["context"], r["batch"], config)]
+        return f"{r['decode_tok_s'] / base[0]['decode_tok_s']:.2f}x" if base else "-"
+
+    for r in rows:
+        table.append(f"| {r['config']} | {r['context']} | {r['batch']} | {r['ttft_s']} | {r['decode_tok_s']} | "
+                     f"{ratio(r, 'runtime dense')} | {ratio(r, 'HF stock')} | {r['bytes_per_step'] / 2**20:.0f} MiB | "
+                     f"{r['ideal_vs_dense']:.2f}x |")
     print(f"machine: {machine}; {args.note}\n" + "\n".join(table))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "speed.json").write_text(json.dumps(dict(machine=machine, note=args.note, args=vars(args) | {
-            "out": str(args.out)}, rows=rows), indent=1) + "\n")
+            "out": str(args.out)}, rows=rows, table=table), indent=1) + "\n")
     return 0
+
+
+def _load_hf(folder, name):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="sdpa" if name == "hf_stock" else "tinyattn").eval()
+
+
+def _run(name: str, model, hf, prompts: list[list[int]], args) -> dict:
+    """TTFT (all rows' prefill) and decode tokens/s (all rows) of one configuration, with the bytes model."""
+    from tinyattn import metrics
+    from tinyattn.integrations.hf import TinyAttnCache
+    from tinyattn.models import LlamaRuntime
+
+    import transformers
+
+    batch, context = len(prompts), len(prompts[0])
+    budget = math.ceil(context / args.page_size / args.fraction)
+    sparse = name != "hf_stock" and name != "runtime_dense"
+    cfg = model.config
+    weight_bytes = 4 * sum(t.numel() for t in {id(t): t for t in model.parameters()}.values())   # tied: once
+    ctx = context + args.new_tokens // 2                                  # mean context over the decode steps
+    kv = batch * cfg.n_layers * cfg.n_kv_heads * (
+        metrics.sparse_bytes(ctx, cfg.head_dim, args.page_size, budget, 4, 4) if sparse
+        else metrics.dense_bytes(ctx, cfg.head_dim, 4))
+    dense_kv = batch * cfg.n_layers * cfg.n_kv_heads * metrics.dense_bytes(ctx, cfg.head_dim, 4)
+    if name.startswith("runtime"):
+        rt = LlamaRuntime(model, page_size=args.page_size, page_budget=budget if sparse else None)
+        s = rt.generate(prompts, max_new_tokens=args.new_tokens, eos_id=None).stats
+        ttft, decode_s, tokens = s.prefill_s, s.decode_s, s.generated_tokens - batch   # the first comes from prefill
+    else:
+        cache = (transformers.DynamicCache() if name == "hf_stock"
+                 else TinyAttnCache(hf.config, page_size=args.page_size, page_budget=budget))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            logits = hf(torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(args.new_tokens - 1):
+                logits = hf(logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits
+            decode_s, tokens = time.perf_counter() - t0, batch * (args.new_tokens - 1)
+    label = {"runtime_dense": "runtime dense", "runtime_quest": "runtime", "hf_stock": "HF stock",
+             "hf_tinyattn": "HF + tinyattn"}[name] + (f" quest 1/{args.fraction} ({budget} pages)" if sparse else "")
+    return dict(config=label, context=context, batch=batch, ttft_s=round(ttft, 2),
+                decode_tok_s=round(tokens / decode_s, 2), bytes_per_step=weight_bytes + kv,
+                ideal_vs_dense=round((weight_bytes + dense_kv) / (weight_bytes + kv), 3))
 
 
 if __name__ == "__main__":

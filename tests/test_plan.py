@@ -119,7 +119,8 @@ def test_plan_reused_across_layers_and_steps(backend):
         for q, k, v, _, _, k_min, k_max in layers:
             # the same table for every layer of a step: the pools differ, the geometry does not
             out = plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max)
-            ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+            ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3,
+                                       num_sink_pages=attn.sparsity.num_sink_pages)   # the default recipe's
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -179,7 +180,8 @@ def test_layer_decision(policy):
     torch.testing.assert_close(dense, R.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
     sparse = attn(1, q[:, 0], k, v, k_min, k_max)
     if policy == "quest":
-        ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+        ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3,
+                                       num_sink_pages=attn.sparsity.num_sink_pages)   # the default recipe's
         torch.testing.assert_close(sparse, ref, atol=2e-5, rtol=1e-4)
     else:
         assert not torch.allclose(sparse, dense)                    # 3 of 9 pages: not the dense answer

@@ -374,7 +374,7 @@ def test_hybrid_model_matches_the_runtime(hybrid, policy):
     budgets = [2, 4]
     configs = [_Config("dense", None, None)] + [_Config(policy, Fraction(b, 18), b) for b in budgets]
     for i, b in enumerate([None] + budgets):
-        rt = LlamaRuntime(hybrid, page_size=4, page_budget=b, backend="torch", policy=policy)
+        rt = LlamaRuntime(hybrid, page_size=4, page_budget=b, backend="torch", policy=policy, num_sink_pages=0)
         expected = rt.generate([sample.prompt], max_new_tokens=5, eos_id=None).tokens[0]
         target = FakeSample("passkey", sample.prompt, expected, 70, 0.2, [])
         outcomes = _run_sample(hybrid, target, 4, configs, seed=0, num_sink_pages=0, num_recent_pages=1,

@@ -162,7 +162,7 @@ def test_hf_tinyattn_dense_greedy_matches_stock(tiny_hf, tokenizer, stock_greedy
 
 
 def test_subword_passkey_sample_is_exact(tokenizer):
-    from tinyattn.retrieval.subword_tasks import make_subword_sample
+    from tinyattn.retrieval.subword_tasks import INSTRUCTION, make_subword_sample
 
     for depth in (0.0, 0.5, 1.0):
         s = make_subword_sample("passkey", context_tokens=300, depth=depth, seed=3, tokenizer=tokenizer)
@@ -172,6 +172,8 @@ def test_subword_passkey_sample_is_exact(tokenizer):
         value = tokenizer.decode(s.answer)
         assert needle.strip() == f"The pass key is <{value}>. Remember it. <{value}> is the pass key."
         assert s.text.endswith("\nWhat is the pass key? The pass key is <")
+        # the passkey test's opening line comes first: a depth-0 needle is not the prompt's first tokens
+        assert s.text.startswith(INSTRUCTION) and a >= len(tokenizer.encode(INSTRUCTION, bos=True))
     with pytest.raises(ValueError, match="context_tokens"):
         make_subword_sample("passkey", context_tokens=10, depth=0.5, seed=3, tokenizer=tokenizer)
 
@@ -199,3 +201,46 @@ def test_cli_generate_and_eval_task_take_smollm2(tmp_path, capsys):
     rows = __import__("json").loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["policy"] for r in rows} == {"dense", "quest"} and rows[0]["accuracy"] == 1.0
     assert list(tmp_path.glob("*.png"))
+
+
+def test_bench_scripts_run_at_tiny_sizes(tmp_path):
+    """bench/smollm2_{passkey,long_text,speed}.py end to end at tiny sizes, each in its own process without
+    TRITON_INTERPRET (the torch backend, as a user runs them): the files and tables they document are written,
+    dense answers its passkeys and scores itself as dense."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import run_subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run(script, *args, quiet):
+        r = run_subprocess([sys.executable, str(bench / script), *args], quiet_seconds=quiet, env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    run("smollm2_passkey.py", "--out", str(tmp_path / "pk"), "--contexts", "256", "--depths", "2", "--budgets", "1/4",
+        "--policies", "dense,quest,h2o", "--recipes", "sink1", quiet=20)
+    rows = json.loads((tmp_path / "pk" / "passkey_sink1.json").read_text())["rows"]
+    assert {(r["policy"], r["depth"]) for r in rows} == {(p, d) for p in ("dense", "quest", "h2o") for d in (0.0, 1.0)}
+    assert all(r["accuracy"] == 1.0 for r in rows if r["policy"] == "dense")
+    assert "| 256 | 1/4 |" in (tmp_path / "pk" / "passkey_summary.md").read_text()
+
+    run("smollm2_long_text.py", "--out", str(tmp_path / "lt"), "--context", "512", "--buckets", "256",
+        "--tokens", "4", "--budgets", "1/4", "--policies", "quest,streaming", "--recipes", "default,sink1", quiet=15)
+    rows = json.loads((tmp_path / "lt" / "long_text.json").read_text())["rows"]
+    assert len(rows) == 1 + 2 * 2 and rows[0]["policy"] == "dense" and rows[0]["ratio"] == 1.0
+    assert all(r["dense_nll"] == rows[0]["nll"] and r["nll"] > 0 for r in rows)
+    assert (tmp_path / "lt" / "long_text.png").stat().st_size > 10_000
+    assert "| 16 | sink1 | quest | 1/4 |" in (tmp_path / "lt" / "long_text_summary.md").read_text()
+
+    out = run("smollm2_speed.py", "--contexts", "128", "--new-tokens", "3", "--out", str(tmp_path / "sp"), quiet=40)
+    rows = json.loads((tmp_path / "sp" / "speed.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["runtime dense", "runtime quest 1/8 (1 pages)", "HF stock",
+                                           "HF + tinyattn quest 1/8 (1 pages)"]
+    assert all(r["decode_tok_s"] > 0 and r["ttft_s"] >= 0 for r in rows)
+    assert "| runtime dense | 128 | 1 |" in out

@@ -41,7 +41,8 @@ class Engine:
         model: the model (its dtype and device are the cache's).
         page_size: tokens per KV page. num_pages: pages in the pool: the engine's whole KV memory.
         page_budget, num_sink_pages, num_recent_pages, dense_layers, policy: decode sparsity, as
-            :class:`tinyattn.SparsityConfig` (``page_budget=None``: dense).
+            :class:`tinyattn.SparsityConfig` (``page_budget=None``: dense; ``num_sink_pages=None``: one sink
+            page when the budget has room for it).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
         max_num_batched_tokens: tokens per step, decode and prefill chunks together (vLLM's name); a prompt
             longer than this is prefilled in chunks over several steps.
@@ -72,7 +73,7 @@ class Engine:
     """
 
     def __init__(self, model, *, page_size: int = 16, num_pages: int, page_budget: int | None = None,
-                 num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
+                 num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):

@@ -73,7 +73,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
-from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
 from tinyattn.ops.validation import check_selection_options
 from tinyattn.ops import boxes, quant
 
@@ -186,7 +186,8 @@ class TinyAttnCache(Cache):
         page_size: tokens per page.
         page_budget: pages attended per (row, KV head) at each decode step in sparse layers;
             ``None`` = dense decode (the baseline). Token budget = ``page_budget * page_size``.
-        num_sink_pages: leading pages always kept (attention sinks).
+        num_sink_pages: leading pages always kept (attention sinks); ``None`` (default): one when the budget has
+            room for it (:func:`tinyattn.layer.default_num_sink_pages`).
         num_recent_pages: trailing pages always kept (the page being written always is).
         dense_layers: the first ``dense_layers`` layers stay dense at decode too (Quest keeps 2).
         num_pages: initial pool size in pages (per layer); ``None`` sizes it from the first forward.
@@ -218,9 +219,12 @@ class TinyAttnCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int = 0,
+    def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int | None = None,
                  num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
                  backend: str | None = None, policy="quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+        if num_sink_pages is None:             # the library's default recipe (tinyattn.layer)
+            num_sink_pages = default_num_sink_pages(page_budget if isinstance(page_budget, int) else None,
+                                                    num_recent_pages if isinstance(num_recent_pages, int) else 1)
         for name, value, low in (("page_size", page_size, 1), ("num_sink_pages", num_sink_pages, 0),
                                  ("num_recent_pages", num_recent_pages, 0), ("dense_layers", dense_layers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -207,7 +207,7 @@ def _budgets_for(page_size: int, page_budgets, token_budgets) -> list[int]:
 @torch.no_grad()
 def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, page_size: int = 16,
              page_budgets: list[int] | None = None, policies=("quest",), page_sizes: list[int] | None = None,
-             token_budgets: list[int] | None = None, num_sink_pages: int = 0, num_recent_pages: int = 1,
+             token_budgets: list[int] | None = None, num_sink_pages: int | None = None, num_recent_pages: int = 1,
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
              progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto") -> EvalResult:
@@ -342,7 +342,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
     return EvalResult(rows=rows, num_stories=n_main, num_tokens=num_targets, page_size=page_sizes[0],
                       max_context=max_context, page_sizes=page_sizes, policies=list(dict.fromkeys(policy_names)),
                       max_sequence_tokens=longest,
-                      options=dict(num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                      options=dict(num_sink_pages="auto" if num_sink_pages is None else num_sink_pages, num_recent_pages=num_recent_pages,
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
                                    repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets,
                                    kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,

@@ -507,7 +507,9 @@ class LlamaRuntime:
         model: a :class:`LlamaModel`.
         page_size: tokens per KV page.
         page_budget: pages kept per (sequence, KV head) per decode step; ``None`` = dense.
-        num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence.
+        num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence;
+            ``num_sink_pages=None`` (default): one sink page when the budget has room for it
+            (:func:`tinyattn.layer.default_num_sink_pages`).
         dense_layers: leading layers that stay dense during decode (Quest keeps 2).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
         policy: page-selection policy, a name (``"quest"``, the default, ``"questmass"``, ``"meanstd"``,
@@ -536,7 +538,7 @@ class LlamaRuntime:
     """
 
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
-                 num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
+                 num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):
         if not isinstance(page_size, int) or page_size < 1:

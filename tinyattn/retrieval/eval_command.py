@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
         extra["make_sample"] = make_subword_sample
     result = evaluate_tasks(model, tokenizer, **extra, tasks=args.task, contexts=args.contexts, depths=args.depths, budgets=args.budgets,
                             page_sizes=page_sizes, policies=policies, samples=args.samples, seed=args.seed,
-                            num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
+                            num_sink_pages=args.num_sink_pages or 0, num_recent_pages=args.num_recent_pages,
                             dense_layers=args.dense_layers, backend=args.backend,
                             decode_prompt_tokens=args.decode_prompt_tokens, progress=not args.no_progress)
     model_name = str(args.model) if args.model is not None else "the shipped retrieval model (tinyattn/data/retrieval)"

@@ -3,7 +3,12 @@
 Same needles, questions, answers, seeds and filler as the character-level generator (``_layout`` and
 :func:`~tinyattn.retrieval.tasks.filler_text`: TinyStories text, no digits, no ``<>``), laid out in *tokens*:
 
-    [BOS if the tokenizer adds one] filler ... " <needle>" ... filler "\\n" "<question>"   -> answer
+    [BOS if the tokenizer adds one] INSTRUCTION filler ... " <needle>" ... filler "\\n" "<question>"   -> answer
+
+- :data:`INSTRUCTION` is the standard opening of the passkey test (Mohtashami & Jaggi 2023, "Landmark Attention",
+  the prompt Quest's passkey evaluation uses): a pretrained model is told that something is hidden in the text,
+  and a needle at depth 0 is not the very first tokens of the prompt (the tokens a pretrained model uses as an
+  attention sink; without it SmolLM2-135M missed the depth-0 needle even with dense attention);
 
 - the filler is the whole filler text encoded once per tokenizer, read from a seeded token offset (wrapping
   around), cut to make the prompt exactly ``context_tokens`` long;
@@ -23,7 +28,11 @@ from functools import lru_cache
 
 from .tasks import TASKS, Sample, _layout, filler_text
 
-__all__ = ["make_subword_sample", "min_subword_context"]
+__all__ = ["INSTRUCTION", "make_subword_sample", "min_subword_context"]
+
+#: the passkey test's opening line (Landmark Attention's prompt, as used by Quest)
+INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "I will quiz you about the important information there.")
 
 
 @lru_cache(maxsize=4)
@@ -40,7 +49,7 @@ def _starts_word(tokenizer, token: int) -> bool:
 def _pieces(task: str, rng: random.Random, tokenizer):
     asked, others, extras, question, answer = _layout(task, rng)
     enc = lambda s: tokenizer.encode(s, bos=False)   # noqa: E731
-    head = tokenizer.encode("", bos=True)
+    head = tokenizer.encode(INSTRUCTION, bos=True)
     return (head, [enc(" " + asked)], [enc(" " + t) for t in others], [enc(" " + t) for t in extras],
             enc("\n"), enc(question), enc(answer))
 

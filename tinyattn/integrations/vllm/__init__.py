@@ -29,10 +29,10 @@ __all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "
 
 BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
 
-#: variable -> (meaning, default); all are ints >= 0
+#: variable -> (meaning, default); all are ints >= 0 (None: the library decides, see the meaning)
 ENV_VARS = {
     "TINYATTN_PAGE_BUDGET": ("pages kept per request and KV head at each decode step; 0 or unset = dense", 0),
-    "TINYATTN_SINK_PAGES": ("leading pages always kept", 0),
+    "TINYATTN_SINK_PAGES": ("leading pages always kept; unset = one when the budget has room for it", None),
     "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
     "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
 }
@@ -67,6 +67,10 @@ def settings_from_env(environ=None):
 
     environ = os.environ if environ is None else environ
     budget, sinks, recent, dense = (_int_setting(n, environ) for n in ENV_VARS)
+    if sinks is None:                   # unset: the library's default recipe (tinyattn.layer)
+        from tinyattn.layer import default_num_sink_pages
+
+        sinks = default_num_sink_pages(budget or None, recent)
     if budget and sinks + max(recent, 1) > budget:
         raise ValueError(f"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES + max(TINYATTN_RECENT_PAGES, 1) "
                          f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
