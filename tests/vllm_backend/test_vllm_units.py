@@ -22,7 +22,7 @@ from tinyattn.layer import PagedAttention, SparsityConfig
 # ---- settings -------------------------------------------------------------------------------------------
 def test_settings_default_dense_and_parsed():
     s = settings_from_env({})
-    assert s.page_budget is None and s.num_sink_pages == 0 and s.num_recent_pages == 1 and s.dense_layers == 0
+    assert s.page_budget is None and s.num_sink_pages == 1 and s.num_recent_pages == 1 and s.dense_layers == 0
     assert settings_from_env({"TINYATTN_PAGE_BUDGET": "0"}).page_budget is None
     s = settings_from_env({"TINYATTN_PAGE_BUDGET": " 64 ", "TINYATTN_SINK_PAGES": "1", "TINYATTN_RECENT_PAGES": "2",
                            "TINYATTN_DENSE_LAYERS": "2"})
