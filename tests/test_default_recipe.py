@@ -1,21 +1,22 @@
-"""The default recipe (issue 27): a caller who sets only ``page_budget`` gets one sink page wherever the budget
-has room for it besides the recent pages and one selected page, and none below that; every entry point resolves
-it the same way, and an explicit ``num_sink_pages`` is kept as given. The rule's figures (1 page, room = sink +
-max(recent, 1) + 1) are the ones docs/accuracy.md ("Defaults") states."""
+"""The default recipe (issue 27): a caller who sets only ``page_budget`` gets one sink page where the budget is at
+least 16 pages (and still selects a page besides the sink and recent pages), none below that; every entry point
+resolves it the same way, and an explicit ``num_sink_pages`` is kept as given. The rule's figures (1 page, 16
+pages) are the ones docs/accuracy.md ("Defaults") states."""
 
 import pytest
 
-from tinyattn.layer import DEFAULT_NUM_SINK_PAGES, SparsityConfig, default_num_sink_pages
+from tinyattn.layer import DEFAULT_NUM_SINK_PAGES, DEFAULT_SINK_MIN_BUDGET, SparsityConfig, default_num_sink_pages
 from tinyattn.models import LlamaRuntime
 
 from model_fixtures import model  # noqa: F401  (module-scoped stories260K fixture)
 
 # (page_budget, num_recent_pages) -> the sink pages the documented rule gives
-CASES = [(None, 1, 1), (1, 1, 0), (2, 1, 0), (3, 1, 1), (64, 1, 1), (3, 2, 0), (4, 2, 1), (3, 0, 1), (2, 0, 0)]
+CASES = [(None, 1, 1), (1, 1, 0), (3, 1, 0), (8, 1, 0), (15, 1, 0), (16, 1, 1), (64, 1, 1), (16, 0, 1), (16, 14, 1),
+         (16, 15, 0), (17, 15, 1)]
 
 
-def test_the_default_is_one_sink_page():
-    assert DEFAULT_NUM_SINK_PAGES == 1
+def test_the_default_is_one_sink_page_from_16_pages():
+    assert (DEFAULT_NUM_SINK_PAGES, DEFAULT_SINK_MIN_BUDGET) == (1, 16)
 
 
 @pytest.mark.parametrize("budget,recent,sinks", CASES)
@@ -35,11 +36,11 @@ def test_an_explicit_sink_count_is_kept_and_checked():
 def test_runtime_and_engine_take_the_default(model):  # noqa: F811
     from tinyattn.engine import Engine
 
-    assert LlamaRuntime(model, page_budget=4).sparsity.num_sink_pages == 1
-    assert LlamaRuntime(model, page_budget=2).sparsity.num_sink_pages == 0
-    assert LlamaRuntime(model, page_budget=4, num_sink_pages=0).sparsity.num_sink_pages == 0
-    assert Engine(model, num_pages=16, page_budget=4, backend="torch").sparsity.num_sink_pages == 1
-    assert Engine(model, num_pages=16, page_budget=2, backend="torch").sparsity.num_sink_pages == 0
+    assert LlamaRuntime(model, page_budget=16).sparsity.num_sink_pages == 1
+    assert LlamaRuntime(model, page_budget=4).sparsity.num_sink_pages == 0
+    assert LlamaRuntime(model, page_budget=16, num_sink_pages=0).sparsity.num_sink_pages == 0
+    assert Engine(model, num_pages=16, page_budget=16, backend="torch").sparsity.num_sink_pages == 1
+    assert Engine(model, num_pages=16, page_budget=4, backend="torch").sparsity.num_sink_pages == 0
 
 
 def _listed_pages(model, **kw):  # noqa: F811
@@ -59,15 +60,15 @@ def _listed_pages(model, **kw):  # noqa: F811
             seen.append(ctx.select_top(scores.contiguous()))
             return seen[-1]
 
-    rt = LlamaRuntime(model, page_size=4, page_budget=3, policy=LaterFirst(), backend="torch", **kw)
-    rt.generate([[1] + list(range(30, 60))], max_new_tokens=3, eos_id=None)
+    rt = LlamaRuntime(model, page_size=2, page_budget=16, policy=LaterFirst(), backend="torch", **kw)
+    rt.generate([[1] + list(range(30, 70))], max_new_tokens=3, eos_id=None)
     assert seen
     return seen
 
 
 def test_the_default_sink_page_is_really_kept(model):  # noqa: F811
     """Left unset, the sink page is listed at every step though it scores worst; with ``num_sink_pages=0`` it is
-    not (8 pages, budget 3: the recent page and the two best scored)."""
+    not (21-22 pages of 2 tokens, budget 16: the recent page and the 15 best scored)."""
     assert all(bool((p == 0).any(-1).all()) for p in _listed_pages(model))
     assert not any(bool((p == 0).any()) for p in _listed_pages(model, num_sink_pages=0))
 
@@ -79,17 +80,17 @@ def test_hf_cache_takes_the_default():
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
     config._attn_implementation = "tinyattn"
-    assert TinyAttnCache(config, page_budget=4).num_sink_pages == 1
-    assert TinyAttnCache(config, page_budget=2).num_sink_pages == 0
+    assert TinyAttnCache(config, page_budget=16).num_sink_pages == 1
+    assert TinyAttnCache(config, page_budget=4).num_sink_pages == 0
     assert TinyAttnCache(config).num_sink_pages == 1                          # dense: recorded, not used
-    assert TinyAttnCache(config, page_budget=4, num_sink_pages=0).num_sink_pages == 0
+    assert TinyAttnCache(config, page_budget=16, num_sink_pages=0).num_sink_pages == 0
 
 
 def test_vllm_settings_take_the_default():
     from tinyattn.integrations.vllm import settings_from_env
 
-    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "4"}).num_sink_pages == 1
-    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "2"}).num_sink_pages == 0
-    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "4", "TINYATTN_SINK_PAGES": "0"}).num_sink_pages == 0
+    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "64"}).num_sink_pages == 1
+    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "4"}).num_sink_pages == 0
+    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "64", "TINYATTN_SINK_PAGES": "0"}).num_sink_pages == 0
     with pytest.raises(ValueError, match="TINYATTN_PAGE_BUDGET"):
         settings_from_env({"TINYATTN_PAGE_BUDGET": "2", "TINYATTN_SINK_PAGES": "2"})

@@ -41,21 +41,26 @@ from .ops import quant
 from .ops.plan import PagedAttentionPlan
 from .ops.validation import check_selection_options, check_window_left
 
-__all__ = ["SparsityConfig", "PagedAttention", "DEFAULT_NUM_SINK_PAGES", "default_num_sink_pages"]
+__all__ = ["SparsityConfig", "PagedAttention", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
+           "default_num_sink_pages"]
 
-#: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget has room
-#: (:func:`default_num_sink_pages`). Issue 27 measured it on SmolLM2-135M (docs/accuracy.md, "Defaults"): one
-#: sink page took quest's NLL on real text at 1/8 of an 8K context from +7.6% to +4.6% of dense (page size 16)
-#: and lost no passkey answer; StreamingLLM (Xiao et al. 2024) shows why pretrained models need the first tokens.
+#: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget is at least
+#: :data:`DEFAULT_SINK_MIN_BUDGET` pages (:func:`default_num_sink_pages`). Issue 27 measured both on SmolLM2-135M
+#: (docs/accuracy.md, "Defaults"): one sink page took quest's NLL on real text at 1/8 of an 8K context (32-64
+#: pages) from +7.6% to +4.6% of dense and changed no passkey answer at budgets of 16 pages or more, but at 4-8
+#: pages it cost passkey answers (the page is taken from the selection). StreamingLLM (Xiao et al. 2024) shows
+#: why pretrained models need the first tokens.
 DEFAULT_NUM_SINK_PAGES = 1
+DEFAULT_SINK_MIN_BUDGET = 16
 
 
 def default_num_sink_pages(page_budget: int | None, num_recent_pages: int) -> int:
     """``num_sink_pages`` when the caller leaves it unset (``None``): :data:`DEFAULT_NUM_SINK_PAGES` when the
-    budget still selects at least one page besides them and the recent pages
-    (``page_budget >= DEFAULT_NUM_SINK_PAGES + max(num_recent_pages, 1) + 1``) or the config is dense, else 0, so
-    that a small ``page_budget`` set alone stays valid."""
-    if page_budget is None or page_budget >= DEFAULT_NUM_SINK_PAGES + max(num_recent_pages, 1) + 1:
+    config is dense or ``page_budget >= max(DEFAULT_SINK_MIN_BUDGET, DEFAULT_NUM_SINK_PAGES +
+    max(num_recent_pages, 1) + 1)`` (a large budget that still selects a page besides the sink and recent
+    pages), else 0: a small ``page_budget`` set alone keeps every page for the selection and stays valid."""
+    room = DEFAULT_NUM_SINK_PAGES + max(num_recent_pages, 1) + 1
+    if page_budget is None or page_budget >= max(DEFAULT_SINK_MIN_BUDGET, room):
         return DEFAULT_NUM_SINK_PAGES
     return 0
 
@@ -68,7 +73,7 @@ class SparsityConfig:
         page_budget: pages kept per (sequence, KV head) at each decode step; ``None`` = dense.
             Token budget = ``page_budget * page_size``.
         num_sink_pages: leading pages always kept (attention sinks, StreamingLLM); ``None`` (default) =
-            :func:`default_num_sink_pages`: one sink page when the budget has room for it, else none.
+            :func:`default_num_sink_pages`: one sink page when ``page_budget >= 16``, else none.
         num_recent_pages: trailing pages always kept (the page being written is always kept).
         dense_layers: number of leading layers that stay dense (Quest keeps 2).
         policy: how pages are chosen: a name of :data:`tinyattn.selection.POLICIES` (``"quest"``, the

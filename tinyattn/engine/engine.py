@@ -42,7 +42,7 @@ class Engine:
         page_size: tokens per KV page. num_pages: pages in the pool: the engine's whole KV memory.
         page_budget, num_sink_pages, num_recent_pages, dense_layers, policy: decode sparsity, as
             :class:`tinyattn.SparsityConfig` (``page_budget=None``: dense; ``num_sink_pages=None``: one sink
-            page when the budget has room for it).
+            page when ``page_budget >= 16``).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
         max_num_batched_tokens: tokens per step, decode and prefill chunks together (vLLM's name); a prompt
             longer than this is prefilled in chunks over several steps.

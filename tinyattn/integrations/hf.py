@@ -186,8 +186,8 @@ class TinyAttnCache(Cache):
         page_size: tokens per page.
         page_budget: pages attended per (row, KV head) at each decode step in sparse layers;
             ``None`` = dense decode (the baseline). Token budget = ``page_budget * page_size``.
-        num_sink_pages: leading pages always kept (attention sinks); ``None`` (default): one when the budget has
-            room for it (:func:`tinyattn.layer.default_num_sink_pages`).
+        num_sink_pages: leading pages always kept (attention sinks); ``None`` (default): one when
+            ``page_budget >= 16`` (:func:`tinyattn.layer.default_num_sink_pages`).
         num_recent_pages: trailing pages always kept (the page being written always is).
         dense_layers: the first ``dense_layers`` layers stay dense at decode too (Quest keeps 2).
         num_pages: initial pool size in pages (per layer); ``None`` sizes it from the first forward.

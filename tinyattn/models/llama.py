@@ -508,7 +508,7 @@ class LlamaRuntime:
         page_size: tokens per KV page.
         page_budget: pages kept per (sequence, KV head) per decode step; ``None`` = dense.
         num_sink_pages, num_recent_pages: pages always kept at the start / end of each sequence;
-            ``num_sink_pages=None`` (default): one sink page when the budget has room for it
+            ``num_sink_pages=None`` (default): one sink page when ``page_budget >= 16``
             (:func:`tinyattn.layer.default_num_sink_pages`).
         dense_layers: leading layers that stay dense during decode (Quest keeps 2).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.

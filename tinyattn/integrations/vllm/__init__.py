@@ -32,7 +32,7 @@ BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
 #: variable -> (meaning, default); all are ints >= 0 (None: the library decides, see the meaning)
 ENV_VARS = {
     "TINYATTN_PAGE_BUDGET": ("pages kept per request and KV head at each decode step; 0 or unset = dense", 0),
-    "TINYATTN_SINK_PAGES": ("leading pages always kept; unset = one when the budget has room for it", None),
+    "TINYATTN_SINK_PAGES": ("leading pages always kept; unset = one when the budget is 16 or more", None),
     "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
     "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
 }
