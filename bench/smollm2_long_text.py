@@ -153,7 +153,8 @@ def summary_table(rows) -> str:
     for r in rows:
         if r["policy"] != "dense":
             groups.setdefault((r["page_size"], r["recipe"], r["policy"], r["budget_fraction"]), []).append(r)
-    out = ["| page size | recipe | policy | budget | mean NLL | dense NLL | vs dense |", "|---:|---|---|---|---:|---:|---:|"]
+    out = ["| page size | recipe | policy | budget | mean NLL | dense NLL | vs dense |",
+           "|---:|---|---|---|---:|---:|---:|"]
     for (ps, recipe, pol, f), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][3], kv[0][2])):
         nll = sum(r["nll"] for r in rs) / len(rs)
         dense = sum(r["dense_nll"] for r in rs) / len(rs)

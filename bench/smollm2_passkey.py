@@ -123,13 +123,11 @@ def main(argv=None) -> int:
             observe = "h2o" in policies and args.h2o_prefill != "skip"
             first = []
             for sid, q, (_, _, n_q, n) in zip(sids, prompts, batch):
-                # the context before the question, then the question (observed by H2O unless skipped)
-                split = n_q if args.h2o_prefill == "question" else (0 if args.h2o_prefill == "observe" else n)
-                split = min(split, n)
-                logits = prefill(model, cache, sid, q[:split], attention=plain) \
-                    if split else None
-                if split < n:
-                    logits = prefill(model, cache, sid, q[split:n], attention=watch if observe else plain)
+                # plainly up to `split`, then with H2O's observer attached: all, the question only, or nothing
+                split = min({"observe": 0, "question": n_q, "skip": n}[args.h2o_prefill] if observe else n, n)
+                for start, end, att in ((0, split, plain), (split, n, watch)):
+                    if end > start:
+                        logits = prefill(model, cache, sid, q[start:end], attention=att)
                 first.append(logits)
                 bar.update(1)
             first = torch.stack(first)

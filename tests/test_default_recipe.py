@@ -27,6 +27,13 @@ def test_sparsity_config_resolves_the_default(budget, recent, sinks):
     assert SparsityConfig(page_budget=budget, num_recent_pages=recent, num_sink_pages=0).num_sink_pages == 0
 
 
+def test_a_bad_field_is_named_when_the_sink_count_is_left_unset():
+    with pytest.raises(ValueError, match="num_recent_pages: expected an int >= 0, got '2'"):
+        SparsityConfig(page_budget=16, num_recent_pages="2")
+    with pytest.raises(TypeError, match="page_budget: expected an int, got str"):
+        SparsityConfig(page_budget="16")
+
+
 def test_an_explicit_sink_count_is_kept_and_checked():
     assert SparsityConfig(page_budget=8, num_sink_pages=3).num_sink_pages == 3
     with pytest.raises(ValueError, match="page_budget"):

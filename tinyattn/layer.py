@@ -95,11 +95,12 @@ class SparsityConfig:
         from .selection import get_policy
 
         object.__setattr__(self, "policy", get_policy(self.policy))
-        if self.num_sink_pages is None and isinstance(self.num_recent_pages, int):
-            budget = self.page_budget if isinstance(self.page_budget, int) else None
-            object.__setattr__(self, "num_sink_pages", default_num_sink_pages(budget, self.num_recent_pages))
-        for name in ("num_sink_pages", "num_recent_pages", "dense_layers"):
+        for name in ("num_recent_pages", "dense_layers", "num_sink_pages"):
             v = getattr(self, name)
+            if name == "num_sink_pages" and v is None:     # unset: the default recipe, from the checked fields
+                budget = self.page_budget if isinstance(self.page_budget, int) else None   # checked below
+                v = default_num_sink_pages(budget, self.num_recent_pages)
+                object.__setattr__(self, name, v)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
         if self.page_budget is not None:

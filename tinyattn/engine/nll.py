@@ -43,8 +43,8 @@ class NLLResult:
 
 @torch.no_grad()
 def teacher_forced_nll(model, sequences: list[list[int]], *, page_size: int = 16, page_budget: int | None = None,
-                       num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
-                       backend: str | None = None, plugins=()) -> NLLResult:
+                       num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
+                       policy="quest", backend: str | None = None, plugins=()) -> NLLResult:
     """Mean NLL of ``sequences`` (token lists, BOS first, >= 2 tokens each) under the engine's decode path with
     the given sparsity and ``plugins``."""
     seqs = [list(s) for s in sequences if len(s) >= 2]

@@ -219,9 +219,10 @@ class TinyAttnCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None, num_sink_pages: int | None = None,
-                 num_recent_pages: int = 1, dense_layers: int = 0, num_pages: int | None = None,
-                 backend: str | None = None, policy="quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+    def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None,
+                 num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
+                 num_pages: int | None = None, backend: str | None = None, policy="quest",
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
         if num_sink_pages is None:             # the library's default recipe (tinyattn.layer)
             num_sink_pages = default_num_sink_pages(page_budget if isinstance(page_budget, int) else None,
                                                     num_recent_pages if isinstance(num_recent_pages, int) else 1)
