@@ -22,7 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tinyattn import kernels as K  # noqa: E402
 from tinyattn.kernels import chunk_topk as C  # noqa: E402
-from tinyattn.ops import core, reference  # noqa: E402
+from tinyattn.ops import reference  # noqa
+from tinyattn.ops.selection import torch_impl as core: E402
 from tinyattn.ops.plan import PagedAttentionPlan  # noqa: E402
 from paged_problems import make_problem  # noqa: E402
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinyattn.reference as reference
 from tinyattn import PagedKVCache
-from tinyattn.ops import kv_write, quant
+from tinyattn.ops import api as kv_write, quant
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8,
            "fp8_e4m3": torch.float8_e4m3fn}

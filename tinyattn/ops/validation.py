@@ -38,10 +38,6 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = previous
 
 
-_Tensor = torch.Tensor
-_memo = threading.local()     # per thread and op: the last validated call (see recall / remember)
-
-
 def value_checks_active() -> bool:
     """Whether the data-dependent checks run now: on (see :func:`value_checks`) and not while ``torch.compile``
     traces. They read tensor values on the host (``int(...)``, ``.tolist()``), which would break a
@@ -51,87 +47,8 @@ def value_checks_active() -> bool:
     return _VALUE_CHECKS
 
 
-class _Snapshot(NamedTuple):
-    """A CPU table's values at a validated call (see :func:`keep_tables`)."""
-    tensor: torch.Tensor        # the table itself (held: its id cannot be reused while the snapshot lives)
-    data_ptr: int
-    stride: tuple
-    shape: torch.Size
-    dtype: torch.dtype
-    view: object                # numpy view of its memory: re-reading it costs ~0.1 µs, torch.equal ~1.5 µs
-    data: bytes
-
-
-def same_tables(saved, tensors) -> bool:
-    """Whether ``tensors`` hold the same values as ``saved`` (snapshots kept by :func:`keep_tables`): CPU tables
-    only (comparing is well under a µs there; on a GPU it would be a host sync, so GPU tables never match)."""
-    if saved is None or len(saved) != len(tensors):
-        return False
-    for snap, t in zip(saved, tensors):    # a loop, not all(genexpr): this runs on every call of the ops
-        if t.shape != snap.shape or t.dtype != snap.dtype:
-            return False
-        if t is snap.tensor and t.data_ptr() == snap.data_ptr and t.stride() == snap.stride:
-            if snap.view.tobytes() != snap.data:          # written in place since (through any alias)
-                return False
-        else:                                              # another tensor: compare its values
-            view = _host_view(t)
-            if view is None or view.tobytes() != snap.data:
-                return False
-    return True
-
-
-def _host_view(t: torch.Tensor):
-    """A numpy view of a CPU tensor's values, or None (another device, or a dtype numpy cannot view)."""
-    if not t.is_cpu:
-        return None
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):     # e.g. bfloat16, requires_grad, conjugate views
-        return None
-
-
-def keep_tables(tensors) -> tuple | None:
-    """Snapshots of CPU tables to compare later calls with (:func:`same_tables`), or None for other devices."""
-    saved = []
-    for t in tensors:
-        view = _host_view(t)
-        if view is None:
-            return None
-        saved.append(_Snapshot(t, t.data_ptr(), t.stride(), t.shape, t.dtype, view, view.tobytes()))
-    return tuple(saved)
-
-
-def signature(*args) -> tuple:
-    """What an op's shape, dtype, device and option checks depend on: each tensor's shape, dtype and device, and
-    every other argument with its type (so ``True`` never stands for ``1``; a NaN never equals itself, so a
-    call with one is always checked)."""
-    return tuple([(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else (type(a), a) for a in args])
-
-
-def recall(op: str, sig: tuple, tables: tuple):
-    """What the last validated call of ``op`` on this thread returned, if it had this :func:`signature` and its
-    tables held these values; else ``None``.
-
-    An op called again and again on the same tables (a microbenchmark, one layer after another with the same
-    ``block_table``) is then checked once. The values are compared, not the tensors' identity or version
-    counters, so writes through ``.numpy()`` / ``torch.from_numpy`` buffers or ``.data`` are seen too. CPU tables
-    only: on a GPU a comparison would be a host sync, as the checks are, so they just run.
-    """
-    if torch.compiler.is_compiling():
-        return None
-    hit = getattr(_memo, op, None)
-    if hit is not None and hit[0] == sig and same_tables(hit[1], tables):
-        return hit[2]
-    return None
-
-
-def remember(op: str, sig: tuple, tables: tuple, result):
-    """Keep ``result`` of a call that passed every check (see :func:`recall`); returns ``result``. A call made
-    while the value checks were off (or traced) proves nothing about its tables and is not kept."""
-    saved = keep_tables(tables) if value_checks_active() else None
-    if saved is not None:
-        setattr(_memo, op, (sig, saved, result))
-    return result
+_Tensor = torch.Tensor
+_memo = threading.local()     # per thread: the box pairs check_boxes_filled passed (see there)
 
 
 def _dtype_name(dtype) -> str:
@@ -583,3 +500,101 @@ def check_kernel_page_size(page_size: int) -> None:
     if page_size & (page_size - 1):
         raise ValueError(f"page_size: expected a power of two for the Triton backend (or backend='torch'), "
                          f"got {page_size}")
+
+
+def check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill) -> None:
+    """Arguments of :func:`tinyattn.ops.api.write_kv`: shapes, dtypes and devices (no data-dependent check: no
+    host sync)."""
+    for name, x in (("k", k), ("v", v), ("slots", slots), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: expected the shape and dtype of k_cache {tuple(k_cache.shape)} {k_cache.dtype} "
+                         f"[num_pages, page_size, Hkv, D], got {tuple(v_cache.shape)} {v_cache.dtype}")
+    num_pages, _, Hkv, D = k_cache.shape
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slots: expected a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (slots.shape[0], Hkv, D):
+            raise ValueError(f"{name}: expected shape {(slots.shape[0], Hkv, D)} [N, Hkv, D], got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name}: expected a float tensor, got {x.dtype}")
+    if (k_min is None) != (k_max is None):
+        raise ValueError("k_min, k_max: expected both or neither")
+    if k_min is not None:
+        for name, x in (("k_min", k_min), ("k_max", k_max)):
+            if tuple(x.shape) != (num_pages, Hkv, D) or x.dtype != k_min.dtype:
+                raise ValueError(f"{name}: expected shape {(num_pages, Hkv, D)} of one dtype, got "
+                                 f"{tuple(x.shape)} {x.dtype}")
+    if k_cache.dtype in QUANTIZED_DTYPES:
+        for name, x, shape, dtype in (("k_scale", k_scale, (num_pages, Hkv), torch.float32),
+                                      ("v_scale", v_scale, (num_pages, Hkv), torch.float32),
+                                      ("fill", fill, (num_pages,), torch.int64)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
+                raise ValueError(f"{name}: expected a {dtype} tensor of shape {shape} for a {k_cache.dtype} pool, "
+                                 f"got {got}")
+    for name, x in (("k", k), ("v", v), ("slots", slots), ("v_cache", v_cache), ("k_min", k_min),
+                    ("k_max", k_max), ("k_scale", k_scale), ("v_scale", v_scale), ("fill", fill)):
+        if isinstance(x, torch.Tensor) and x.device != k_cache.device:
+            raise ValueError(f"{name}: expected a tensor on {k_cache.device} (k_cache's device), got {x.device}")
+
+
+class Call(NamedTuple):
+    """A validated call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
+    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:13]``); ``plan_args``: the keyword
+    arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step."""
+    backend: str
+    scale: float
+    window_left: int
+    step: tuple
+    plan_args: dict
+
+
+def _call(shapes: PagedShapes, device, scale, backend, window_left, page_budget=None, num_sink_pages=0,
+          num_recent_pages=1) -> Call:
+    from .plan import resolve_backend
+
+    scale = check_scale(scale, shapes.head_dim)
+    backend = resolve_backend(backend, device)
+    window_left = check_window_left(window_left)
+    step = (device, shapes.batch, shapes.max_pages_per_seq, shapes.num_q_heads, shapes.num_kv_heads,
+            shapes.head_dim, shapes.page_size, shapes.num_query_tokens, page_budget, num_sink_pages,
+            num_recent_pages, scale)
+    args = dict(num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
+                page_size=shapes.page_size, num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
+                num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, scale=scale)
+    return Call(backend, scale, window_left, step, args)
+
+
+def check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale,
+                    window_left) -> Call:
+    """Every argument of :func:`tinyattn.paged_attention` (shapes, dtypes, devices, KV format, table values, scale,
+    backend, window)."""
+    _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    call = _call(shapes, q.device, scale, backend, window_left)
+    if call.backend == "triton":
+        check_kernel_page_size(shapes.page_size)
+        check_kv_backend(k_cache, call.backend)
+    return call
+
+
+def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
+                           num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left) -> Call:
+    """Every argument of :func:`tinyattn.sparse_paged_attention`: those of :func:`check_attention`, the pages
+    (listed, or boxes that hold their pages' keys and a budget that holds the forced pages) and the window rule
+    (no sink pages with a window and a selection by boxes). With ``page_indices`` the plan has no budget: the list's
+    width is the budget, and the forced-page counts only describe how the list was chosen."""
+    _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                   num_sink_pages, num_recent_pages)
+    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages
+        check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, shapes.page_size, k_scale)
+        check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
+    else:
+        rules["page_budget"] = None
+    call = _call(shapes, q.device, scale, backend, window_left, **rules)
+    if call.backend == "triton":
+        check_kernel_page_size(shapes.page_size)
+        check_kv_backend(k_cache, call.backend)
+    return call

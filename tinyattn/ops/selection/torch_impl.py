@@ -1,10 +1,9 @@
-"""The torch backend's copy of each rule (DESIGN.md §4): the Quest bound, page selection and box upkeep.
+"""The torch form of scoring and selection (DESIGN.md §1, §3; docs/layout.md): the Quest bound, the pages a window
+hides, the page selection, and the canonical form of a page list.
 
-Every rule of the torch backend lives here once, used both by the stand-alone ops (``page_scores``,
-``select_pages``, ``update_page_metadata``) and by the per-step plan (:mod:`tinyattn.ops.plan_torch`);
-attention itself is :func:`tinyattn.ops.core.attend_rows` / SDPA over gathered rows (:mod:`.plan_torch`).
-The other copies are the reference loops (:mod:`tinyattn.ops.reference`, the tests' oracle) and the Triton
-kernels (:mod:`tinyattn.kernels`); docs/layout.md lists where each rule lives.
+Each rule lives here once, used both by the stand-alone ops (``page_scores``, ``select_pages``) and by the
+per-step plan (:mod:`tinyattn.ops.plan_torch`). The other copies are the loops of :mod:`.reference` (the tests'
+oracle) and the Triton kernels (:mod:`.triton_impl`); docs/layout.md lists where each rule lives.
 
 No Python loop over rows, heads or pages. Inputs are already validated and canonical.
 
@@ -17,7 +16,8 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
 - **Selection** (:func:`selection_keys` once per step, :func:`top_pages` per layer): forced pages (the recent /
   query pages, then the sinks) are keyed above every score, then the bounds in descending order, NaN as ``-inf``,
   ties to the lower page index, invalid pages last. Short rows sort float keys (stable, fewest calls); long rows
-  take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then ``P - 1 - j``),
+  take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then
+  ``max_pages - 1 - j``),
   much cheaper than sorting thousands of pages. Both encode the one order above.
 """
 
@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .boxes import store_box
-from .core import (canonical_page_indices, dense_page_indices, float_order_key, group_queries,  # noqa: F401
-                   math_dtype, num_valid_pages)
+from ..attention.torch_impl import first_window_key
+from ..layout import NEG_INF, group_queries, math_dtype, num_valid_pages
 
-NEG_INF = float("-inf")
+__all__ = ["float_order_key", "canonical_page_indices", "physical_pages", "page_bounds", "page_scores",
+           "mask_pages_before_window", "selection_keys", "top_pages", "select_pages"]
+
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
 _SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed int64 keys (cheaper than a sort)
@@ -164,23 +165,42 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
     return out
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None):
-    """Min/max over valid slots of every valid page, written at the physical page ids (of the dequantized keys
-    ``code.float() * scale`` with an int8 / fp8 pool and its ``k_scale``)."""
-    B, P = block_table.shape
-    S = k_cache.shape[1]
-    cols = torch.arange(P, device=k_cache.device)
-    n = num_valid_pages(seq_lens, S)
-    valid = cols[None, :] < n[:, None]                                                  # [B, P]
-    rows, logical = valid.nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return
-    phys = block_table[rows, logical].to(torch.int64)                                   # [N]
-    keys = k_cache[phys]                                                                # [N, S, Hkv, D]
-    if k_scale is not None:
-        keys = keys.float() * k_scale[phys][:, None, :, None]
-    n_tok = (seq_lens.to(torch.int64)[rows] - logical * S).clamp(max=S)                 # [N]
-    slot_ok = (torch.arange(S, device=k_cache.device)[None, :] < n_tok[:, None])[:, :, None, None]
-    inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-    # a box narrower than the keys is rounded outward: still a bound (tinyattn.ops.boxes)
-    store_box(k_min, k_max, phys, torch.where(slot_ok, keys, inf).amin(1), torch.where(slot_ok, keys, -inf).amax(1))
+def float_order_key(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like the fp32 ``scores``, in the high 32 bits (the low ones are free for a tie-break).
+
+    NaN counts as ``-inf`` and ``-0.0`` as ``0.0``: the one ordering rule of every selection (DESIGN.md §3).
+    """
+    # nan_to_num, not where(isnan, -inf, x): the same values, ~3x faster on the CPU (a Python-scalar where
+    # is slow there); +0.0 turns -0.0 into 0.0
+    s = scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF).add_(0.0)
+    bits = s.view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
+
+
+def canonical_page_indices(page_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Ascending, de-duplicated, ``-1`` for padding and for pages past the row's end (int32, same shape)."""
+    n = num_valid_pages(seq_lens, page_size)[:, None, None]
+    idx = page_indices.to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where((idx >= 0) & (idx < n), idx, big)
+    idx = torch.sort(idx, dim=-1).values
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    idx = torch.where(dup, big, idx)
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(idx == big, -1, idx).to(torch.int32)
+
+
+def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_query_tokens: int,
+                             window_left: int) -> torch.Tensor:
+    """``scores`` ``[B, Hkv, P]`` with ``-inf`` for every page wholly before the window of the row's earliest
+    query (its last key ``(j + 1) * page_size - 1`` precedes ``seq_len - Tq - window_left``), in place.
+
+    Such a page cannot contribute to any query of the row: a windowed selection ranks it below every page that
+    overlaps the window (docs/api.md, ``window_left``). No-op for ``window_left = -1``."""
+    if window_left < 0:
+        return scores
+    j = torch.arange(scores.shape[-1], device=scores.device)
+    first = first_window_key(seq_lens.to(scores.device), num_query_tokens, window_left)
+    before = (j[None, :] + 1) * page_size <= first[:, None]                             # [B, P]
+    return scores.masked_fill_(before[:, None, :], NEG_INF)
