@@ -219,8 +219,7 @@ class PagedKVCache:
     def _take_page(self, seq_id: int) -> None:
         page = self._free.pop()
         for k_min, k_max in zip(self.k_min, self.k_max):
-            k_min[page].fill_(float("inf"))          # an empty box: the first write sets it
-            k_max[page].fill_(float("-inf"))
+            kv_cache.reset_boxes(k_min, k_max, page)     # an empty box: the first write sets it
         for scale in self.k_scale + self.v_scale:
             scale[page] = 0.0                        # an empty page: the first write sets its scale
         if self.quantized:

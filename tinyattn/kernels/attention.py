@@ -159,8 +159,8 @@ def _window_start(o_qpos, WINDOW_LEFT):
 def _window_first_token(q_first, WINDOW_LEFT, PAGE_SIZE: tl.constexpr):
     """Where a dense walk starts: the first token of the page holding the first key the query at position
     ``q_first`` (a block's earliest) sees; 0 without a window."""
-    lo = tl.maximum(q_first.to(tl.int64) - WINDOW_LEFT, 0)
-    return tl.where(WINDOW_LEFT >= 0, (lo // PAGE_SIZE) * PAGE_SIZE, 0).to(tl.int32)
+    lo = tl.maximum(_window_start(q_first, WINDOW_LEFT), 0)  # no window: -1, so token 0
+    return ((lo // PAGE_SIZE) * PAGE_SIZE).to(tl.int32)
 
 
 @triton.jit

@@ -59,9 +59,11 @@ def _planned(op: str, call: checks.Call, block_table, seq_lens):
         plan = PagedAttentionPlan(backend=call.backend)
         setattr(_plans, key, plan)
     step = plan.step
-    if (step is not None and step[1:] == call.step and block_table.is_cpu and
+    if (step is not None and step[1:13] == call.step and block_table.is_cpu and
             torch.equal(plan._impl.block_table, block_table) and torch.equal(plan._impl.seq_lens, seq_lens)):
-        return plan._impl
+        return plan._impl                      # the same tables: their values were checked when it was planned
+    plan.step = None                           # a plan whose checks failed must not serve the next call
+    checks.check_step_values(block_table, seq_lens, call)
     plan.plan(block_table, seq_lens, trusted=True, **call.plan_args)
     return plan._impl
 
@@ -170,6 +172,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
                                          v_scale, window_left)
+    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
+        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     if torch.compiler.is_compiling():
         return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
                          k_scale, v_scale)

@@ -39,7 +39,9 @@ def group_queries(q4: torch.Tensor, num_kv_heads: int, dtype: torch.dtype | None
     x = q4 if dtype is None else q4.to(dtype)
     if Tq == 1:
         return x.reshape(B, num_kv_heads, Hq // num_kv_heads, D)
-    return x.reshape(B, Tq, num_kv_heads, Hq // num_kv_heads, D).transpose(1, 2).reshape(B, num_kv_heads, -1, D)
+    G = Hq // num_kv_heads
+    # explicit sizes, never -1: an empty batch (B = 0) has no size to infer
+    return x.reshape(B, Tq, num_kv_heads, G, D).transpose(1, 2).reshape(B, num_kv_heads, Tq * G, D)
 
 
 def ungroup(x: torch.Tensor, num_query_tokens: int) -> torch.Tensor:

@@ -40,41 +40,14 @@ Pattern: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import validation as V
+from .validation import BACKENDS, resolve_backend
 from .layout import cdiv_pages
 from .step import Step
 
 __all__ = ["PagedAttentionPlan", "resolve_backend", "BACKENDS"]
-
-BACKENDS = ("torch", "triton")
-
-_INTERPRET: bool | None = None
-
-
-def _interpreting() -> bool:
-    """TRITON_INTERPRET=1? Read once (the variable only counts when set before triton is imported); code that
-    sets it later, as the CLI does for ``--backend triton`` on a CPU, resets ``_INTERPRET`` to ``None``."""
-    global _INTERPRET
-    if _INTERPRET is None:
-        _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-    return _INTERPRET
-
-
-def resolve_backend(backend, device: torch.device) -> str:
-    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
-    if backend is None:
-        return "triton" if device.type == "cuda" or _interpreting() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
-                         f"imported, got tensors on {device}")
-    return backend
-
 
 def _implementation(backend: str):
     """The class that runs a step on ``backend`` (imported lazily: a CPU-only user never imports triton)."""

@@ -56,11 +56,6 @@ def _sdpa_zeroes_empty_rows() -> bool:
     return bool((out == 0).all())
 
 
-def _recording(*tensors) -> bool:
-    """Whether autograd records an op on ``tensors`` (then no ``out=`` workspace, no chunks, no SDPA)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class TorchPlan:
     """One step on the torch backend; built by :class:`tinyattn.PagedAttentionPlan` (use that)."""
 
@@ -81,15 +76,17 @@ class TorchPlan:
         self._num_pages = min(step.max_pages, max((cdiv_pages(n, step.page_size) for n in lens), default=0))
         # every row a fresh prefill (its queries are all its tokens): causal SDPA, top-left = bottom-right
         self._fresh = step.num_query_tokens > 1 and all(n == step.num_query_tokens for n in lens)
+        self._group = step.group
         self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
         self._keys = None                # selection keys (selection_torch.selection_keys)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
 
     # ------------------------------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
-        """Attention of one layer; see :meth:`tinyattn.PagedAttentionPlan.run`. The torch forms are differentiable,
-        so eager autograd runs :meth:`forward` itself; while ``torch.compile`` traces, the custom ops
-        (:func:`tinyattn.ops.custom_ops.differentiable`) run it opaquely."""
+        """Attention of one layer (see :meth:`tinyattn.PagedAttentionPlan.run`): :meth:`attend`, its lse cast to fp32
+        (DESIGN.md §2), written into ``out`` if given. The torch forms are differentiable, so eager autograd runs
+        them itself; while ``torch.compile`` traces, the custom ops (:func:`tinyattn.ops.custom_ops.differentiable`)
+        run them opaquely."""
         if torch.compiler.is_compiling():
             step = self.step
             o, lse = custom_ops.differentiable(
@@ -97,12 +94,6 @@ class TorchPlan:
                 scale=scale, window_left=window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
                 selection=step.selection if step.selects else None, scales=scales, nothing=step.nothing)
             return attention_torch.finish_output(q, o, lse, return_lse, out)
-        return self.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                            window_left)
-
-    def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                window_left):
-        """:meth:`attend`, with its lse cast to fp32 (DESIGN.md §2) and the result written into ``out`` if given."""
         o, lse = self.attend(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, scale, scales, window_left)
         if out is None and not return_lse:
             return o
@@ -121,7 +112,8 @@ class TorchPlan:
             o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
             return o.view(q.shape), lse if need_lse else None
         selects = k_min is not None and step.selects
-        recording = _recording(q, k_cache, v_cache)
+        # autograd records (then no out= workspace, no chunks, no SDPA): inline, this runs once per layer
+        recording = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
         if page_indices is None and not selects:
             if window_left >= 0 and self._query_blocks(window_left):
                 return self._attend_query_blocks(q, k_cache, v_cache, need_lse, scale, scales, window_left)
@@ -129,16 +121,16 @@ class TorchPlan:
                 return self._prefill(q, k_cache, v_cache, scale, scales, window_left), None
         dt = q.dtype if q.dtype in _EXACT else torch.float32
         if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
-            qg = q.view(step.batch, step.num_kv_heads, step.group, step.head_dim)
+            qg = q.view(step.batch, step.num_kv_heads, self._group, step.head_dim)
         else:
             qg = group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
             page_indices = self.select(q4, k_min, k_max, window_left, qg)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left)
-            selection = step.selection
-            if _spans.recorder is not None:          # the profiler reads canonical page lists
+            if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
                 page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
+                selection = step.selection
         elif page_indices is not None:
             rows, bias, n_keys = self._listed_rows(page_indices, window_left)
             selection = dict(step.selection, page_budget=page_indices.shape[-1])
@@ -319,7 +311,9 @@ class TorchPlan:
         preallocated partials); an lse, autograd or an SDPA that gives NaN for empty rows take the NaN-safe softmax
         (:func:`~tinyattn.ops.attention.torch_impl.attend_rows`); everything else one SDPA call."""
         B, Hkv, M, D = qg.shape
-        chunk = None if recording else attention_torch.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
+        chunk = None
+        if not recording and n_keys * B * Hkv * D * k_cache.element_size() >= attention_torch.MIN_BYTES:
+            chunk = attention_torch.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
             def gather(flat_rows, n):
                 return self._gather_kv(k_cache, v_cache, flat_rows, n, qg.dtype, scales)
@@ -384,7 +378,7 @@ class TorchPlan:
         flat = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
         numel = rows.shape[0] * flat.shape[1]
         if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES or (
-                _recording(x)):     # out= has no autograd
+                x.requires_grad and torch.is_grad_enabled()):     # out= has no autograd
             return flat.index_select(0, rows)    # small: the workspace lookup costs more than it saves
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:

@@ -178,5 +178,5 @@ class TritonPlan:
         if self._torch_step is not self.step:
             self._torch.plan(self.step, self._bt32, self._sl32)
             self._torch_step = self.step
-        return self._torch.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
+        return self._torch.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                                    window_left)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +37,33 @@ def value_checks(enabled: bool):
         yield
     finally:
         _VALUE_CHECKS = previous
+
+
+#: the backends a ``backend=`` argument may name (DESIGN.md §4)
+BACKENDS = ("torch", "triton")
+
+_INTERPRET: bool | None = None
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1? Read once (the variable only counts when set before triton is imported); code that
+    sets it later, as the CLI does for ``--backend triton`` on a CPU, resets ``_INTERPRET`` to ``None``."""
+    global _INTERPRET
+    if _INTERPRET is None:
+        _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
+
+
+def resolve_backend(backend, device: torch.device) -> str:
+    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
+    if backend is None:
+        return "triton" if device.type == "cuda" or _interpreting() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
+                         f"imported, got tensors on {device}")
+    return backend
 
 
 def value_checks_active() -> bool:
@@ -161,12 +189,12 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | N
     return stats[3]
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
-                       v_scale=None) -> tuple[torch.Tensor, PagedShapes]:
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None, *,
+                       values: bool = True) -> tuple[torch.Tensor, PagedShapes]:
     """Validate the arguments shared by every attention op; return q as [B, Tq, Hq, D] and the sizes.
 
     The pools hold ``q``'s dtype, or int8 / float8_e4m3fn with ``k_scale`` and ``v_scale`` ``[num_pages, Hkv]``
-    fp32 (:mod:`tinyattn.ops.quant`)."""
+    fp32 (:mod:`tinyattn.ops.quant`). ``values``: also the table values (:func:`check_table_values`)."""
     q = check_query(q)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     B, Tq, Hq, D = q4.shape
@@ -187,7 +215,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
     if page_size < 1:
         raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
     check_tables(block_table, seq_lens, B, q.device)
-    check_table_values(block_table, seq_lens, page_size, num_pages)
+    if values:
+        check_table_values(block_table, seq_lens, page_size, num_pages)
     return q4, PagedShapes(B, Tq, Hq, Hkv, D, num_pages, page_size, block_table.shape[1])
 
 
@@ -283,11 +312,13 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
         ValueError naming ``k_min``/``k_max``, the physical page, KV head and channel, and saying to call
         ``update_page_metadata``.
     """
-    if not value_checks_active() or seq_lens.numel() == 0:
+    if not _VALUE_CHECKS or torch.compiler.is_compiling() or seq_lens.numel() == 0:   # value_checks_active()
         return
-    tensors = (k_min, k_max, k_cache, block_table, seq_lens)
     # inference tensors keep no version counter: those calls are always checked
-    seen = None if any(t.is_inference() for t in tensors) else tuple((t.data_ptr(), t._version) for t in tensors)
+    seen = None if (k_min.is_inference() or k_max.is_inference() or k_cache.is_inference() or
+                    block_table.is_inference() or seq_lens.is_inference()) else (
+        (k_min.data_ptr(), k_min._version), (k_max.data_ptr(), k_max._version), (k_cache.data_ptr(), k_cache._version),
+        (block_table.data_ptr(), block_table._version), (seq_lens.data_ptr(), seq_lens._version))
     passed = getattr(_memo, "boxes", None)
     if passed is None:
         passed = _memo.boxes = {}
@@ -439,10 +470,11 @@ def check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages
 
 
 def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                           num_sink_pages, num_recent_pages) -> dict:
+                           num_sink_pages, num_recent_pages, *, values: bool = True) -> dict:
     """The page arguments of ``sparse_paged_attention``: either ``page_indices``, or ``k_min``, ``k_max`` and
     ``page_budget`` together. Returns the selection rules ``{page_budget, num_sink_pages, num_recent_pages}``
-    (with ``page_indices``: its width and the rules the caller says it chose them under)."""
+    (with ``page_indices``: its width and the rules the caller says it chose them under). ``values``: also check
+    that the budget holds the pages of the ``Tq`` queries (a host sync)."""
     if page_indices is None:
         if k_min is None or k_max is None or page_budget is None:
             missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
@@ -452,7 +484,8 @@ def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indic
                           box_dtype(q, k_cache), q.device)
         options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
                            check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
-        check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
+        if values:
+            check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
         return options
     given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
     if given:
@@ -541,60 +574,115 @@ def check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_s
 
 
 class Call(NamedTuple):
-    """A validated call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
+    """A checked call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
     plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:13]``); ``plan_args``: the keyword
-    arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step."""
+    arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step; ``num_pages``: the pool's pages
+    (the bound of the block-table ids, checked with the table values by :func:`check_step_values`)."""
     backend: str
     scale: float
     window_left: int
     step: tuple
     plan_args: dict
+    num_pages: int
 
 
-def _call(shapes: PagedShapes, device, scale, backend, window_left, page_budget=None, num_sink_pages=0,
-          num_recent_pages=1) -> Call:
-    from .plan import resolve_backend
+_T = torch.Tensor
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX = (torch.int32, torch.int64)
 
-    scale = check_scale(scale, shapes.head_dim)
-    backend = resolve_backend(backend, device)
-    window_left = check_window_left(window_left)
-    step = (device, shapes.batch, shapes.max_pages_per_seq, shapes.num_q_heads, shapes.num_kv_heads,
-            shapes.head_dim, shapes.page_size, shapes.num_query_tokens, page_budget, num_sink_pages,
+
+def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, window_left, page_budget=None,
+          num_sink_pages=0, num_recent_pages=1) -> Call:
+    """The :class:`Call` of checked arguments (``scale``, ``backend`` and ``window_left`` are checked here)."""
+    Tq = 1 if q.dim() == 3 else q.shape[1]
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    if scale is None:
+        scale = D ** -0.5
+    elif type(scale) is not float or scale != scale or abs(scale) == float("inf"):
+        scale = check_scale(scale, D)
+    if backend is None and q.is_cpu and _INTERPRET is False:
+        backend = "torch"                      # the common CPU case, without a call
+    else:
+        backend = resolve_backend(backend, q.device)
+    if type(window_left) is not int or window_left < -1:
+        window_left = check_window_left(window_left)
+    step = (q.device, B, max_pages, Hq, num_kv_heads, D, page_size, Tq, page_budget, num_sink_pages,
             num_recent_pages, scale)
-    args = dict(num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim,
-                page_size=shapes.page_size, num_query_tokens=shapes.num_query_tokens, page_budget=page_budget,
-                num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, scale=scale)
-    return Call(backend, scale, window_left, step, args)
+    args = dict(num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size, num_query_tokens=Tq,
+                page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                scale=scale)
+    if backend == "triton":
+        check_kernel_page_size(page_size)
+    return Call(backend, scale, window_left, step, args, num_pages)
+
+
+def _plain_pools(q, k_cache, v_cache, block_table, seq_lens):
+    """The common case of :func:`check_paged_inputs`, tested inline (no call per argument): plain tensors, a float
+    pool of ``q``'s dtype, int tables, one device, matching sizes. ``False`` sends the call to the detailed
+    checks, which name what is wrong (or accept a less common case: quantized pools, subclasses)."""
+    return (type(q) is _T and type(k_cache) is _T and type(v_cache) is _T and type(block_table) is _T
+            and type(seq_lens) is _T and q.dim() in (3, 4) and q.dtype in _FLOATS and k_cache.dim() == 4
+            and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+            and block_table.dim() == 2 and seq_lens.dim() == 1 and block_table.dtype in _INDEX
+            and seq_lens.dtype in _INDEX and k_cache.device == q.device and v_cache.device == q.device
+            and block_table.device == q.device and seq_lens.device == q.device
+            and block_table.shape[0] == q.shape[0] == seq_lens.shape[0] and k_cache.shape[3] == q.shape[-1] >= 1
+            and k_cache.shape[1] >= 1 and k_cache.shape[2] >= 1 and q.shape[-2] % k_cache.shape[2] == 0)
 
 
 def check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale,
                     window_left) -> Call:
-    """Every argument of :func:`tinyattn.paged_attention` (shapes, dtypes, devices, KV format, table values, scale,
-    backend, window)."""
-    _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    call = _call(shapes, q.device, scale, backend, window_left)
+    """The arguments of :func:`tinyattn.paged_attention` but the table values (:func:`check_step_values`, run when
+    a plan is made for new tables): shapes, dtypes, devices, KV format, scale, backend, window."""
+    if k_scale is None and v_scale is None and _plain_pools(q, k_cache, v_cache, block_table, seq_lens):
+        num_pages, page_size, Hkv, _ = k_cache.shape
+    else:
+        _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
+        num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
+    call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left)
     if call.backend == "triton":
-        check_kernel_page_size(shapes.page_size)
         check_kv_backend(k_cache, call.backend)
     return call
 
 
 def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
                            num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left) -> Call:
-    """Every argument of :func:`tinyattn.sparse_paged_attention`: those of :func:`check_attention`, the pages
-    (listed, or boxes that hold their pages' keys and a budget that holds the forced pages) and the window rule
-    (no sink pages with a window and a selection by boxes). With ``page_indices`` the plan has no budget: the list's
-    width is the budget, and the forced-page counts only describe how the list was chosen."""
-    _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                                   num_sink_pages, num_recent_pages)
-    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages
-        check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, shapes.page_size, k_scale)
-        check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
+    """The arguments of :func:`tinyattn.sparse_paged_attention` but the table values: those of
+    :func:`check_attention`, the pages (listed, or boxes of the pool's shape and a budget that holds the forced
+    pages) and the window rule (no sink pages with a window and a selection by boxes). With ``page_indices`` the
+    plan has no budget: the list's width is the budget, and the forced-page counts only describe how the list was
+    chosen. The boxes' values are checked by :func:`check_boxes_filled`, the tables' by :func:`check_step_values`."""
+    if (page_indices is None and k_scale is None and v_scale is None and type(k_min) is _T
+            and type(k_max) is _T and type(page_budget) is int and type(num_sink_pages) is int
+            and type(num_recent_pages) is int and num_sink_pages >= 0 and num_recent_pages >= 0
+            and num_sink_pages + max(num_recent_pages, 1) <= page_budget
+            and (window_left == -1 or num_sink_pages == 0)
+            and _plain_pools(q, k_cache, v_cache, block_table, seq_lens) and k_min.dtype == k_max.dtype
+            and (k_min.dtype == k_cache.dtype or k_min.dtype in _FLOATS)
+            and k_min.shape == k_max.shape == (k_cache.shape[0], k_cache.shape[2], k_cache.shape[3])
+            and k_min.device == q.device and k_max.device == q.device):
+        num_pages, page_size, Hkv, _ = k_cache.shape
+        rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
     else:
-        rules["page_budget"] = None
-    call = _call(shapes, q.device, scale, backend, window_left, **rules)
+        _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
+        rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                       num_sink_pages, num_recent_pages, values=False)
+        if page_indices is None:
+            check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
+        else:
+            rules["page_budget"] = None
+        num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
+    call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left, **rules)
     if call.backend == "triton":
-        check_kernel_page_size(shapes.page_size)
         check_kv_backend(k_cache, call.backend)
     return call
+
+
+def check_step_values(block_table, seq_lens, call: Call) -> None:
+    """The data-dependent checks of an attention call (one host sync; skipped under :func:`value_checks`
+    ``(False)`` and while ``torch.compile`` traces): ``seq_lens`` within the table, the block-table ids of valid
+    pages within the pool, and a budget that holds the pages of the ``Tq`` queries."""
+    check_table_values(block_table, seq_lens, call.plan_args["page_size"], call.num_pages)
+    if call.plan_args["page_budget"] is not None:
+        check_query_pages_fit(seq_lens, call.plan_args["num_query_tokens"], call.plan_args["page_size"],
+                              call.plan_args["page_budget"])

@@ -33,7 +33,7 @@ from .. import quant
 from ..layout import num_valid_pages
 from ..spans import span
 
-__all__ = ["round_down", "round_up", "store_box", "update_page_metadata", "write_kv", "refit_page"]
+__all__ = ["round_down", "round_up", "store_box", "reset_boxes", "update_page_metadata", "write_kv", "refit_page"]
 
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
@@ -62,6 +62,14 @@ def store_box(k_min: torch.Tensor, k_max: torch.Tensor, index: torch.Tensor, lo:
     """``k_min[index] = lo`` and ``k_max[index] = hi`` rounded outward into the boxes' dtype (in place)."""
     k_min[index] = round_down(lo, k_min.dtype)
     k_max[index] = round_up(hi, k_max.dtype)
+
+
+def reset_boxes(k_min: torch.Tensor, k_max: torch.Tensor, pages: torch.Tensor) -> None:
+    """Empty boxes (``k_min = +inf``, ``k_max = -inf``) for ``pages`` (an int or an int64 tensor; repeats allowed):
+    a page (re)allocated to a sequence starts from nothing, so the first key written sets its box and padding
+    never enters it."""
+    k_min.index_fill_(0, torch.as_tensor(pages, device=k_min.device).view(-1), float("inf"))
+    k_max.index_fill_(0, torch.as_tensor(pages, device=k_max.device).view(-1), float("-inf"))
 
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None):
