@@ -71,7 +71,8 @@ FORMULAS = {
     "page box (min / max of keys)": r"(index_reduce_\(|k_m(in|ax)\b.*\.am(in|ax)\(|\.am(in|ax)\(.*k_m(in|ax)\b)",
     "sliding window start": r"-\s*window_left\b(?!\s*=)",
     "softmax lse": r"logsumexp|torch\.log\(\s*denom|\blse\s*=\s*.*\blog\(",
-    "attention (SDPA / masked softmax of logits)": r"scaled_dot_product_attention\(|masked_fill\(.*-inf.*\)\s*\n.*softmax",
+    "attention (SDPA / masked softmax of logits)":
+        r"scaled_dot_product_attention\(|masked_fill\(.*-inf.*\)\s*\n.*softmax",
     "Quest bound": r"clamp\(m(in|ax)=0\).*k_m(in|ax)|torch\.maximum\(.*k_min.*k_max",
 }
 USERS = ["cache.py", "integrations", "models", "engine", "training"]

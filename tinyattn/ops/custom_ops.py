@@ -17,7 +17,8 @@ Autograd (``page_indices`` ``None``: dense; else canonical logical pages ``[B, H
 backward is ``kernels/attention_bwd.py`` (probabilities recomputed from q, k and the saved lse; dK / dV accumulated
 atomically in fp32 pool-shaped buffers, then cast). The torch backend's backward is the plan's
 :meth:`~tinyattn.ops.plan_torch.TorchPlan.attend_backward`: the same rows and mask as its forward, probabilities
-recomputed, gradients accumulated into the pool with ``index_add_``. Both save only their inputs, ``out`` and ``lse``. Gradients reach a page slot only if the forward
+recomputed, gradients accumulated into the pool with ``index_add_``. Both save only their inputs, ``out`` and
+``lse``. Gradients reach a page slot only if the forward
 read it: slots of unselected pages, of ``-1`` entries, past a row's end and padding slots of a partial last page
 get exactly ``0``; a query that sees no key contributes nothing and never produces NaN. Selection has no gradient.
 ``lse`` comes back in the math dtype (fp32, or fp64 for fp64 inputs); the public ops cast it to fp32.
@@ -90,7 +91,8 @@ def _(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend, 
 @torch.library.custom_op("tinyattn::paged_attention_bwd", mutates_args=())
 def paged_attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k_cache: Tensor, v_cache: Tensor,
                         block_table: Tensor, seq_lens: Tensor, page_indices: Optional[Tensor], out: Tensor,
-                        lse: Tensor, scale: float, backend: str, window_left: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+                        lse: Tensor, scale: float, backend: str,
+                        window_left: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk_cache, dv_cache) of :func:`paged_attention_fwd`; dk/dv are pool-shaped, 0 where not read."""
     if backend == "triton":
         from .attention.triton_impl import paged_attention_bwd as launch
@@ -152,7 +154,8 @@ def select_pages_planned(q: Tensor, k_min: Tensor, k_max: Tensor, block_table: T
     logical pages, canonical (ascending, ``-1`` padded), of q ``[B, Tq, Hq, D]``."""
     from .selection.torch_impl import canonical_page_indices
 
-    plan = _plan_for(backend, q, k_min.shape[1], page_size, block_table, seq_lens, page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
+    plan = _plan_for(backend, q, k_min.shape[1], page_size, block_table, seq_lens, page_budget=page_budget,
+                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
     B, Hkv = q.shape[0], k_min.shape[1]
     if not plan.step.selects or plan.step.nothing:      # every valid page fits the budget
         from .attention.torch_impl import dense_page_indices

@@ -290,7 +290,8 @@ class PagedAttentionPlan:
             raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
                              f"k_cache), got {self._max_page_id}")
         if (k_min is None) != (k_max is None):
-            raise ValueError(f"k_min, k_max: expected both or neither, got k_min={'None' if k_min is None else 'a tensor'}"
+            raise ValueError(f"k_min, k_max: expected both or neither, got "
+                             f"k_min={'None' if k_min is None else 'a tensor'}"
                              f" and k_max={'None' if k_max is None else 'a tensor'}")
         if k_min is not None:
             if not k_min.is_floating_point():

@@ -181,7 +181,8 @@ class TorchPlan:
 
     # ------------------------------------------------------------------------------ rows and masks
     def _page_tables(self, pages: torch.Tensor, window_left: int):
-        """Rows ``[B, Hkv, K, S]`` and visibility ``[B, Hkv, Tq, K, S]`` of logical ``pages`` ``[B, Hkv, K]``."""
+        """Rows ``[B, Hkv, K, page_size]`` and visibility ``[B, Hkv, Tq, K, page_size]`` of logical ``pages``
+        ``[B, Hkv, K]``."""
         step = self.step
         rows, _, visible = attention_torch.page_rows(
             self.block_table, self.seq_lens, pages, page_size=step.page_size, num_kv_heads=step.num_kv_heads,
@@ -194,7 +195,8 @@ class TorchPlan:
         return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, NEG_INF)
 
     def _every_page(self, window_left: int):
-        """Rows ``[B, Hkv, P, S]`` and additive mask ``[B, Hkv, Tq, P, S]`` of every page of the step (``P`` = the
+        """Rows ``[B, Hkv, pages, page_size]`` and additive mask ``[B, Hkv, Tq, pages, page_size]`` of every page of the
+        step (``pages`` = the
         longest row's), once per step and window."""
         key = ("every", window_left)
         if key not in self._tables:
@@ -223,17 +225,17 @@ class TorchPlan:
         key = ("dense", window_left)
         if key not in self._tables:
             step, lens = self.step, self._lens
-            S, Tq, B, Hkv = step.page_size, step.num_query_tokens, step.batch, step.num_kv_heads
+            page_size, Tq, B, Hkv = step.page_size, step.num_query_tokens, step.batch, step.num_kv_heads
             if window_left < 0:               # every page of the step: the tables a selecting layer uses too
                 num_pages = self._num_pages
                 rows, _, visible = self._every_page(window_left)
             else:
-                first = [max(attention_torch.window_start(n - Tq, window_left), 0) // S for n in lens]
-                num_pages = max((cdiv_pages(n, S) - f for n, f in zip(lens, first)), default=0)
+                first = [max(attention_torch.window_start(n - Tq, window_left), 0) // page_size for n in lens]
+                num_pages = max((cdiv_pages(n, page_size) - f for n, f in zip(lens, first)), default=0)
                 pages = (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(num_pages))[:, None, :]
                 pages = pages.expand(B, Hkv, num_pages).to(self.block_table.device)
                 rows, visible = self._page_tables(pages, window_left)
-            n = num_pages * S
+            n = num_pages * page_size
             all_visible = window_left < 0 and Tq == 1 and all(length == n for length in lens)
             self._tables[key] = (rows.reshape(-1), None if all_visible else visible.reshape(B, Hkv, Tq, n), n)
         return self._tables[key]
@@ -257,10 +259,10 @@ class TorchPlan:
         depends on the pages and is gathered per call."""
         key = ("sparse", window_left)
         step = self.step
-        B, Hkv, S = step.batch, step.num_kv_heads, step.page_size
+        B, Hkv, page_size = step.batch, step.num_kv_heads, step.page_size
         K = pages.shape[-1]
         if key not in self._tables:
-            rows, bias, _ = self._every_page(window_left)                    # [B, Hkv, P, S], [B, Hkv, Tq, P, S]
+            rows, bias, _ = self._every_page(window_left)       # [B, Hkv, pages, page_size], [B, Hkv, Tq, pages, ...]
             fixed = None
             if window_left < 0:
                 template = selection_torch.top_pages(torch.zeros(B, Hkv, self._num_pages, device=rows.device),
@@ -268,15 +270,16 @@ class TorchPlan:
                 fixed = self._gathered_bias(bias, template)
             self._tables[key] = (rows, bias, fixed)
         rows, bias, fixed = self._tables[key]
-        rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, S))                       # [B, Hkv, K, S]
-        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * S
+        rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, page_size))                 # [B, Hkv, K, page_size]
+        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * page_size
 
     def _gathered_bias(self, bias: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """The ``[B, Hkv, Tq, P, S]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's ``[B, Hkv, M, K * S]``."""
-        B, Hkv, Tq, _, S = bias.shape
+        """The ``[B, Hkv, Tq, pages, page_size]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's
+        ``[B, Hkv, M, K * page_size]``."""
+        B, Hkv, Tq, _, page_size = bias.shape
         K = pages.shape[-1]
-        bias = bias.gather(3, pages[:, :, None, :, None].expand(B, Hkv, Tq, K, S))        # [B, Hkv, Tq, K, S]
-        return self._grouped(bias.reshape(B, Hkv, Tq, K * S))
+        bias = bias.gather(3, pages[:, :, None, :, None].expand(B, Hkv, Tq, K, page_size))   # [B, Hkv, Tq, K, ...]
+        return self._grouped(bias.reshape(B, Hkv, Tq, K * page_size))
 
     def _listed_rows(self, page_indices: torch.Tensor, window_left: int):
         """Rows and mask of pages listed by a caller (canonical: ascending, ``-1`` padded)."""
@@ -290,7 +293,6 @@ class TorchPlan:
     def _prefill(self, q, k_cache, v_cache, scale: float, scales, window_left: int) -> torch.Tensor:
         """Dense attention of ``q`` ``[B, Tq, Hq, D]`` (``Tq > 1``) with SDPA on the query heads as they are
         (``enable_gqa``): causal when every row is a fresh prefill, else under the boolean mask of the step."""
-        step = self.step
         rows, visible, n = self._dense_keys(window_left)
         dt = q.dtype if q.dtype in _EXACT else torch.float32
         k, v = self._gather_kv(k_cache, v_cache, rows, n, dt, scales)                   # [B, Hkv, n, D]

@@ -46,17 +46,17 @@ class TritonPlan:
         B, Hkv, Hq, Tq, D = step.batch, step.num_kv_heads, step.num_q_heads, step.num_query_tokens, step.head_dim
         graph = max_pages_per_seq is not None
         cap_b = max(max_batch or B, B)
-        P = max_pages_per_seq if graph else step.max_pages          # graph mode: one width for every step
+        width = max_pages_per_seq if graph else step.max_pages          # graph mode: one width for every step
         self._graph = graph
-        bt = self._buffer("block_table", (cap_b, P), torch.int32)[:B]
-        if P > step.max_pages:
+        bt = self._buffer("block_table", (cap_b, width), torch.int32)[:B]
+        if width > step.max_pages:
             bt[:, step.max_pages:].fill_(-1)                       # past every row's end: ignored by the kernels
         bt[:, : step.max_pages].copy_(block_table)
         self._bt32 = bt
         self._sl32 = self._buffer("seq_lens", (cap_b,), torch.int32)[:B]
         self._sl32.copy_(seq_lens)
         self.block_table, self.seq_lens = self._bt32, self._sl32
-        self._scores = self._buffer("scores", (cap_b, Hkv, P), torch.float32)[:B]
+        self._scores = self._buffer("scores", (cap_b, Hkv, width), torch.float32)[:B]
         self._lse = self._buffer("lse", (cap_b, Tq, Hq), torch.float32)[:B]
         budget = step.page_budget
         self._selected = None if budget is None else self._buffer("selected", (cap_b, Hkv, budget), torch.int32)[:B]
@@ -65,8 +65,8 @@ class TritonPlan:
         self._chunks = None
         if budget is not None:
             num_sms = attention_blocks.num_sms(step.device)
-            if chunk_topk.use_two_stage(cap_b, Hkv, P, budget, num_sms):
-                self._chunks = chunk_topk.chunk_blocks(cap_b, Hkv, P, budget, Tq, Hq // Hkv, D, step.page_size,
+            if chunk_topk.use_two_stage(cap_b, Hkv, width, budget, num_sms):
+                self._chunks = chunk_topk.chunk_blocks(cap_b, Hkv, width, budget, Tq, Hq // Hkv, D, step.page_size,
                                                          num_sms)
                 shape = chunk_topk.workspace_shape(cap_b, Hkv, self._chunks)
                 self._ws_key = self._buffer("ws_key", shape, torch.int32)[:B]
@@ -76,8 +76,9 @@ class TritonPlan:
             if (sparse and budget is None) or step.nothing:     # nothing to split (B or Tq = 0)
                 splits[sparse] = 1
                 continue
-            n_list = budget if sparse else P
-            splits[sparse] = attention_blocks.plan_num_splits(cap_b, Tq, Hq, Hkv, D, step.page_size, n_list, step.device)
+            n_list = budget if sparse else width
+            splits[sparse] = attention_blocks.plan_num_splits(cap_b, Tq, Hq, Hkv, D, step.page_size, n_list,
+                                                              step.device)
         self._splits = splits
         n = max(splits.values())
         self._ws_o = self._buffer("ws_o", (n, cap_b, Tq, Hq, D), torch.float32)[:, :B] if n > 1 else None
@@ -121,7 +122,8 @@ class TritonPlan:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return attention_torch.finish_output(q, *attention_torch.empty_attention(q4, k_cache, v_cache), return_lse, out)
+            o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
+            return attention_torch.finish_output(q, o, lse, return_lse, out)
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if k_min is not None and step.selects:
             page_indices = self.select(q4, k_min, k_max, window_left)
@@ -157,18 +159,19 @@ class TritonPlan:
                 selection_triton.score_chunks(q4, k_min, k_max, self._bt32, self._sl32, ws_key=self._ws_key,
                                           ws_page=self._ws_page, window_left=window_left, meta=self._chunks, **opts)
             else:
-                selection_triton.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size, out=self._scores)
+                selection_triton.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size,
+                                             out=self._scores)
                 if window_left >= 0:
-                    selection_torch.mask_pages_before_window(self._scores, self._sl32, step.page_size, step.num_query_tokens,
-                                                  window_left)
+                    selection_torch.mask_pages_before_window(self._scores, self._sl32, step.page_size,
+                                                             step.num_query_tokens, window_left)
         with span("topk", scores=self._scores, seq_lens=self.seq_lens, page_budget=step.page_budget):
             if self._chunks is not None:       # merge of the chunks' candidates
                 selection_triton.merge_chunks(self._ws_key, self._ws_page, self._sl32, max_pages=self._bt32.shape[1],
                                           num_query_tokens=step.num_query_tokens, out=self._selected,
                                           meta=self._chunks, **opts)
             else:
-                selection_triton.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens, out=self._selected,
-                               **opts)
+                selection_triton.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens,
+                                              out=self._selected, **opts)
         return self._selected
 
     def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):

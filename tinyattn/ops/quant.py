@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KV_CACHE_DTYPES", "QUANTIZED_DTYPES", "BOX_DTYPES", "box_dtype_for", "storage_dtype", "is_quantized", "qmax", "quantize",
+__all__ = ["KV_CACHE_DTYPES", "QUANTIZED_DTYPES", "BOX_DTYPES", "box_dtype_for", "storage_dtype", "is_quantized",
+           "qmax", "quantize",
            "dequantize", "dequantize_rows", "scale_rows"]
 
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")

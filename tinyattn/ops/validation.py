@@ -204,7 +204,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
         expect_device(name, x, q.device, "q")
     check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}")
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), "
+                         f"got {tuple(v_cache.shape)}")
     num_pages, page_size, Hkv, Dk = k_cache.shape
     if D < 1:
         raise ValueError(f"q: expected head_dim D >= 1 in the last dim, got shape {tuple(q.shape)}")
@@ -287,7 +288,8 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
                             f"{', '.join(map(_dtype_name, others))} (narrower boxes rounded outward), "
                             f"got {_dtype_name(x.dtype)}")
         if x.dtype != k_min.dtype:
-            raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), got {_dtype_name(x.dtype)}")
+            raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), "
+                            f"got {_dtype_name(x.dtype)}")
         expect_device(name, x, device, "q")
 
 
@@ -295,7 +297,7 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
     """With value checks on: every page in use (a valid page of a row, below ``seq_lens``) holds a bounding box
     that can be its keys': ``k_min <= k_max`` in every channel, no NaN, and the key in its slot 0 (always valid)
     inside the box. Boxes allocated with ``torch.empty`` (or NaN) and never filled by
-    :func:`tinyattn.update_page_metadata` fail here instead of selecting arbitrary pages (issue 28); zero-filled
+    :func:`tinyattn.update_page_metadata` fail here instead of selecting arbitrary pages; zero-filled
     ones fail the slot-0 test unless the keys are zero there too.
 
     Args: ``k_min``, ``k_max`` ``[num_pages, Hkv, D]``; ``k_cache`` ``[num_pages, page_size, Hkv, D]`` (int8 /

@@ -122,7 +122,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     row, first_real = rows[first], real[first][:, None, None]
     mask = real[:, None, None]
     key = torch.where(mask, key, torch.where(first_real, key[first], k_cache.view(-1, Hkv, D)[row].to(key.dtype)))
-    value = torch.where(mask, value, torch.where(first_real, value[first], v_cache.view(-1, Hkv, D)[row].to(value.dtype)))
+    value = torch.where(mask, value,
+                        torch.where(first_real, value[first], v_cache.view(-1, Hkv, D)[row].to(value.dtype)))
     rows = torch.where(real, rows, row)
     k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
     if boxes is not None:

@@ -133,7 +133,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         n = _cdiv(int(seq_lens[b]), shapes.page_size)
         ids = [int(j) for j in page_indices[b, h] if 0 <= int(j) < n]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"page_indices: expected distinct page ids per (row, kv head), got duplicates at [{b}, {h}]")
+            raise ValueError(f"page_indices: expected distinct page ids per (row, kv head), got duplicates at "
+                             f"[{b}, {h}]")
         return sorted(ids)
 
     return _attend(q, k_cache, v_cache, block_table, seq_lens, selected, scale, return_lse, window_left)

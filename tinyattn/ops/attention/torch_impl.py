@@ -36,8 +36,8 @@ from ..layout import NEG_INF, num_valid_pages
 from ..quant import QUANTIZED_DTYPES
 
 __all__ = ["dense_page_indices", "page_rows", "window_start", "first_window_key", "softmax_parts", "attend_rows",
-           "attend_rows_backward", "finish_output", "empty_attention", "chunk_keys", "attend_chunked", "CHUNK_BYTES", "MIN_BYTES",
-           "MAX_THREADS"]
+           "attend_rows_backward", "finish_output", "empty_attention", "chunk_keys", "attend_chunked", "CHUNK_BYTES",
+           "MIN_BYTES", "MAX_THREADS"]
 
 def dense_page_indices(seq_lens: torch.Tensor, num_kv_heads: int, max_pages: int, page_size: int) -> torch.Tensor:
     """Every valid page of each row, as int32 ``[B, Hkv, max_pages]`` with ``-1`` past the end."""
@@ -54,29 +54,29 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     Args:
         block_table: ``[B, max_pages_per_seq]`` int. seq_lens: ``[B]`` int (including the ``Tq`` queries).
         pages: ``[B, Hkv, K]`` logical page ids; ``-1`` and ids past the row's end are hidden.
-        page_size, num_kv_heads: ``S`` and ``Hkv``. num_query_tokens: ``Tq``, for the causal mask.
+        page_size, num_kv_heads: tokens per page and ``Hkv``. num_query_tokens: ``Tq``, for the causal mask.
         window_left: keys a query sees before its own position (FlashInfer's convention), ``-1`` = no limit.
 
     Returns:
-        ``rows`` int64 ``[B, Hkv, K, S]`` into the flat pool (a filler row where hidden, see the module
-        docstring), ``pos`` int64 ``[B, Hkv, K, S]`` the key positions, and ``visible`` bool
-        ``[B, Hkv, Tq, K, S]``: query ``t`` (at position ``p = seq_len - Tq + t``) sees the key (bottom-right
+        ``rows`` int64 ``[B, Hkv, K, page_size]`` into the flat pool (a filler row where hidden, see the module
+        docstring), ``pos`` int64 ``[B, Hkv, K, page_size]`` the key positions, and ``visible`` bool
+        ``[B, Hkv, Tq, K, page_size]``: query ``t`` (at position ``p = seq_len - Tq + t``) sees the key (bottom-right
         causal, DESIGN.md §2), and with a window only keys at positions ``>= p - window_left``.
     """
     B, Hkv, K = pages.shape
-    S = page_size
     device = pages.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     table = block_table.to(device=device, dtype=torch.int64)
     sel = pages.to(torch.int64)
-    ok = (sel >= 0) & (sel < num_valid_pages(lens, S)[:, None, None])                  # [B, Hkv, K]
+    ok = (sel >= 0) & (sel < num_valid_pages(lens, page_size)[:, None, None])                  # [B, Hkv, K]
     width = max(table.shape[1], 1)
     phys = torch.gather(table, 1, sel.clamp(0, width - 1).reshape(B, -1)).reshape(B, Hkv, K) if table.numel() \
         else torch.zeros_like(sel)
-    pos = sel[..., None] * S + torch.arange(S, device=device)                          # [B, Hkv, K, S]
+    slots = torch.arange(page_size, device=device)
+    pos = sel[..., None] * page_size + slots                                           # [B, Hkv, K, page_size]
     key_ok = ok[..., None] & (pos < lens[:, None, None, None])
     heads = torch.arange(Hkv, device=device)[None, :, None, None]
-    rows = (phys[..., None] * S + torch.arange(S, device=device)) * Hkv + heads         # [B, Hkv, K, S]
+    rows = (phys[..., None] * page_size + slots) * Hkv + heads                        # [B, Hkv, K, page_size]
     # a hidden slot reads the first key of the first valid page listed for its (row, head): a key the row reads
     # anyway (a valid key is finite; an unused slot, or a page before a window, may hold NaN, and a hidden key's
     # weight 0 times NaN is still NaN). A (row, head) with no valid page borrows another's.
@@ -90,14 +90,14 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     has = has | (lens > 0)[:, None]
     # neither (an empty row): another (row, head)'s filler; none anywhere: pool row 0 (never a table entry past a
     # row's end, which may hold any id)
-    first = torch.where(has, lead_phys, 0) * (S * Hkv) + heads[:, :, 0, 0]              # [B, Hkv]
+    first = torch.where(has, lead_phys, 0) * (page_size * Hkv) + heads[:, :, 0, 0]              # [B, Hkv]
     # the donor by index_select, not a 0-dim index (which Python would read on the host)
     donor = first.flatten().index_select(0, has.flatten().to(torch.int8).argmax().view(1)) if first.numel() \
         else first.new_zeros(1)
     filler = torch.where(has, first, donor)[:, :, None, None]                          # [B, Hkv, 1, 1]
     rows = torch.where(key_ok, rows, filler)
     q_pos = lens[:, None] - num_query_tokens + torch.arange(num_query_tokens, device=device)  # [B, Tq]
-    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, S]
+    visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])   # [B, Hkv, Tq, K, page_size]
     if window_left >= 0:
         visible &= pos[:, :, None] >= window_start(q_pos, window_left)[:, None, :, None, None]
     return rows, pos, visible
@@ -201,8 +201,9 @@ def empty_attention(q4, k_cache, v_cache):
 CHUNK_BYTES = 2 * 2**20     # bytes of K per chunk, all (row, KV head) pairs together (V: as many again)
 MIN_BYTES = 16 * 2**20      # a gather of K below this runs in one piece: it fits the cache well enough
 # chunks only while torch runs this many intra-op threads or fewer: a chunked step is ~10 ops per chunk, each an
-# OpenMP region, and on a shared machine every region waits for a busy core (docs/benchmarks.md, issue 10: 32K
-# dense, 2 threads, a loaded 2-core VM: 3.7-7.6 s chunked vs 0.16-0.37 s in one piece; 1 thread: 0.47 vs 0.43 s)
+# OpenMP region, and on a shared machine every region waits for a busy core (docs/benchmarks.md, "Chunked steps only
+# on one thread": 32K dense, 2 threads, a loaded 2-core VM: 3.7-7.6 s chunked vs 0.16-0.37 s in one piece; 1 thread:
+# 0.47 vs 0.43 s)
 MAX_THREADS = 1
 
 

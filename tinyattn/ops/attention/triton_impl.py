@@ -144,7 +144,8 @@ def paged_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k_cache: torch.Tens
         stride_xb=dq.stride(0), stride_xt=dq.stride(1), stride_xh=dq.stride(2), stride_xd=dq.stride(3),
         stride_ap=dk.stride(0), stride_as=dk.stride(1), stride_ah=dk.stride(2),
         scale=scale, qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
-        WINDOW_LEFT=window_left, SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee", **meta,
+        WINDOW_LEFT=window_left, SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee",
+        **meta,
     )
 
 

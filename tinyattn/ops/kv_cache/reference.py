@@ -43,7 +43,8 @@ def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backen
 
 def outward(x, dtype, direction: int):
     """``x`` in ``dtype`` rounded toward ``direction * inf``, one value at a time (the loop twin of
-    :mod:`tinyattn.ops.kv_cache.torch_impl`): the representable neighbour on the right side when rounding moved it across."""
+    :mod:`tinyattn.ops.kv_cache.torch_impl`): the representable neighbour on the right side when rounding moved it
+    across."""
     out = x.to(dtype).clone()
     flat, src = out.view(-1), x.reshape(-1).double()
     toward = torch.tensor(direction * float("inf"), dtype=dtype)
