@@ -77,6 +77,7 @@ class TorchPlan:
         # every row a fresh prefill (its queries are all its tokens): causal SDPA, top-left = bottom-right
         self._fresh = step.num_query_tokens > 1 and all(n == step.num_query_tokens for n in lens)
         self._group = step.group
+        self._run = False                # the one row's pages in pool order (see _pool_run), not known yet
         self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
         self._keys = None                # selection keys (selection_torch.selection_keys)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
@@ -117,8 +118,12 @@ class TorchPlan:
         if page_indices is None and not selects:
             if window_left >= 0 and self._query_blocks(window_left):
                 return self._attend_query_blocks(q, k_cache, v_cache, need_lse, scale, scales, window_left)
-            if step.num_query_tokens > 1 and not (need_lse or recording) and _sdpa_zeroes_empty_rows():
-                return self._prefill(q, k_cache, v_cache, scale, scales, window_left), None
+            # the SDPA routes (no lse, no autograd; a profile records the spans of the tables' route)
+            if not (need_lse or recording) and _spans.recorder is None and _sdpa_zeroes_empty_rows():
+                if window_left < 0 and scales is None and self._pool_run() is not None:
+                    return self._attend_run(q, k_cache, v_cache, scale), None
+                if step.num_query_tokens > 1:
+                    return self._prefill(q, k_cache, v_cache, scale, scales, window_left), None
         dt = q.dtype if q.dtype in _EXACT else torch.float32
         if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
             qg = q.view(step.batch, step.num_kv_heads, self._group, step.head_dim)
@@ -288,6 +293,43 @@ class TorchPlan:
         rows, visible = self._page_tables(page_indices, window_left)
         bias = self._additive(visible).reshape(B, Hkv, step.num_query_tokens, K * step.page_size)
         return rows.reshape(-1), self._grouped(bias), K * step.page_size
+
+    def _pool_run(self):
+        """``(first_page, tokens)`` when the step is one row whose pages lie in the pool in order (``block_table[0,
+        j] = first_page + j``, as :class:`tinyattn.PagedKVCache` allocates a sequence's pages): its keys are then a
+        strided view of the pool and dense attention reads them in place, with no gather (a third of the time of
+        the gather and SDPA at 8K). ``None`` otherwise; decided once per step."""
+        if self._run is False:
+            self._run = None
+            step, lens = self.step, self._lens
+            if step.batch == 1 and lens[0] > 0 and self.block_table.is_cpu:
+                n = cdiv_pages(lens[0], step.page_size)
+                pages = self.block_table[0, :n]
+                if bool((pages == pages[0] + torch.arange(n)).all()):
+                    self._run = (int(pages[0]), lens[0])
+        return self._run
+
+    def _attend_run(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """Dense attention of the one row of :meth:`_pool_run` over pool views: SDPA on the group-folded queries at
+        decode, causal (or under the step's mask) on the query heads at prefill."""
+        step = self.step
+        first, length = self._run
+        Hkv, D, page_size = step.num_kv_heads, step.head_dim, step.page_size
+        pages = slice(first, first + cdiv_pages(length, page_size))
+        dt = q.dtype if q.dtype in _EXACT else torch.float32
+        # [pages, page_size, Hkv, D] -> [1, Hkv, length, D]: a view (strides passed to SDPA), cast if the math dtype
+        k, v = (x[pages].reshape(-1, Hkv, D)[:length].permute(1, 0, 2)[None].to(dt) for x in (k_cache, v_cache))
+        if step.num_query_tokens == 1:
+            qg = group_queries(q.unsqueeze(1) if q.dim() == 3 else q, Hkv, dt)            # [1, Hkv, G, D]
+            return F.scaled_dot_product_attention(qg, k, v, scale=scale).to(q.dtype).view(q.shape)
+        qh = q.transpose(1, 2).to(dt)                                                    # [1, Hq, Tq, D]
+        if self._fresh:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            _, visible, _ = self._dense_keys(-1)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible[:, :1, :, :length], scale=scale,
+                                               enable_gqa=True)
+        return o.transpose(1, 2).to(q.dtype)
 
     # ------------------------------------------------------------------------------------- attention
     def _prefill(self, q, k_cache, v_cache, scale: float, scales, window_left: int) -> torch.Tensor:
