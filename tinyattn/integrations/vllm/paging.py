@@ -125,14 +125,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     value = torch.where(mask, value,
                         torch.where(first_real, value[first], v_cache.view(-1, Hkv, D)[row].to(value.dtype)))
     rows = torch.where(real, rows, row)
-    k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
-    if boxes is not None:
-        # vLLM reuses freed blocks without telling the backend; a block is filled from slot 0, so a block written
-        # from slot 0 is new (or reused): its box restarts empty before growing (the spare block: a no-op target)
-        spare = boxes.shape[0] - 2
-        kv_cache.reset_boxes(boxes[0::2], boxes[1::2], torch.where(real & (offsets == 0), blocks, spare // 2))
-    kv_cache.write_kv(key, value, rows, k_cache, v_cache, k_min, k_max, None, None, None,
-                      torch.div(rows, block_size, rounding_mode="floor"))
+    if boxes is None:
+        kv_cache.write_kv(key, value, rows, k_cache, v_cache, None, None, None, None, None)
+        return
+    # the boxes by vLLM block (row b of k_min / k_max: block b's; row num_blocks: the spare block padding tokens
+    # target, never read). vLLM reuses freed blocks without telling the backend; a block is filled from slot 0, so a
+    # block written from slot 0 is new (or reused): its box restarts empty before growing
+    k_min, k_max = boxes[0::2], boxes[1::2]
+    spare = k_min.shape[0] - 1
+    box_pages = torch.where(real, blocks, spare)
+    kv_cache.reset_boxes(k_min, k_max, torch.where(real & (offsets == 0), blocks, spare))
+    kv_cache.write_kv(key, value, rows, k_cache, v_cache, k_min, k_max, None, None, None, box_pages)
 
 
 @dataclass
@@ -217,11 +220,8 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
             tok = (torch.tensor([starts[r] for r in rows], dtype=torch.int64)[:, None] + torch.arange(tq)).reshape(-1)
             tokens = tok.to(device)
             idx = torch.tensor(rows, dtype=torch.int64, device=device)
-        if fresh:
-            groups.append(Group(tq, len(rows), tokens, None))
-            continue
         bt, sl = all_bt[idx], all_sl[idx]
-        attn = make_attention(tq)
+        attn = make_attention(tq, fresh)
         attn.begin(bt, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
         groups.append(Group(tq, len(rows), tokens, attn))
