@@ -45,7 +45,8 @@ def needs_grad(*tensors: Tensor) -> bool:
 
 def _plan_for(backend: str, q4: Tensor, num_kv_heads: int, page_size: int, block_table: Tensor, seq_lens: Tensor,
               **selection):
-    """A plan of this thread (one per backend and purpose) planned for these validated tables (``trusted``)."""
+    """A plan of this thread (one per backend and purpose) planned for these checked tables (``trusted``); kept
+    while the sizes, the rules and the tables' values stay the same (CPU tables: layers of one step share it)."""
     from .plan import PagedAttentionPlan
 
     key = backend + ("select" if selection else "attend")
@@ -54,8 +55,12 @@ def _plan_for(backend: str, q4: Tensor, num_kv_heads: int, page_size: int, block
         plan = PagedAttentionPlan(backend=backend)
         setattr(_local, key, plan)
     B, Tq, Hq, D = q4.shape
-    plan.plan(block_table, seq_lens, num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size,
-              num_query_tokens=Tq, trusted=True, **selection)
+    args = dict(num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size, num_query_tokens=Tq,
+                **selection)
+    if (plan.step is None or plan._args != args or not block_table.is_cpu
+            or not torch.equal(plan._impl.block_table, block_table) or not torch.equal(plan._impl.seq_lens, seq_lens)):
+        plan.plan(block_table, seq_lens, trusted=True, **args)
+        plan._args = args
     return plan
 
 
