@@ -399,11 +399,28 @@ class TorchPlan:
 
     def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype, scales=None):
         """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``; quantized pools
-        (``scales = (k_scale, v_scale)``) are dequantized row by row: ``row.float() * scale[page, head]``."""
+        (``scales = (k_scale, v_scale)``) are dequantized row by row: ``row.float() * scale[page, head]``.
+
+        Large gathers go into workspaces reused across layers and steps: a fresh large output at every call costs
+        page faults that triple the gather time on a CPU; the gathered K/V only live until the attention of the
+        same call returns. Small ones (the lookup costs more than it saves), huge ones and gathers autograd records
+        (``out=`` has no autograd) are plain ``index_select``.
+        """
         step = self.step
         B, Hkv, D = step.batch, step.num_kv_heads, step.head_dim
-        k = self._gather_rows("k", k_cache, rows)
-        v = self._gather_rows("v", v_cache, rows)
+        kv = []
+        for name, x in (("k", k_cache), ("v", v_cache)):
+            flat = x.view(-1, D) if x.is_contiguous() else x.reshape(-1, D)
+            numel = rows.shape[0] * D
+            if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES or (
+                    x.requires_grad and torch.is_grad_enabled()):
+                kv.append(flat.index_select(0, rows))
+                continue
+            buf = self._buffers.get(name)
+            if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:
+                buf = self._buffers[name] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+            kv.append(torch.index_select(flat, 0, rows, out=buf[:numel].view(rows.shape[0], D)))
+        k, v = kv
         if scales is None and k.dtype == dtype:
             return k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         if scales is not None:
@@ -412,22 +429,6 @@ class TorchPlan:
             v = quant.dequantize_rows(v, scales[1], idx, dtype)
         k, v = k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
-
-    def _gather_rows(self, name: str, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``x`` viewed as ``[-1, D]``, rows ``rows``, into a workspace reused across layers and steps.
-
-        A fresh large output at every call costs page faults that triple the gather time on a CPU; the
-        gathered K/V only live until the attention of the same call returns.
-        """
-        flat = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
-        numel = rows.shape[0] * flat.shape[1]
-        if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES or (
-                x.requires_grad and torch.is_grad_enabled()):     # out= has no autograd
-            return flat.index_select(0, rows)    # small: the workspace lookup costs more than it saves
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:
-            buf = self._buffers[name] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
-        return torch.index_select(flat, 0, rows, out=buf[:numel].view(rows.shape[0], flat.shape[1]))
 
     # ------------------------------------------------------------------ long windowed prefills
     def _query_blocks(self, window_left: int):

@@ -602,8 +602,8 @@ def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, wind
         scale = D ** -0.5
     elif type(scale) is not float or scale != scale or abs(scale) == float("inf"):
         scale = check_scale(scale, D)
-    if backend is None and q.is_cpu and _INTERPRET is False:
-        backend = "torch"                      # the common CPU case, without a call
+    if backend == "torch" or (backend is None and q.is_cpu and _INTERPRET is False):
+        backend = "torch"                      # the common CPU cases, without a call
     else:
         backend = resolve_backend(backend, q.device)
     if type(window_left) is not int or window_left < -1:
