@@ -61,10 +61,15 @@ def _planned(op: str, call: checks.Call, block_table, seq_lens):
     step = plan.step
     if (step is not None and step[1:13] == call.step and block_table.is_cpu and
             torch.equal(plan._impl.block_table, block_table) and torch.equal(plan._impl.seq_lens, seq_lens)):
-        return plan._impl                      # the same tables: their values were checked when it was planned
+        if not plan._unchecked or not checks.value_checks_active():
+            return plan._impl                  # the same tables, their values checked when it was planned
+        checks.check_step_values(block_table, seq_lens, call)     # planned under value_checks(False)
+        plan._unchecked = False
+        return plan._impl
     plan.step = None                           # a plan whose checks failed must not serve the next call
     checks.check_step_values(block_table, seq_lens, call)
     plan.plan(block_table, seq_lens, trusted=True, **call.plan_args)
+    plan._unchecked = not checks.value_checks_active()
     return plan._impl
 
 
