@@ -76,10 +76,10 @@ def test_import_tinyattn_is_light_and_loads_the_rest_on_demand():
 
 def test_dead_code_stays_removed():
     from tinyattn.cache import PagedKVCache
-    from tinyattn.ops import autograd, validation
+    from tinyattn.ops import custom_ops, validation
     from tinyattn.selection import SelectionMetrics
 
-    assert not hasattr(autograd, "_kernels")
+    assert not hasattr(custom_ops, "_kernels")
     assert not hasattr(validation.PagedShapes, "group_size")
     assert not hasattr(PagedKVCache, "used_kv_bytes")
     assert not hasattr(SelectionMetrics, "per_layer")
@@ -152,7 +152,9 @@ def test_one_glossary_and_no_ambiguous_size_letters():
                  "`page_budget`", "`num_splits`", "`num_valid_pages`"):
         assert f"| {name}" in glossary, name
     # torch-side modules follow it: no size called P (pool pages? table width?) or S (page size? splits?)
-    for rel in ("cache.py", "selection.py", "profiler.py", "metrics.py", "training/memory.py", "ops/autograd.py"):
+    torch_side = ["ops/custom_ops.py", "ops/layout.py", "ops/plan_torch.py", "ops/plan_triton.py", "ops/api.py",
+                  "ops/kv_cache/torch_impl.py", "ops/selection/torch_impl.py", "ops/attention/torch_impl.py"]
+    for rel in ("cache.py", "selection.py", "profiler.py", "metrics.py", "training/memory.py", *torch_side):
         tree = ast.parse((ROOT / "tinyattn" / rel).read_text())
         stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         assert not stored & {"P", "S"}, (rel, stored & {"P", "S"})

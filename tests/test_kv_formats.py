@@ -175,7 +175,7 @@ def test_triton_kernel_dequantizes_in_registers(fmt, qdtype):
     out = tinyattn.sparse_paged_attention(*args, **kw, **sparse, backend="triton")
     ref = reference.sparse_paged_attention(*args, **kw, **sparse)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    from tinyattn.kernels import attention as kernel
+    from tinyattn.ops.attention import triton_impl as kernel
 
     q4 = q.unsqueeze(1)
     o, l = torch.empty_like(q4), torch.empty(3, 1, 4)

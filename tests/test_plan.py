@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 import tinyattn
 from tinyattn import reference as R
 from tinyattn.layer import PagedAttention, SparsityConfig
-from tinyattn.ops import core
-from tinyattn.ops import torch_backend as T
+from tinyattn.ops.selection import torch_impl as core
+from tinyattn.ops.selection import torch_impl as T
 from tinyattn.ops.plan import PagedAttentionPlan
 
 from paged_problems import make_problem
@@ -341,7 +341,7 @@ def test_nan_bound_ties_with_a_real_minus_inf(pages):
 def test_float_order_key_orders_like_the_scores(values, dtype):
     """The int64 selection key orders exactly as the fp32 scores with NaN as -inf and -0.0 equal to 0.0
     (expected order from Python's own float comparisons), and leaves its input untouched."""
-    from tinyattn.ops import core
+    from tinyattn.ops.selection import torch_impl as core
     x = torch.tensor(values, dtype=dtype)
     before = x.clone()
     key = core.float_order_key(x).tolist()

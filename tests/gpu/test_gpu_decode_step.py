@@ -67,7 +67,7 @@ def _graph_mode_available() -> bool:
 
 def test_decode_step_replays_as_a_cuda_graph_over_50_steps_with_changing_tables():
     import tinyattn
-    from tinyattn.ops import kv_write
+    from tinyattn.ops import api as kv_write
 
     if not _graph_mode_available():
         pytest.skip("PagedAttentionPlan.plan() has no max_batch= / max_pages_per_seq= (graph mode not merged)")

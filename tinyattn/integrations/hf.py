@@ -75,7 +75,7 @@ import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
 from tinyattn.ops.validation import check_selection_options
-from tinyattn.ops import boxes, quant
+from tinyattn.ops import quant
 
 __all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
 
@@ -202,7 +202,7 @@ class TinyAttnCache(Cache):
             :class:`tinyattn.PagedKVCache`). The first prefill into an empty cache attends over the new states as
             the model computed them (stock SDPA); every later step reads the stored format.
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8; exact), ``"fp32"``,
-            ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.boxes`).
+            ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.kv_cache.torch_impl`).
 
     The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
     (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
@@ -238,7 +238,7 @@ class TinyAttnCache(Cache):
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
         quant.storage_dtype(kv_cache_dtype, torch.float32)       # ValueError naming the supported formats
-        boxes.box_dtype_for(box_dtype, torch.float32, False)      # ValueError naming the box dtypes
+        quant.box_dtype_for(box_dtype, torch.float32, False)      # ValueError naming the box dtypes
         self.kv_cache_dtype, self.box_dtype = kv_cache_dtype, box_dtype
         if config is None or not hasattr(config, "get_text_config"):
             raise ValueError(f"config: expected the model's transformers config (model.config), got {config!r}")

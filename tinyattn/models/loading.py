@@ -24,8 +24,8 @@ def prepare_backend(backend: str | None) -> None:
             raise CLIError("--backend triton: no CUDA device, and triton was imported before TRITON_INTERPRET=1 "
                            "could be set; run with TRITON_INTERPRET=1")
         os.environ["TRITON_INTERPRET"] = "1"
-        from ..ops import plan
-        plan._INTERPRET = None                   # re-read: the ops choose their backend from it
+        from ..ops import validation
+        validation._INTERPRET = None             # re-read: the ops choose their backend from it
         print("note: no CUDA device; running the Triton kernels in the interpreter (TRITON_INTERPRET=1, slow)",
               file=sys.stderr)
 

@@ -1,10 +1,9 @@
-"""The torch backend's copy of each rule (DESIGN.md §4): the Quest bound, page selection and box upkeep.
+"""The torch form of scoring and selection (DESIGN.md §1, §3; docs/layout.md): the Quest bound, the pages a window
+hides, the page selection, and the canonical form of a page list.
 
-Every rule of the torch backend lives here once, used both by the stand-alone ops (``page_scores``,
-``select_pages``, ``update_page_metadata``) and by the per-step plan (:mod:`tinyattn.ops.plan_torch`);
-attention itself is :func:`tinyattn.ops.core.attend_rows` / SDPA over gathered rows (:mod:`.plan_torch`).
-The other copies are the reference loops (:mod:`tinyattn.ops.reference`, the tests' oracle) and the Triton
-kernels (:mod:`tinyattn.kernels`); docs/layout.md lists where each rule lives.
+Each rule lives here once, used both by the stand-alone ops (``page_scores``, ``select_pages``) and by the
+per-step plan (:mod:`tinyattn.ops.plan_torch`). The other copies are the loops of :mod:`.reference` (the tests'
+oracle) and the Triton kernels (:mod:`.triton_impl`); docs/layout.md lists where each rule lives.
 
 No Python loop over rows, heads or pages. Inputs are already validated and canonical.
 
@@ -17,7 +16,8 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
 - **Selection** (:func:`selection_keys` once per step, :func:`top_pages` per layer): forced pages (the recent /
   query pages, then the sinks) are keyed above every score, then the bounds in descending order, NaN as ``-inf``,
   ties to the lower page index, invalid pages last. Short rows sort float keys (stable, fewest calls); long rows
-  take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then ``P - 1 - j``),
+  take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then
+  ``max_pages - 1 - j``),
   much cheaper than sorting thousands of pages. Both encode the one order above.
 """
 
@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .boxes import store_box
-from .core import (canonical_page_indices, dense_page_indices, float_order_key, group_queries,  # noqa: F401
-                   math_dtype, num_valid_pages)
+from ..attention.torch_impl import first_window_key
+from ..layout import NEG_INF, group_queries, math_dtype, num_valid_pages
 
-NEG_INF = float("-inf")
+__all__ = ["float_order_key", "canonical_page_indices", "physical_pages", "page_bounds", "page_scores",
+           "mask_pages_before_window", "selection_keys", "top_pages", "select_pages"]
+
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
 _SORT_MAX_PAGES = 64        # rows of more pages select with topk over packed int64 keys (cheaper than a sort)
@@ -41,30 +42,31 @@ _FORCED_KEY = 0x7F800001 << 32                       # above the key of any scor
 
 def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor,
                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(phys [B, P] int64, valid [B, P] bool)``: the physical page of each logical page, 0 past the row's end
-    (a safe dummy, masked by ``valid``)."""
-    B, P = block_table.shape
-    cols = torch.arange(P, device=block_table.device)
+    """``(phys [B, max_pages] int64, valid [B, max_pages] bool)``: the physical page of each logical page, 0 past the
+    row's end (a safe dummy, masked by ``valid``)."""
+    B, max_pages = block_table.shape
+    cols = torch.arange(max_pages, device=block_table.device)
     valid = cols[None, :] < num_valid_pages(seq_lens.to(block_table.device), page_size)[:, None]
     return torch.where(valid, block_table.to(torch.int64), 0), valid
 
 
 def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys: torch.Tensor,
                 valid: torch.Tensor | None) -> torch.Tensor:
-    """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages: fp32 ``[B, Hkv, P]``, ``-inf`` where not
-    ``valid``.
+    """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages: fp32 ``[B, Hkv, max_pages]``, ``-inf``
+    where not ``valid``.
 
     Args:
         qg: ``[B, Hkv, M, D]`` grouped queries (:func:`group_queries`, ``M = Tq * G``), fp32 or fp64.
         k_min, k_max: ``[num_pages, Hkv, D]`` boxes (any float dtype; computed in ``qg``'s dtype).
-        phys, valid: ``[B, P]`` from :func:`physical_pages`; ``valid=None`` when every page is valid (a plan knows).
+        phys, valid: ``[B, max_pages]`` from :func:`physical_pages`; ``valid=None`` when every page is valid (a plan
+            knows).
     """
     B, Hkv, M, D = qg.shape
-    P, N = phys.shape[1], k_min.shape[0]
+    max_pages, N = phys.shape[1], k_min.shape[0]
     dt = qg.dtype
-    if B * M * P * N == 0:
-        return torch.full((B, Hkv, P), NEG_INF, dtype=torch.float32, device=qg.device)
-    if N <= 2 * B * P and Hkv * B * M * N * 4 <= _POOL_LOGITS_BYTES:
+    if B * M * max_pages * N == 0:
+        return torch.full((B, Hkv, max_pages), NEG_INF, dtype=torch.float32, device=qg.device)
+    if N <= 2 * B * max_pages and Hkv * B * M * N * 4 <= _POOL_LOGITS_BYTES:
         # every row against the whole pool, boxes read once in place: [Hkv, B*M, N]
         qp = qg.transpose(0, 1).reshape(Hkv, B * M, D)                                  # [Hkv, B*M, D]
         lo, hi = k_min.permute(1, 2, 0), k_max.permute(1, 2, 0)                         # [Hkv, D, N] views
@@ -73,21 +75,21 @@ def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys
         # two bmm + add_: baddbmm over these strided views ran 1.4x slower (docs/benchmarks.md)
         ub = torch.bmm(qp.clamp(max=0), lo).add_(torch.bmm(qp.clamp(min=0), hi))      # [Hkv, B*M, N]
         ub = (ub if M == 1 else ub.view(Hkv, B, M, N).amax(2)).view(Hkv, B, N)         # [Hkv, B, N]
-        scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, P)).transpose(0, 1)      # [B, Hkv, P]
+        scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, max_pages)).transpose(0, 1)      # [B, Hkv, max_pages]
     else:
         qt = qg.reshape(B * Hkv, M, D).transpose(1, 2)                                   # [B*Hkv, D, M]
         rows = (phys[:, None, :] * Hkv + torch.arange(Hkv, device=qg.device)[None, :, None]).reshape(-1)
-        lo = k_min.reshape(-1, D).index_select(0, rows).view(B * Hkv, P, D)
-        hi = k_max.reshape(-1, D).index_select(0, rows).view(B * Hkv, P, D)
+        lo = k_min.reshape(-1, D).index_select(0, rows).view(B * Hkv, max_pages, D)
+        hi = k_max.reshape(-1, D).index_select(0, rows).view(B * Hkv, max_pages, D)
         if lo.dtype != dt:
             lo, hi = lo.to(dt), hi.to(dt)
-        scores = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0))).amax(-1).view(B, Hkv, P)
+        scores = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0))).amax(-1).view(B, Hkv, max_pages)
     scores = scores if scores.dtype == torch.float32 else scores.float()
     return scores if valid is None else scores.masked_fill(~valid[:, None, :], NEG_INF)
 
 
 def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
-    """The public ``page_scores`` on validated inputs: fp32 ``[B, Hkv, P]`` (:func:`page_bounds`)."""
+    """The public ``page_scores`` on validated inputs: fp32 ``[B, Hkv, max_pages]`` (:func:`page_bounds`)."""
     phys, valid = physical_pages(block_table, seq_lens, page_size)
     qg = group_queries(q4, k_min.shape[1], math_dtype(q4))
     return page_bounds(qg, k_min, k_max, phys, valid).contiguous()
@@ -101,26 +103,26 @@ def selection_keys(seq_lens: torch.Tensor, num_pages: int, *, page_size: int, pa
     the ``Tq`` queries) are kept first, newest first, then the first ``num_sink_pages`` pages, then the best
     bounds; invalid pages (past the row's end) rank last.
 
-    Returns a dict: ``K = min(page_budget, P)``; ``valid`` ``[B, 1, P]`` bool; and the keys of one of two forms:
-    ``forced`` ``[B, 1, P]`` bool + ``forced_key`` ``[B, 1, P]`` fp32 (recent ``+inf``, sink ``FLT_MAX``, invalid
-    ``-inf``) for a stable sort (``P <= 64``), or ``packed`` ``[B, 1, P]`` int64 + ``rank`` ``[P]`` for ``topk``.
+    Returns a dict: ``K = min(page_budget, num_pages)``; ``valid`` ``[B, 1, num_pages]`` bool; and the keys of one
+    of two forms: ``forced`` ``[B, 1, num_pages]`` bool + ``forced_key`` ``[B, 1, num_pages]`` fp32 (recent ``+inf``,
+    sink ``FLT_MAX``, invalid ``-inf``) for a stable sort (``num_pages <= 64``), or ``packed`` ``[B, 1, num_pages]``
+    int64 + ``rank`` ``[num_pages]`` for ``topk``.
     """
-    P = num_pages
     device = seq_lens.device
     lens = seq_lens.to(torch.int64)
     n = num_valid_pages(lens, page_size)[:, None, None]                                 # [B, 1, 1]
-    j = torch.arange(P, device=device)                                                  # [P]
+    j = torch.arange(num_pages, device=device)                                                  # [num_pages]
     first_query_page = (lens - num_query_tokens).clamp(min=0)[:, None, None] // page_size
     recent = torch.clamp(n - first_query_page, min=max(num_recent_pages, 1))
-    is_valid = j < n                                                                    # [B, 1, P]
+    is_valid = j < n                                                                    # [B, 1, num_pages]
     is_recent = is_valid & (j >= n - recent)
     is_sink = is_valid & ~is_recent & (j < num_sink_pages)
-    keys = dict(K=min(page_budget, P), valid=is_valid, forced=is_recent | is_sink | ~is_valid)
-    if P <= _SORT_MAX_PAGES:
+    keys = dict(K=min(page_budget, num_pages), valid=is_valid, forced=is_recent | is_sink | ~is_valid)
+    if num_pages <= _SORT_MAX_PAGES:
         keys["forced_key"] = torch.where(is_recent, float("inf"), torch.where(is_sink, _FLT_MAX, NEG_INF))
         return keys
-    rank = P - 1 - j                                                                    # ties: lower page first
-    keys["packed"] = torch.where(is_recent, _FORCED_KEY + P + rank,
+    rank = num_pages - 1 - j                                                                    # ties: lower page first
+    keys["packed"] = torch.where(is_recent, _FORCED_KEY + num_pages + rank,
                                  torch.where(is_sink, _FORCED_KEY + rank, _INVALID_KEY + rank))
     keys["rank"] = rank
     return keys
@@ -150,37 +152,57 @@ def top_pages(scores: torch.Tensor, keys: dict) -> torch.Tensor:
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens):
     """The public ``select_pages`` on validated inputs: int32 ``[B, Hkv, page_budget]``, ascending, ``-1``
     padded (:func:`selection_keys` + :func:`top_pages`)."""
-    B, Hkv, P = scores.shape
-    if B * Hkv * P == 0:                                                                # no page to keep
+    B, Hkv, max_pages = scores.shape
+    if B * Hkv * max_pages == 0:                                                                # no page to keep
         return torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
-    keys = selection_keys(seq_lens.to(scores.device), P, page_size=page_size, page_budget=page_budget,
+    keys = selection_keys(seq_lens.to(scores.device), max_pages, page_size=page_size, page_budget=page_budget,
                           num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
                           num_query_tokens=num_query_tokens)
     chosen = top_pages(scores, keys)
     n = num_valid_pages(seq_lens.to(scores.device), page_size)[:, None, None]
-    chosen = torch.sort(torch.where(chosen < n, chosen, P), dim=-1).values             # P = "none", sorts last
+    # max_pages stands for "none": it sorts last
+    chosen = torch.sort(torch.where(chosen < n, chosen, max_pages), dim=-1).values
     out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
-    out[..., : keys["K"]] = torch.where(chosen < P, chosen, -1).to(torch.int32)
+    out[..., : keys["K"]] = torch.where(chosen < max_pages, chosen, -1).to(torch.int32)
     return out
 
 
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None):
-    """Min/max over valid slots of every valid page, written at the physical page ids (of the dequantized keys
-    ``code.float() * scale`` with an int8 / fp8 pool and its ``k_scale``)."""
-    B, P = block_table.shape
-    S = k_cache.shape[1]
-    cols = torch.arange(P, device=k_cache.device)
-    n = num_valid_pages(seq_lens, S)
-    valid = cols[None, :] < n[:, None]                                                  # [B, P]
-    rows, logical = valid.nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return
-    phys = block_table[rows, logical].to(torch.int64)                                   # [N]
-    keys = k_cache[phys]                                                                # [N, S, Hkv, D]
-    if k_scale is not None:
-        keys = keys.float() * k_scale[phys][:, None, :, None]
-    n_tok = (seq_lens.to(torch.int64)[rows] - logical * S).clamp(max=S)                 # [N]
-    slot_ok = (torch.arange(S, device=k_cache.device)[None, :] < n_tok[:, None])[:, :, None, None]
-    inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-    # a box narrower than the keys is rounded outward: still a bound (tinyattn.ops.boxes)
-    store_box(k_min, k_max, phys, torch.where(slot_ok, keys, inf).amin(1), torch.where(slot_ok, keys, -inf).amax(1))
+def float_order_key(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like the fp32 ``scores``, in the high 32 bits (the low ones are free for a tie-break).
+
+    NaN counts as ``-inf`` and ``-0.0`` as ``0.0``: the one ordering rule of every selection (DESIGN.md §3).
+    """
+    # nan_to_num, not where(isnan, -inf, x): the same values, ~3x faster on the CPU (a Python-scalar where
+    # is slow there); +0.0 turns -0.0 into 0.0
+    s = scores.float().nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF).add_(0.0)
+    bits = s.view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64) << 32
+
+
+def canonical_page_indices(page_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Ascending, de-duplicated, ``-1`` for padding and for pages past the row's end (int32, same shape)."""
+    n = num_valid_pages(seq_lens, page_size)[:, None, None]
+    idx = page_indices.to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    idx = torch.where((idx >= 0) & (idx < n), idx, big)
+    idx = torch.sort(idx, dim=-1).values
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    idx = torch.where(dup, big, idx)
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(idx == big, -1, idx).to(torch.int32)
+
+
+def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_query_tokens: int,
+                             window_left: int) -> torch.Tensor:
+    """``scores`` ``[B, Hkv, max_pages]`` with ``-inf`` for every page wholly before the window of the row's earliest
+    query (its last key ``(j + 1) * page_size - 1`` precedes ``seq_len - Tq - window_left``), in place.
+
+    Such a page cannot contribute to any query of the row: a windowed selection ranks it below every page that
+    overlaps the window (docs/api.md, ``window_left``). No-op for ``window_left = -1``."""
+    if window_left < 0:
+        return scores
+    j = torch.arange(scores.shape[-1], device=scores.device)
+    first = first_window_key(seq_lens.to(scores.device), num_query_tokens, window_left)
+    before = (j[None, :] + 1) * page_size <= first[:, None]                             # [B, max_pages]
+    return scores.masked_fill_(before[:, None, :], NEG_INF)
