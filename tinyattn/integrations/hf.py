@@ -63,6 +63,7 @@ lm-evaluation-harness.
 from __future__ import annotations
 
 import threading
+import types
 import warnings
 import weakref
 
@@ -84,7 +85,8 @@ from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_page
 from tinyattn.ops.validation import check_selection_options
 from tinyattn.ops import boxes, quant
 
-__all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
+__all__ = ["TinyAttnCache", "enable", "disable", "is_enabled", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION",
+           "CONFIG_KEY", "SETTINGS", "register"]
 
 ATTN_IMPLEMENTATION = "tinyattn"
 
@@ -768,6 +770,87 @@ class TinyAttnCache(Cache):
         v = torch.cat([v_old.to(value.dtype), value], dim=2)
         out, _ = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
         return out
+
+
+# ---------------------------------------------------------------------------------------------- the opt-in
+#: the key of ``model.config`` that holds a model's TinyAttnCache settings (written to config.json by save_pretrained)
+CONFIG_KEY = "tinyattn"
+#: the TinyAttnCache options ``enable`` accepts (all JSON values, so that save_pretrained keeps them)
+SETTINGS = ("page_size", "page_budget", "num_sink_pages", "num_recent_pages", "dense_layers", "num_pages", "backend",
+            "policy", "kv_cache_dtype", "box_dtype")
+
+
+def enable(model, **settings):
+    """Opt a ``transformers`` model in: every ``generate()`` that would make a ``DynamicCache`` makes a
+    :class:`TinyAttnCache` with these settings instead, so ``model.generate(**inputs)``,
+    ``pipeline("text-generation", model=model)``, this model as another model's ``assistant_model``, and tools that
+    call ``generate()`` themselves (lm-evaluation-harness) decode through tinyattn with no extra argument.
+
+    Args:
+        model: a decoder-only ``transformers`` model (``PreTrainedModel`` with ``generate``).
+        **settings: :class:`TinyAttnCache` options (:data:`SETTINGS`: ``page_size``, ``page_budget``,
+            ``num_sink_pages``, ``num_recent_pages``, ``dense_layers``, ``num_pages``, ``backend``, ``policy`` (a
+            name), ``kv_cache_dtype``, ``box_dtype``). None given: the settings saved in ``model.config.tinyattn``
+            (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's defaults (dense decode).
+
+    Returns:
+        ``model`` itself, after: ``model.set_attn_implementation("tinyattn")``, ``model.config.tinyattn =
+        settings`` (a dict: ``save_pretrained`` writes it to config.json) and, on this model object only, a
+        ``_prepare_cache_for_generation`` that makes the TinyAttnCache. Models not enabled are untouched. A
+        ``cache=`` passed to ``generate`` still wins, and so do ``use_cache=False`` and a ``cache_implementation``
+        other than ``"dynamic"`` (``"static"``: stock SDPA over transformers' static cache).
+
+    Raises:
+        ValueError, before the model is changed: an unknown setting, a ``policy`` that is not a name, an invalid
+        value (the message of :class:`TinyAttnCache`), an encoder-decoder model.
+    """
+    if not settings:
+        settings = dict(getattr(model.config, CONFIG_KEY, None) or {})
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"enable: unknown TinyAttnCache settings {unknown}; expected some of {list(SETTINGS)}")
+    if not isinstance(settings.get("policy", "quest"), str):
+        raise ValueError(f"policy: expected a policy name (saved in the model's config), got {settings['policy']!r}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("enable: expected a decoder-only model; encoder-decoder models are not supported")
+    if not hasattr(model, "generate"):
+        raise ValueError(f"model: expected a transformers model with generate(), got {type(model).__name__}")
+    TinyAttnCache(model.config, **settings)                    # every value checked before anything changes
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    setattr(model.config, CONFIG_KEY, dict(settings))
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    return model
+
+
+def disable(model, attn_implementation: str = "sdpa"):
+    """Undo :func:`enable`: ``generate()`` makes transformers' own caches again, the attention is
+    ``attn_implementation``, and ``model.config`` loses its ``tinyattn`` settings. Returns ``model``."""
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def is_enabled(model) -> bool:
+    """Whether ``generate()`` of ``model`` makes a TinyAttnCache (:func:`enable` ran on this object)."""
+    return "_prepare_cache_for_generation" in getattr(model, "__dict__", {})
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    """``GenerationMixin._prepare_cache_for_generation`` of an enabled model: where generate() would make a
+    ``DynamicCache`` (no cache passed, ``use_cache`` on, ``cache_implementation`` unset or ``"dynamic"``), a
+    TinyAttnCache with the model's settings; everything else is transformers' own code."""
+    settings = getattr(self.config, CONFIG_KEY, None)
+    if (settings is not None and model_kwargs.get("cache") is None and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+            and getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+            and self._supports_default_dynamic_cache()):
+        model_kwargs["cache"] = TinyAttnCache(self.config, **settings)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs["cache"].activate_past_recording()     # what transformers does for an assistant's cache
+        return None
+    return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
 def _window(sliding_window) -> int | None:
