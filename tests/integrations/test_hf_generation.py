@@ -335,6 +335,24 @@ def test_static_cache_compile_ignores_a_collected_tinyattn_cache():
     assert torch.equal(out, ref) and torch.equal(short, ref[:, :WIDTH + 3])
 
 
+def test_a_compiled_forward_with_a_tinyattn_cache_runs_its_attention_eagerly():
+    """``torch.compile(model.forward)`` driven with a TinyAttnCache (generate() never compiles one: it is not
+    compileable): the cache's update and attention run outside the graph, and the tokens are stock's."""
+    tiny, stock = models("llama")
+    model = copy.deepcopy(tiny)
+    model.forward = torch.compile(model.forward, backend="eager")
+    ids, mask = inputs("left")
+    ref = stock.generate(input_ids=ids, attention_mask=mask, **_kw(do_sample=False))
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(input_ids=ids, attention_mask=mask, **_kw(do_sample=False, cache=cache(model)))
+    finally:
+        torch._dynamo.reset()
+    assert_same(out, ref)
+
+
 # ---------------------------------------------------------------- assisted decoding
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("family", FAMILIES)

@@ -90,8 +90,9 @@ __all__ = ["TinyAttnCache", "enable", "disable", "is_enabled", "tinyattn_attenti
 
 ATTN_IMPLEMENTATION = "tinyattn"
 
-# The cache whose ``update`` ran last on this thread; the attention function checks that the key it
-# receives is the very tensor that update returned before it trusts it (see TinyAttnCache._owns).
+# The cache whose ``update`` ran last on this thread (``cache``, a weakref); the attention function checks that the
+# key it receives is the very tensor that update returned before it trusts it (see TinyAttnCache._owns). ``pending``
+# (a bool) says that an update awaits its attention call: the one field compiled code reads.
 _CURRENT = threading.local()
 _warned_dense = False
 
@@ -110,9 +111,13 @@ def tinyattn_attention_forward(module, query, key, value, attention_mask, scalin
         ``(attn_output [B, T, Hq, D], None)`` (attention weights are never materialised).
     """
     if torch.compiler.is_compiling():
-        # inside a compiled graph (a static cache + torch.compile): tinyattn's thread-local is never read here, so
-        # dynamo puts no guard on it (a guard on a collected TinyAttnCache recompiled or crashed, issue 33)
-        return _compiled_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        # inside a compiled graph (a static cache + torch.compile): only the flag is read here, never the cache's
+        # weakref, so dynamo guards on a bool that stays False, not on a cache object that may be collected (a
+        # guard on a collected TinyAttnCache recompiled or crashed, issue 33)
+        if getattr(_CURRENT, "pending", False):
+            return _eager_from_compiled(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
@@ -120,6 +125,7 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
     ref = getattr(_CURRENT, "cache", None)
     cache = ref() if ref is not None else None
     layer_idx = getattr(module, "layer_idx", None)
+    _CURRENT.pending = False
     if cache is None or not cache._owns(layer_idx, key):
         if key.shape[2] > query.shape[2]:
             _warn_dense_once()
@@ -130,17 +136,10 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
 
 @torch.compiler.disable
 def _eager_from_compiled(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A TinyAttnCache inside a compiled model (its ``update`` runs outside the graph and raises the flag): the
+    layer's attention runs eagerly too (a graph break per layer; ``generate`` never compiles a TinyAttnCache, whose
+    ``is_compileable`` is False)."""
     return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-
-
-def _compiled_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """Under ``torch.compile``. A cache that returns keys for every column the mask spans (``StaticCache``,
-    ``DynamicCache``, no cache) is stock SDPA's; keys shorter than the mask come from a TinyAttnCache (it returns the
-    new states only), which runs outside the graph (a graph break, decided on shapes, no object guard)."""
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        return _eager_from_compiled(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
 
 
 def _warn_dense_once() -> None:
@@ -360,6 +359,7 @@ class TinyAttnCache(Cache):
                 f"seq_length={self._hf_len})")
 
     # ------------------------------------------------------------------ the Cache interface
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Record the new ``[B, Hkv, T, D]`` states of ``layer_idx``; return them unchanged.
 
@@ -373,6 +373,7 @@ class TinyAttnCache(Cache):
             self._layer_chunk[layer_idx] = self._chunk
             self._pending = (layer_idx, key_states, value_states)
             _CURRENT.cache = weakref.ref(self)
+            _CURRENT.pending = True
             return key_states, value_states
         first = self._layer_chunk[layer_idx] == self._chunk if type(layer_idx) is int and \
             0 <= layer_idx < self.num_layers else True
@@ -410,6 +411,7 @@ class TinyAttnCache(Cache):
         self._layer_chunk[layer_idx] = self._chunk
         self._pending = (layer_idx, key_states, value_states)
         _CURRENT.cache = weakref.ref(self)
+        _CURRENT.pending = True
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
