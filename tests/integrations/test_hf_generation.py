@@ -309,6 +309,7 @@ def test_a_mask_that_reads_a_token_never_cached_raises_before_any_change():
 
 
 # ---------------------------------------------------------------- static cache + torch.compile
+@pytest.mark.slow
 def test_static_cache_compile_ignores_a_collected_tinyattn_cache():
     """Issue 33 point 3: a tinyattn model compiled with a static cache (transformers'
     ``test_static_cache_no_recompile_with_smaller_length``) after a TinyAttnCache on the same thread was collected:
@@ -335,6 +336,7 @@ def test_static_cache_compile_ignores_a_collected_tinyattn_cache():
     assert torch.equal(out, ref) and torch.equal(short, ref[:, :WIDTH + 3])
 
 
+@pytest.mark.slow
 def test_a_compiled_forward_with_a_tinyattn_cache_runs_its_attention_eagerly():
     """``torch.compile(model.forward)`` driven with a TinyAttnCache (generate() never compiles one: it is not
     compileable): the cache's update and attention run outside the graph, and the tokens are stock's."""
