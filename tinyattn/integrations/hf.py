@@ -348,7 +348,6 @@ class TinyAttnCache(Cache):
         self._pending = None
         self._undo = (0, None)
         self._routes: list = []             # per mask of the pass in progress: (mask, window, paged?)
-        self._first_mask = None             # (mask, allowed, same heads) of the pass's first layer
         self._old_slots = None              # flat pool slots of the cached columns (the dense route), per pass
         self._warned_dense_route = False
 
@@ -623,14 +622,17 @@ class TinyAttnCache(Cache):
     def _owns(self, layer_idx, key) -> bool:
         return self._pending is not None and self._pending[0] == layer_idx and self._pending[1] is key
 
-    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device, layer_idx: int) -> None:
-        """First attention call of a forward pass: which new tokens are cached, page allocation, tables.
+    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device, layer_idx: int,
+                       window: int | None) -> None:
+        """First attention call of a forward pass: which new tokens are cached, page allocation, tables, and the
+        route of this layer's mask (``window``: the layer's sliding window).
 
         A new token is cached (written to its row's pages) when it attends to itself, so padding (masked as a key in
         every 2D-mask-built mask) never enters a page. Raises ``ValueError``, with the cache left as it was before
         the pass, when the mask lets a query read a column whose token was never cached."""
         hf_before = self._hf_len - T
         old = self._real                                                          # [B, hf_before]
+        self._routes = []
         if mask is None:
             real = torch.ones(B, T, dtype=torch.bool)
         else:
@@ -641,7 +643,11 @@ class TinyAttnCache(Cache):
             allowed, same_heads = _allowed_keys(mask)                             # [B, T, kv]
             t = torch.arange(T, device=mask.device)
             real = allowed[:, t, hf_before + t].cpu()                             # [B, T] a token sees itself
-            self._check_reads(allowed, old, layer_idx, T, undo=True)
+            if hf_before:                      # an empty cache takes stock SDPA over the new states: no route
+                paged = self._paged_keys_equal(mask, allowed, same_heads, torch.cat([old, real], 1), window, T)
+                if not paged:                  # the paged keys are cached ones: equal means nothing missing
+                    self._check_reads(allowed, old, layer_idx, T, undo=True)
+                self._routes.append((mask, window, paged))
         counts = real.sum(1).tolist()
         if self.attention_chunk is not None:
             before = [self._pool.length(s) for s in self._seq_ids]
@@ -658,8 +664,6 @@ class TinyAttnCache(Cache):
         self._block_table = self._pool.block_table(self._seq_ids)
         self._seq_lens = self._pool.seq_lens(self._seq_ids)
         self._real = torch.cat([old, real], dim=1)
-        self._routes = []
-        self._first_mask = None if mask is None else (mask, allowed, same_heads)
         self._old_slots = None
         self._prepared = True
 
@@ -688,28 +692,39 @@ class TinyAttnCache(Cache):
         self._pending = None
         self._prepared = False
 
-    def _paged_serves(self, mask: torch.Tensor | None, window: int | None, T: int, layer_idx: int) -> bool:
+    @staticmethod
+    def _paged_keys_equal(mask, allowed, same_heads, real, window, T) -> bool:
         """Whether the paged op (bottom-right causal over each row's cached tokens, ``window`` of them at most) gives
-        every query exactly the keys ``mask`` allows it: true for left padding, and for right padding or holes at
-        decode; false for new tokens after padding in the same pass, custom 4D masks, windows with padding inside."""
+        every query exactly the keys the mask allows it (``allowed`` ``[B, T, kv]``; ``real`` ``[B, kv]``: the
+        columns whose token is cached, this pass's included): true for left padding, and for right padding or holes
+        at decode; false for new tokens after padding in the same pass, custom 4D masks, windows with padding
+        inside."""
+        if not same_heads:
+            return False
+        real = real.to(allowed.device)
+        index = real.long().cumsum(1) - 1                                         # a cached token's index in its row
+        last = real.sum(1, keepdim=True) - T + torch.arange(T, device=allowed.device)   # [B, T] last key it sees
+        paged = real[:, None, :] & (index[:, None, :] <= last[..., None])
+        if window is not None:
+            paged &= index[:, None, :] > (last - window)[..., None]
+        if not torch.equal(paged, allowed):
+            return False
+        # a query that sees nothing: an additive mask averages every column, the paged op gives 0
+        return mask.dtype == torch.bool or not bool((~allowed).all(-1).any())
+
+    def _paged_serves(self, mask: torch.Tensor | None, window: int | None, T: int, layer_idx: int) -> bool:
+        """The route of a layer's mask (decided once per mask object and window in a forward pass): paged (True) or
+        the dense route. A mask first met after the pass's first layer is checked for reads of never-cached
+        columns here (after pages were written: ValueError without undo)."""
         if mask is None:
             return True
         for m, w, paged in self._routes:
             if m is mask and w == window:
                 return paged
-        if self._first_mask is not None and self._first_mask[0] is mask:
-            allowed, same_heads = self._first_mask[1:]                            # checked by _prepare_chunk
-        else:
-            allowed, same_heads = _allowed_keys(mask)                             # [B, T, kv]
+        allowed, same_heads = _allowed_keys(mask)                                 # [B, T, kv]
+        paged = self._paged_keys_equal(mask, allowed, same_heads, self._real, window, T)
+        if not paged:
             self._check_reads(allowed, self._real[:, :self._hf_len - T], layer_idx, T, undo=False)
-        real = self._real.to(allowed.device)                                      # [B, kv]
-        index = real.long().cumsum(1) - 1                                         # a cached token's index in its row
-        last = real.sum(1, keepdim=True) - T + torch.arange(T, device=allowed.device)   # [B, T] last key it sees
-        first = last - (window - 1) if window is not None else torch.zeros_like(last)
-        paged_keys = real[:, None, :] & (index[:, None, :] <= last[..., None]) & (index[:, None, :] >= first[..., None])
-        paged = same_heads and torch.equal(paged_keys, allowed)
-        if paged and mask.dtype != torch.bool and bool((~allowed).all(-1).any()):
-            paged = False     # a query that sees nothing: an additive mask averages every column, the paged op gives 0
         self._routes.append((mask, window, paged))
         return paged
 
@@ -723,7 +738,7 @@ class TinyAttnCache(Cache):
         Hkv = key.shape[1]
         window = _window(kwargs.get("sliding_window"))
         if not self._prepared:
-            self._prepare_chunk(attention_mask, B, T, query.device, layer_idx)
+            self._prepare_chunk(attention_mask, B, T, query.device, layer_idx, window)
         pool = self._pool
         if T == 1:                                      # decode: one view each (squeeze: the cheapest view op)
             k, v = key.squeeze(2), value.squeeze(2)
