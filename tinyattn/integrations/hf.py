@@ -79,7 +79,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tinyattn.integrations.hf needs transformers: pip install 'tinyattn[hf]' "
                       "(transformers>=5.24,<6 and safetensors)") from e
 
-import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
 from tinyattn.ops.validation import check_selection_options
