@@ -1,52 +1,87 @@
-"""The reference twins against independent sources: SDPA on a contiguous cache, brute-force max of q·k."""
+"""The oracle's own checks: the reference loops (``tinyattn.reference``) against sources that share no code with them.
+
+Proven here, on the shared harness (tests/paged_problems.py: ragged rows, poisoned slots, GQA, Tq > 1): dense and
+sparse attention equal fp64 SDPA over the row's keys gathered by walking the block table (bottom-right causal mask
+and sliding window built by hand, GQA by repeating K/V), lse included; the page score bounds every key's logit
+(fp64) and is exact for a one-key page; the selection of a hand-worked example; the boxes exclude padding slots;
+duplicate listed pages are refused. Everything else in tests/ops compares against the reference, so these are what
+make it an oracle.
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tinyattn import reference
-from paged_problems import make_problem, problems
+from paged_problems import contiguous_kv, make_problem, problems, random_page_indices, windows
 
 
-def contiguous_kv(p, b):
-    """Row b's keys/values gathered into [n, Hkv, D] by walking its pages (independent of the reference)."""
-    n = int(p.seq_lens[b])
-    idx = [int(p.block_table[b, t // p.page_size]) * p.page_size + t % p.page_size for t in range(n)]
-    flat_k = p.k_cache.reshape(-1, *p.k_cache.shape[2:])
-    flat_v = p.v_cache.reshape(-1, *p.v_cache.shape[2:])
-    return flat_k[idx].float(), flat_v[idx].float()
-
-
-def sdpa_row(q_row, k, v, scale):
-    """q_row [Tq, Hq, D]; bottom-right causal mask built explicitly; GQA by repeating K/V."""
+def sdpa_row(q_row, k, v, scale, window_left=-1, visible=None):
+    """fp64 ``(out [Tq, Hq, D], lse [Tq, Hq])`` of one row: q_row ``[Tq, Hq, D]``, k / v ``[n, Hkv, D]``; the
+    bottom-right causal mask and the window built explicitly, ``visible`` ``[n]`` bool (listed pages) on top; GQA by
+    repeating K/V. Rows of queries that see no key are NaN (SDPA's fully masked rows): the caller skips them."""
     Tq, Hq, D = q_row.shape
     n, Hkv, _ = k.shape
     k = k.repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)           # [Hq, n, D]
     v = v.repeat_interleave(Hq // Hkv, dim=1).transpose(0, 1)
-    q = q_row.float().transpose(0, 1)                                   # [Hq, Tq, D]
+    q = q_row.double().transpose(0, 1)                                  # [Hq, Tq, D]
     q_pos = torch.arange(n - Tq, n)[:, None]
-    mask = torch.arange(n)[None, :] <= q_pos                            # [Tq, n]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+    k_pos = torch.arange(n)[None, :]
+    mask = k_pos <= q_pos                                               # [Tq, n]
+    if window_left >= 0:
+        mask &= k_pos >= q_pos - window_left
+    if visible is not None:
+        mask &= visible[None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+    logits = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    return out, torch.logsumexp(logits, -1).transpose(0, 1)
+
+
+def check_against_sdpa(p, out, lse, window_left, scale, listed=None):
+    for b in range(p.q.shape[0]):
+        n, Tq = int(p.seq_lens[b]), p.q.shape[1]
+        for h in range(p.num_kv_heads):
+            G = p.q.shape[2] // p.num_kv_heads
+            heads = slice(h * G, (h + 1) * G)
+            visible = torch.zeros(n, dtype=torch.bool)
+            pages = range(p.num_valid_pages(b)) if listed is None else [j for j in listed[b, h].tolist() if j >= 0]
+            for j in pages:
+                visible[j * p.page_size:(j + 1) * p.page_size] = True
+            q_pos = torch.arange(n - Tq, n)
+            first = q_pos - window_left if window_left >= 0 else torch.zeros_like(q_pos)
+            sees = torch.tensor([bool(visible[max(int(f), 0):max(int(t) + 1, 0)].any()) for f, t in zip(first, q_pos)],
+                                dtype=torch.bool)
+            # a query that sees no key: zeros and lse = -inf
+            assert torch.equal(out[b, ~sees, heads], torch.zeros_like(out[b, ~sees, heads]))
+            assert torch.isneginf(lse[b, ~sees, heads]).all()
+            if not sees.any():
+                continue
+            k, v = contiguous_kv(p, b)
+            want, want_lse = sdpa_row(p.q[b, :, heads], k[:, h:h + 1], v[:, h:h + 1], scale, window_left, visible)
+            torch.testing.assert_close(out[b, sees, heads].double(), want[sees], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[b, sees, heads].double(), want_lse[sees], atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
-@given(problems(max_query_tokens=5))
-def test_paged_attention_matches_sdpa(p):
+@given(problems(max_query_tokens=5), st.data())
+def test_paged_attention_matches_fp64_sdpa(p, data):
+    window_left = data.draw(windows(p.page_size))
     scale = p.q.shape[-1] ** -0.5
-    out, lse = reference.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True)
-    for b in range(p.q.shape[0]):
-        n, Tq = int(p.seq_lens[b]), p.q.shape[1]
-        if n < Tq:                                 # some queries see nothing: zeros, lse -inf
-            dead = Tq - n
-            assert torch.equal(out[b, :dead], torch.zeros_like(out[b, :dead]))
-            assert torch.isneginf(lse[b, :dead]).all()
-        if n == 0:
-            continue
-        alive = slice(max(Tq - n, 0), Tq)
-        k, v = contiguous_kv(p, b)
-        expected = sdpa_row(p.q[b, alive], k, v, scale)
-        torch.testing.assert_close(out[b, alive], expected, atol=1e-5, rtol=1e-5)
+    out, lse = reference.paged_attention(*p.args, return_lse=True, window_left=window_left)
+    check_against_sdpa(p, out, lse, window_left, scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(max_query_tokens=3), st.data())
+def test_sparse_paged_attention_matches_fp64_sdpa_over_the_listed_pages(p, data):
+    window_left = data.draw(windows(p.page_size))
+    listed = random_page_indices(p, 3, data.draw(st.integers(0, 2**31 - 1)))
+    scale = 0.7 * p.q.shape[-1] ** -0.5
+    out, lse = reference.sparse_paged_attention(*p.args, page_indices=listed, scale=scale, return_lse=True,
+                                                window_left=window_left)
+    check_against_sdpa(p, out, lse, window_left, scale, listed)
 
 
 @settings(max_examples=25, deadline=None)
@@ -60,10 +95,9 @@ def test_page_score_is_an_upper_bound_of_every_key(p):
         for t in range(k.shape[0]):
             j = t // p.page_size
             for h in range(p.num_kv_heads):
-                logits = p.q[b, :, h * G:(h + 1) * G].float() @ k[t, h]           # [Tq, G]
+                logits = p.q[b, :, h * G:(h + 1) * G].double() @ k[t, h]           # [Tq, G]
                 assert scores[b, h, j] >= logits.max() - 1e-4 * (1 + logits.abs().max())
-        n_pages = -(-int(p.seq_lens[b]) // p.page_size)
-        assert torch.isneginf(scores[b, :, n_pages:]).all()
+        assert torch.isneginf(scores[b, :, p.num_valid_pages(b):]).all()
 
 
 def test_bound_is_tight_for_a_single_key_page():
@@ -72,8 +106,8 @@ def test_bound_is_tight_for_a_single_key_page():
     k_min, k_max = p.bounds()
     scores = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=1)
     k, _ = contiguous_kv(p, 0)
-    expected = torch.einsum("hgd,thd->htg", p.q[0, 0].float().reshape(2, 2, 8), k).amax(-1)   # [Hkv, n]
-    torch.testing.assert_close(scores[0, :, :5], expected)
+    expected = torch.einsum("hgd,thd->htg", p.q[0, 0].double().reshape(2, 2, 8), k).amax(-1)   # [Hkv, n]
+    torch.testing.assert_close(scores[0, :, :5], expected.float())
 
 
 def test_select_pages_hand_worked_example():
@@ -92,10 +126,10 @@ def test_update_page_metadata_excludes_padding_slots():
     k_min, k_max = p.bounds()
     for b in range(2):
         k, _ = contiguous_kv(p, b)
-        for j in range(-(-int(p.seq_lens[b]) // 4)):
+        for j in range(p.num_valid_pages(b)):
             phys = int(p.block_table[b, j])
-            torch.testing.assert_close(k_max[phys], k[4 * j: 4 * j + 4].amax(0))
-            torch.testing.assert_close(k_min[phys], k[4 * j: 4 * j + 4].amin(0))
+            torch.testing.assert_close(k_max[phys], k[4 * j: 4 * j + 4].amax(0).float())
+            torch.testing.assert_close(k_min[phys], k[4 * j: 4 * j + 4].amin(0).float())
 
 
 def test_reference_rejects_duplicate_page_indices():
