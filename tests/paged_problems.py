@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import assume
 from hypothesis import strategies as st
@@ -99,6 +100,14 @@ def make_problem(seed: int, *, batch: int, seq_lens: list[int], page_size: int, 
     q = torch.randn(batch, num_query_tokens, num_kv_heads * group, head_dim, generator=g)
     return Problem(q.to(dtype), k.to(dtype), v.to(dtype), block_table, torch.tensor(seq_lens, dtype=torch.int32),
                    page_size)
+
+
+def tiers(fast: int, full: int):
+    """Parametrize a property test's ``examples``: ``fast`` hypothesis examples in the fast tier (``-m "not slow"``)
+    and the other ``full - fast`` marked slow, so a whole run draws ``full`` (the test sets
+    ``settings(max_examples=examples)`` on an inner ``@given`` function)."""
+    return pytest.mark.parametrize("examples", [pytest.param(fast, id="fast"),
+                                                pytest.param(full - fast, id="more", marks=pytest.mark.slow)])
 
 
 def two_pages(page_size: int) -> int:

@@ -251,51 +251,6 @@ def _dequantized_keys(c, seq, layer=0):
     return torch.cat(rows)[:n]                                                          # [n, Hkv, D]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("one_call", [False, True])
-def test_worst_case_page_tiny_first_token_then_huge(fmt, one_call):
-    """A page's first token is 1e-4, a later one 1e4: the page is re-quantized, nothing clips, the error of every
-    token stays within one step of the final scale (two roundings), and the box is exact for the stored keys."""
-    torch.manual_seed(0)
-    S, Hkv, D = 8, 2, 16
-    c = PagedKVCache(2, Hkv, D, page_size=S, num_pages=4, kv_cache_dtype=fmt)
-    seq = c.add_sequence()
-    k = torch.randn(S + 3, Hkv, D)
-    k[0] *= 1e-4
-    k[5] *= 1e4
-    v = -2 * k
-    if one_call:
-        c.write(1, c.extend([seq], S + 3), k, v)
-    else:
-        for t in range(S + 3):
-            c.write(1, c.extend([seq], 1), k[t:t + 1], v[t:t + 1])
-    page0 = c.pages(seq)[0]
-    for x, pool, scales in ((k, c.k_cache[1], c.k_scale[1]), (v, c.v_cache[1], c.v_scale[1])):
-        scale = scales[page0]                                                           # [Hkv]
-        exact = x[:S].abs().amax(dim=(0, 2)) / quant.qmax(c.dtype)
-        if fmt == "int8" or one_call:
-            torch.testing.assert_close(scale, exact)
-        else:                          # fp8 grows by powers of two from the first token's scale
-            assert (scale >= exact).all() and (scale < 2 * exact).all()
-            ratio = torch.log2(scale / (x[0].abs().amax(-1) / quant.qmax(c.dtype)))
-            torch.testing.assert_close(ratio, ratio.round(), atol=1e-5, rtol=0)
-        got = quant.dequantize(pool[page0][None], scale[None])[0]                      # [S, Hkv, D]
-        err = (got - x[:S]).abs()
-        assert torch.isfinite(got).all()
-        rel = 1 / 127 if fmt == "int8" else 2 ** -3                                     # grid spacing / qmax
-        step = scale[None, :, None] * (1.0 if fmt == "int8" else 448 * rel)
-        assert (err <= step * (1.0 if not one_call else 0.5) + 1e-6).all()
-        if fmt == "int8":                                # the huge token: rounded once, on the final scale
-            assert (err[5] <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
-        else:                                            # e4m3: half a spacing (3 mantissa bits), subnormals
-            assert (err[5] <= x[5].abs() * 2 ** -4 + scale[:, None] * 2 ** -9 + 1e-6).all()
-    keys = _dequantized_keys(c, seq, layer=1)
-    for j, p in enumerate(c.pages(seq)):
-        page_keys = keys[j * S:(j + 1) * S]
-        assert torch.equal(c.k_min[1][p], page_keys.amin(0))
-        assert torch.equal(c.k_max[1][p], page_keys.amax(0))
-
-
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(sorted(FORMATS)), st.lists(st.integers(1, 9), min_size=1, max_size=6),
        st.integers(0, 2**31 - 1))
