@@ -201,9 +201,9 @@ class PagedKVCache:
                                  f"free a sequence or build a larger cache. No sequence was changed.")
         slots: list[int] = []
         page_size = self.page_size
-        for seq_id, count, n_new in zip(seq_ids, counts, needed):
-            for _ in range(n_new):
-                self._take_page(seq_id)
+        for seq_id, n_new in zip(seq_ids, needed):
+            self._take_pages(seq_id, n_new)
+        for seq_id, count in zip(seq_ids, counts):
             start, pages = self._lens[seq_id], self._pages[seq_id]
             slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
@@ -216,15 +216,20 @@ class PagedKVCache:
         total = -(-(self._lens[seq_id] + count) // self.page_size)
         return max(total - len(self._pages[seq_id]), 0)
 
-    def _take_page(self, seq_id: int) -> None:
-        page = self._free.pop()
+    def _take_pages(self, seq_id: int, count: int) -> None:
+        """Append ``count`` free pages to the sequence, each empty: its box reset (the first write sets it), and for
+        int8 / fp8 a zero scale and no valid slot. One op per layer and tensor, whatever ``count``."""
+        if count == 0:
+            return
+        new = [self._free.pop() for _ in range(count)]
+        pages = torch.tensor(new, dtype=torch.int64, device=self.device)
         for k_min, k_max in zip(self.k_min, self.k_max):
-            kv_cache.reset_boxes(k_min, k_max, page)     # an empty box: the first write sets it
+            kv_cache.reset_boxes(k_min, k_max, pages)
         for scale in self.k_scale + self.v_scale:
-            scale[page] = 0.0                        # an empty page: the first write sets its scale
+            scale.index_fill_(0, pages, 0.0)
         if self.quantized:
-            self._fill[page] = 0
-        self._pages[seq_id].append(page)
+            self._fill.index_fill_(0, pages, 0)
+        self._pages[seq_id].extend(new)
 
     # ---- page operations: copy, fork, resize, truncate, drop ----------------------------------------
     def copy_pages(self, src, dst) -> None:
@@ -275,7 +280,7 @@ class PagedKVCache:
         new = self.add_sequence()
         for p in src:
             if p >= 0:
-                self._take_page(new)
+                self._take_pages(new, 1)
             else:
                 self._pages[new].append(-1)
         self.copy_pages(held, [p for p in self._pages[new] if p >= 0])
