@@ -442,11 +442,18 @@ class PagedKVCache:
             raise TypeError(f"slots: expected a 1-D int32/int64 tensor (from extend()), got {got}")
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != expected:
-                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {got}")
+            if not x.is_floating_point() or x.device != self.device:
+                raise TypeError(f"{name}: expected a float tensor on {self.device}, got {x.dtype} on {x.device}")
         issued = getattr(self, "_issued", None)
-        if trusted or (issued is not None and slots is issued[0]):
-            pages = None                                       # made by extend(): in range by construction
+        if issued is not None and slots is issued[0]:          # made by extend(): in range by construction
+            if issued[1] is None:                              # its pages, once for every layer
+                self._issued = issued = (slots, torch.div(slots, self.page_size, rounding_mode="floor"))
+            pages = issued[1]
+        elif trusted:
+            pages = None
         else:
             slots = slots.to(device=self.device, dtype=torch.int64)
             capacity = self.num_pages * self.page_size
@@ -455,11 +462,12 @@ class PagedKVCache:
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
         boxes_on = bool(self.k_min)
+        # the cache made every other tensor: the op's own argument checks are skipped (trusted)
         api.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
-                          k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
-                          k_scale=self.k_scale[layer] if self.quantized else None,
-                          v_scale=self.v_scale[layer] if self.quantized else None,
-                          fill=self._fill if self.quantized else None, pages=pages, backend=backend)
+                     k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
+                     k_scale=self.k_scale[layer] if self.quantized else None,
+                     v_scale=self.v_scale[layer] if self.quantized else None,
+                     fill=self._fill if self.quantized else None, pages=pages, backend=backend, trusted=True)
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:
