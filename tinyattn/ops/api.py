@@ -177,12 +177,12 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
                                          v_scale, window_left)
-    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
-        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     if torch.compiler.is_compiling():
         return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
                          k_scale, v_scale)
-    impl = _planned("sparse", call, block_table, seq_lens)
+    impl = _planned("sparse", call, block_table, seq_lens)     # checks the table values first
+    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
+        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     scales = None if k_scale is None else (k_scale, v_scale)
     return impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, None, call.scale, scales,
                     call.window_left)
