@@ -1,11 +1,11 @@
-"""The stories260K model and its tokenizer as module-scoped fixtures (test_model.py, test_accuracy.py).
+"""The stories260K model and its tokenizer as module-scoped fixtures (tests/models/, tests/engine/, ...).
 
 Import them into a test module, ``from model_fixtures import model, tok``: each module loads its own copy.
 """
 
 import pytest
 
-from conftest import CKPT, TOKENIZER
+from paths import CKPT, TOKENIZER
 from tinyattn.models import LlamaModel, Tokenizer
 
 

