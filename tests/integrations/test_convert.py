@@ -13,7 +13,7 @@ from tinyattn.integrations import convert as C  # noqa: E402
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from conftest import CKPT
+    from paths import CKPT
 
     out = tmp_path_factory.mktemp("stories260K-hf")
     assert C.main(["--model", str(CKPT), "--tokenizer", str(CKPT.parent / "tok512.bin"), "--out", str(out)]) == 0
@@ -21,7 +21,7 @@ def converted(tmp_path_factory):
 
 
 def known_good(model_dir) -> str:
-    from conftest import KNOWN_GOOD
+    from paths import KNOWN_GOOD
 
     return KNOWN_GOOD.read_text(encoding="utf-8").strip("\n")
 
@@ -62,7 +62,7 @@ def test_tokenizer_matches_llama2c(converted):
     model_dir, out = converted
     from tinyattn.models import Tokenizer, load_stories
 
-    from conftest import VALID
+    from paths import VALID
 
     ref = Tokenizer(model_dir / "tok512.bin")
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -201,7 +201,7 @@ def test_unpermute_rope_inverts_permute_rope():
 
 
 def test_cli_per_layer_options(tmp_path, capsys):
-    from conftest import CKPT
+    from paths import CKPT
 
     out = tmp_path / "hyb"
     types = "sliding_attention,full_attention,sliding_attention,sliding_attention,full_attention"
