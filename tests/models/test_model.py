@@ -8,7 +8,6 @@ runtime's logits are checked independently of tinyattn's ops and cache.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tinyattn.models.llama import apply_rope
 
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
-from conftest import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
+from paths import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
 
 
 TORCH = "torch"  # conftest sets TRITON_INTERPRET=1, which would make backend=None pick the slow interpreter

@@ -210,11 +210,11 @@ def test_bench_scripts_run_at_tiny_sizes(tmp_path):
     import json
     import os
     import sys
-    from pathlib import Path
 
-    from conftest import run_subprocess
+    from paths import REPO
+    from commands import run_subprocess
 
-    bench = Path(__file__).resolve().parents[1] / "bench"
+    bench = REPO / "bench"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
     def run(script, *args, quiet):
