@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_cli import run_cli
+from commands import run_cli
 
 
 def test_serve_bench_help_explains_every_option():

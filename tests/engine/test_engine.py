@@ -12,7 +12,7 @@ from model_fixtures import model, tok  # noqa: F401  (fixtures)
 from tinyattn.engine import (ApproximateAttention, EarlyExit, Engine, LayerPolicies, Plugin, SamplingParams)
 from tinyattn.engine.runner import ModelRunner
 from tinyattn.models import LlamaRuntime, SparsityConfig, load_stories
-from conftest import VALID
+from paths import VALID
 
 GREEDY64 = SamplingParams(64, ignore_eos=True)
 
