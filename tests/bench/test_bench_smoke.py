@@ -1,4 +1,5 @@
-"""The benchmark scripts of bench/ run end to end at tiny sizes (``--quick``): CSV, PNG and table written.
+"""The benchmark scripts of bench/ run end to end at tiny sizes (``--quick``): CSV, PNG and table written; their
+default output folder is the git-ignored out/bench.
 
 They are not timed tests (DESIGN.md §6): this only proves they run, on the torch backend, on the CPU.
 """
@@ -6,12 +7,15 @@ They are not timed tests (DESIGN.md §6): this only proves they run, on the torc
 import csv
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from paths import REPO
+
+BENCH = REPO / "bench"
 SCRIPTS = ["decode_attention", "kernel_breakdown", "e2e_decode"]
 
 
@@ -20,6 +24,7 @@ def _load(name):
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -138,3 +143,27 @@ def test_ab_revisions_quick_run(tmp_path, capsys, keep_threads):
     assert [r["method"] for r in rows] == ["sdpa", "dense_old", "sparse_old", "dense_new", "sparse_new"]
     assert all(float(r["new_over_old"]) > 0 for r in rows if r["method"].endswith("_new"))
     assert "|---" in capsys.readouterr().out
+
+
+def test_bench_scripts_write_to_scratch_by_default():
+    common = _load("common")
+    assert common.DEFAULT_OUT == REPO / "out" / "bench"
+    for name in ("decode_attention", "kernel_breakdown", "e2e_decode"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = _load(name).parse_args([])
+        assert args.out == REPO / "out" / "bench", name
+        assert _load(name).parse_args(["--out", "docs/bench"]).out == Path("docs/bench")
+    source = (BENCH / "profile_generate.py").read_text()
+    assert "default=C.DEFAULT_OUT" in source and "shared" not in source
+    run_cpu = (BENCH / "run_cpu.sh").read_text()
+    assert 'OUT="${OUT:-out/bench}"' in run_cpu
+
+
+def test_hf_perplexity_takes_comma_separated_budgets(capsys):
+    hf_perplexity = _load("hf_perplexity")
+    assert hf_perplexity.parse_args(["--page-budgets", "2,4,8"]).page_budgets == [2, 4, 8]
+    assert hf_perplexity.parse_args([]).page_budgets == [2, 4, 8]
+    assert hf_perplexity.parse_args([]).text is None                 # the shipped stories
+    with pytest.raises(SystemExit):
+        hf_perplexity.parse_args(["--page-budgets", "2", "4"])
