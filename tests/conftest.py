@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 # the shared helpers live in plain modules (tests/ is on sys.path: pyproject's ``pythonpath``); these names stay
 # importable from conftest for the test files not yet moved into their folders
 from paths import CKPT, KNOWN_GOOD, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
-from subprocesses import run_subprocess  # noqa: E402,F401
+from commands import run_subprocess  # noqa: E402,F401
 
 
 EXTRA_MODULES = ("transformers", "safetensors", "matplotlib")   # the hf and plots extras (pyproject.toml)

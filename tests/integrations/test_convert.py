@@ -248,3 +248,41 @@ def test_retrieval_checkpoint_converts_with_its_character_tokenizer(tmp_path, ca
     assert "--nope-layers: not used with a retrieval checkpoint" in capsys.readouterr().err
     assert C.main(["--model", str(tmp_path), "--out", str(out)]) == 2
     assert "is a directory but not a tinyattn retrieval checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- tinyattn convert
+def test_convert_runs_with_no_path_and_writes_readable_files(tmp_path, capsys, monkeypatch):
+    import os
+    import stat
+
+    from commands import run_main
+
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        code, out, err = run_main(["convert"], capsys)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    out_dir = tmp_path / "out" / "stories260K-hf"
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (out_dir / name).is_file(), name
+    # safetensors creates its file 0600; convert gives it the mode of the other files (0666 minus the umask)
+    assert stat.S_IMODE((out_dir / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((out_dir / "config.json").stat().st_mode) == 0o644
+
+
+def test_convert_missing_file_names_the_option(tmp_path, capsys):
+    from commands import run_main
+
+    code, _, err = run_main(["convert", "--model", "no/such.bin", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2
+    assert "convert: error: --model: file not found: no/such.bin" in err
+    assert "Errno" not in err
+    code, _, err = run_main(["convert", "--tokenizer", "no/tok.bin", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--tokenizer: file not found: no/tok.bin" in err
+
+
+def test_convert_module_entry_point_errors_cleanly(tmp_path, capsys):
+    assert C.main(["--model", "no/such.bin", "--out", str(tmp_path)]) == 2
+    assert "python -m tinyattn.integrations.convert: error: --model: file not found" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""Commands the tests run in a child process: a hang guard sized for a loaded machine, and ``python -m tinyattn``
-with the checks its callers share."""
+"""Running tinyattn's command line in tests: in a child process (:func:`run_cli`; :func:`run_subprocess` is any
+command with a hang guard sized for a loaded machine) or in this process (:func:`run_main`, no torch import to pay)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,19 @@ def assert_clean_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr
     assert re.search(pattern, proc.stderr), proc.stderr
+
+
+def run_main(args: list[str], capsys, prog: str | None = None) -> tuple[int, str, str]:
+    """``tinyattn ARGS`` in this process: ``(exit status, stdout, stderr)``. generate / eval / finetune get
+    ``--backend torch`` unless the arguments name a backend (conftest sets TRITON_INTERPRET=1, under which the
+    default backend would be the slow interpreter)."""
+    from tinyattn.cli import main
+
+    if args and args[0] in ("generate", "eval", "finetune") and not {"--help", "--backend"} & set(args):
+        args = [*args, "--backend", "torch"]
+    try:
+        code = main(args) if prog is None else main(args, prog=prog)
+    except SystemExit as exc:          # argparse errors and --help
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

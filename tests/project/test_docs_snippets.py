@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_subprocess
+from paths import REPO
+from commands import run_subprocess
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SKIP = re.compile(r"^# doc-test: skip\b(.*)$")
 MAX_SKIPPED = 2
