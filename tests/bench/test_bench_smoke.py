@@ -4,6 +4,7 @@ default output folder is the git-ignored out/bench.
 They are not timed tests (DESIGN.md §6): this only proves they run, on the torch backend, on the CPU.
 """
 
+import ast
 import csv
 import importlib.util
 import sys
@@ -95,6 +96,8 @@ def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     """bench/retention_recall.py on a tiny random retrieval checkpoint: every (seed, policy) run, summary, PNG."""
     import json
 
+    pytest.importorskip("matplotlib", reason="the PNG needs the plots extra")
+
     from tinyattn.models import LlamaConfig, LlamaModel
     from tinyattn.retrieval import CharTokenizer, save_retrieval_model
 
@@ -114,6 +117,46 @@ def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     assert kv["recency"] == kv["gradient"] < kv["full"]                 # equal memory for the two evicting ones
     assert (tmp_path / "out" / "retention_recall.png").stat().st_size > 0
     assert "| gradient | 2 |" in capsys.readouterr().out
+
+
+def test_retention_recall_without_matplotlib_writes_the_numbers(tmp_path, capsys, keep_threads, monkeypatch):
+    """Without the plots extra, bench/retention_recall.py still writes its JSON, CSV and table, and says why there
+    is no PNG (it used to import matplotlib itself and crash)."""
+    import json
+
+    from tinyattn.models import LlamaConfig, LlamaModel
+    from tinyattn.retrieval import CharTokenizer, save_retrieval_model
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # as if not installed: import fails
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    cfg = LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size)
+    ckpt = save_retrieval_model(LlamaModel(cfg), tok, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    rc = _load("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "--policies", "recency", "--steps", "1",
+                                         "--seq-len", "200", "--num-keys", "1", "--num-questions", "1",
+                                         "--kv-budget-pages", "8", "--chunk-size", "32", "--eval-sequences", "1",
+                                         "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert [r["retention"] for r in json.loads((out / "retention_recall.json").read_text())["runs"]] == ["recency"]
+    assert (out / "retention_recall.csv").is_file() and not (out / "retention_recall.png").exists()
+    printed = capsys.readouterr().out
+    assert "| recency | 1 |" in printed and 'matplotlib is not installed: skipping the plot (pip install "tinyattn[plots]")' \
+        in printed
+
+
+def test_no_bench_script_imports_matplotlib_itself():
+    """Plots go through bench/common.pyplot() (None without the plots extra), so every script runs without it."""
+    offenders = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name == "common.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno}" for n in names if n.split(".")[0] == "matplotlib"]
+    assert not offenders
 
 
 def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):

@@ -207,6 +207,7 @@ def test_bench_scripts_run_at_tiny_sizes(tmp_path):
     """bench/smollm2_{passkey,long_text,speed}.py end to end at tiny sizes, each in its own process without
     TRITON_INTERPRET (the torch backend, as a user runs them): the files and tables they document are written,
     dense answers its passkeys and scores itself as dense."""
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     import json
     import os
     import sys
