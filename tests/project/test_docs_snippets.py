@@ -80,6 +80,14 @@ def test_every_python_fence_is_collected():
         assert len(re.findall(r"^\s*```python\s*$", text, re.M)) == len(python_blocks(path)), path.name
 
 
+def test_snippets_write_below_the_readers_folder():
+    """A snippet names no absolute folder (``/tmp/...``, a home): what it writes lands in the reader's current folder
+    (here the test's tmp_path), never beside other users' files or other test runs'."""
+    for path in DOCS:
+        for line, code in python_blocks(path):
+            assert not re.search(r"[\"'](/tmp|/home|/root|~)/", code), f"{path.name}:{line}"
+
+
 @pytest.mark.parametrize("doc", _docs_with_blocks(), ids=lambda p: p.name)
 def test_snippets_run(doc: Path, tmp_path):
     blocks = [(line, code) for line, code in python_blocks(doc) if not SKIP.match(code.splitlines()[0])]

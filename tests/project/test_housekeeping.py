@@ -136,6 +136,18 @@ def test_nothing_below_the_cli_imports_it():
     assert not offenders
 
 
+def test_no_test_names_a_fixed_folder_under_tmp_or_home():
+    """Tests write below their tmp_path (tests/conftest.py moves the libraries' caches there too); a literal
+    ``/tmp/...`` or ``~/...`` path in a test would outlive the run and collide with parallel runs."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.match(r"(/tmp|~|/root|/home)/",
+                                                                                            node.value):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]}")
+    assert not offenders
+
+
 def test_out_folders_are_git_ignored():
     ignore = (ROOT / ".gitignore").read_text().split()
     assert "/out/" in ignore            # convert's default out/<model>-hf, bench's out/bench, finetune's out/...
