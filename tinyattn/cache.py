@@ -419,7 +419,7 @@ class PagedKVCache:
 
     def _refit_scales(self, page: int, valid: int) -> None:
         """Shrink the K and V scales of ``page`` (every layer) to what its first ``valid`` slots hold, and
-        re-quantize those slots onto them (issue 28: a scale kept from tokens that were cut would quantize every
+        re-quantize those slots onto them (a scale kept from tokens that were cut would quantize every
         later token of the page with the coarse step of the cut ones).
 
         int8: the scale becomes ``absmax / 127`` of the kept dequantized values (``code * scale``), as if they

