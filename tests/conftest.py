@@ -117,7 +117,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    outcome = yield                        # a module-level importorskip (tests/test_hf.py) skips at collection
+    outcome = yield                        # a module-level importorskip (tests/integrations/test_hf.py) skips at collection
     _require_extras(outcome.get_result())
 
 
