@@ -30,6 +30,7 @@ def _load(name):
     return module
 
 
+@pytest.mark.slow
 def test_cpu_threads_runs_each_setting_in_its_own_process(tmp_path, capsys):
     """bench/cpu_threads.py: one process per setting (default, 1 thread, OMP_WAIT_POLICY=PASSIVE), a row each."""
     assert _load("cpu_threads").main(["--rounds", "1", "--iters", "2", "--csv", str(tmp_path / "t.csv")]) == 0
@@ -92,6 +93,7 @@ def test_sliding_window_quick_run(tmp_path, capsys, keep_threads):
     assert "|---" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     """bench/retention_recall.py on a tiny random retrieval checkpoint: every (seed, policy) run, summary, PNG."""
     import json
@@ -119,6 +121,7 @@ def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     assert "| gradient | 2 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_retention_recall_without_matplotlib_writes_the_numbers(tmp_path, capsys, keep_threads, monkeypatch):
     """Without the plots extra, bench/retention_recall.py still writes its JSON, CSV and table, and says why there
     is no PNG (it used to import matplotlib itself and crash)."""
@@ -170,6 +173,7 @@ def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):
     assert "questmass gamma=0.5" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ab_revisions_quick_run(tmp_path, capsys, keep_threads):
     """bench/ab_revisions.py: the package at HEAD beside the working tree's, in one process; both give the same
     outputs (the script checks) and every new row carries its speedup over the old one."""

@@ -9,6 +9,8 @@ import pytest
 
 from commands import run_cli
 
+pytestmark = pytest.mark.slow         # each test starts python -m tinyattn
+
 
 def test_serve_bench_help_explains_every_option():
     proc = run_cli("serve-bench", "--help")

@@ -73,6 +73,7 @@ def test_tokenizer_matches_llama2c(converted):
         assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids)
 
 
+@pytest.mark.slow
 def test_known_good_greedy_text_stock_and_tinyattn(converted):
     model_dir, out = converted
     tok = transformers.AutoTokenizer.from_pretrained(out)

@@ -83,6 +83,7 @@ def test_h2o_observes_the_prefill(model, tok):
 
 
 @needs_model
+@pytest.mark.slow
 def test_questmass_keeps_more_of_the_oracles_pages_than_quest(model, tok):
     """On real text questmass beats quest on every selection figure (docs/accuracy.md measures +1.5 to +5.2
     hit-rate points across budgets on all 7 stories); here 3 stories, 160 tokens, a 48-token budget."""
@@ -94,6 +95,7 @@ def test_questmass_keeps_more_of_the_oracles_pages_than_quest(model, tok):
     assert questmass.kl < quest.kl and questmass.nll <= quest.nll
 
 @needs_model
+@pytest.mark.slow
 def test_eval_rows_json_and_probes(small_eval, tmp_path):
     r = small_eval
     assert r.policies == ["quest", "oracle", "h2o"] and r.page_sizes == [4, 8]
@@ -128,6 +130,7 @@ def test_eval_rows_json_and_probes(small_eval, tmp_path):
 
 
 @needs_model
+@pytest.mark.slow
 def test_plots_are_pngs(small_eval, tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_eval(small_eval, tmp_path, metrics=("nll", "hit_rate"))
@@ -147,6 +150,7 @@ def test_budget_options_are_validated(model, tok):
 
 
 @needs_model
+@pytest.mark.slow
 def test_cli_eval_policies_json_and_plots(tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     out = tmp_path / "acc"
@@ -168,6 +172,7 @@ def test_cli_eval_policies_json_and_plots(tmp_path):
 
 
 @needs_model
+@pytest.mark.slow
 def test_cli_generate_policy():
     proc = run_cli("generate", "--model", str(CKPT), "--tokenizer", str(TOKENIZER), "--prompt", "Tom had a dog",
                    "--max-new-tokens", "16", "--page-size", "4", "--page-budget", "3", "--policy", "h2o",

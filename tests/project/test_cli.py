@@ -24,6 +24,7 @@ needs_shared_readme = pytest.mark.skipif(  # a maintainer's check: the model's u
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["eval"]])
+@pytest.mark.slow
 def test_help(command):
     proc = run_cli(*command, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -38,11 +39,13 @@ def test_help(command):
             assert opt in proc.stdout
 
 
+@pytest.mark.slow
 def test_no_command_is_a_usage_error():
     proc = run_cli()
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_known_good_text_with_the_shipped_model(tmp_path):
     """No path at all, from a directory with no ../shared beside it: the shipped stories260K gives the known-good
     greedy text (200 tokens from BOS), and --no-stats output ends with exactly one newline."""
@@ -62,6 +65,7 @@ def test_known_good_file_is_the_model_readmes_text():
 
 
 @needs_model
+@pytest.mark.slow
 def test_generate_batch_with_stats():
     proc = run_cli("generate", *model_args(), "--prompt", "Tom had a dog", "--prompt", "Once upon a time",
                    "--max-new-tokens", "12", "--page-size", "4", "--page-budget", "2", "--backend", "torch",
@@ -74,6 +78,7 @@ def test_generate_batch_with_stats():
 
 
 @needs_model
+@pytest.mark.slow
 def test_eval_small():
     proc = run_cli("eval", *model_args(), "--data", str(VALID), "--max-stories", "2", "--max-context", "48",
                    "--page-size", "4", "--page-budgets", "2,4", "--backend", "torch", "--no-progress")
@@ -89,11 +94,13 @@ def test_eval_small():
     (["generate", "--model", "no/such/model.bin"], r"--model: file not found: no/such/model.bin"),
     (["eval", "--page-budgets", "2,x"], r"--page-budgets: expected an integer >= 1, got 'x'"),
 ])
+@pytest.mark.slow
 def test_errors_through_a_subprocess(args, pattern):
     assert_clean_error(run_cli(*args), pattern)
 
 
 @needs_model
+@pytest.mark.slow
 def test_corrupt_model_through_a_subprocess(tmp_path):
     truncated = tmp_path / "model.bin"
     truncated.write_bytes(CKPT.read_bytes()[:5000])
@@ -200,6 +207,7 @@ def test_usage_names_the_program(capsys):
 # ---------------------------------------------------------------------------------------------- the process
 @pytest.mark.parametrize("argv0, expected", [("-m", "PASSIVE"), ("/venv/bin/tinyattn", "PASSIVE"),
                                              ("script.py", "None")])
+@pytest.mark.slow
 def test_command_line_sets_omp_wait_policy_before_torch(argv0, expected):
     """``python -m tinyattn`` (argv[0] is ``-m`` while the package loads) and the ``tinyattn`` script get
     ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported; a library user's process is left alone."""
@@ -217,6 +225,7 @@ def test_command_line_sets_omp_wait_policy_before_torch(argv0, expected):
     assert proc.stdout.strip() == "ACTIVE"
 
 
+@pytest.mark.slow
 def test_eval_plot_dir_without_matplotlib_writes_csv_json_and_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)          # as if not installed: import fails
     plots = tmp_path / "plots"

@@ -89,6 +89,7 @@ def test_snippets_write_below_the_readers_folder():
 
 
 @pytest.mark.parametrize("doc", _docs_with_blocks(), ids=lambda p: p.name)
+@pytest.mark.slow
 def test_snippets_run(doc: Path, tmp_path):
     blocks = [(line, code) for line, code in python_blocks(doc) if not SKIP.match(code.splitlines()[0])]
     if not blocks:

@@ -61,6 +61,7 @@ def test_every_name_api_md_imports_is_also_a_tinyattn_attribute(name, module):
     assert name in dir(tinyattn)
 
 
+@pytest.mark.slow
 def test_import_tinyattn_is_light_and_loads_the_rest_on_demand():
     code = ("import sys, tinyattn\n"
             "heavy = [m for m in ('triton', 'tinyattn.models', 'tinyattn.cache', 'tinyattn.training', 'tinyattn.cli',"

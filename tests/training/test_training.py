@@ -333,6 +333,7 @@ def test_loss_mask_counts_only_the_masked_targets_and_their_gradient():
 
 
 # ---- the command -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_finetune_command_writes_the_json(tmp_path):
     from paths import CKPT, VALID as data
 
