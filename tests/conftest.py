@@ -6,6 +6,7 @@ TRITON_INTERPRET must be set before triton is first imported, so it is set here,
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ torch.set_num_threads(1)
 
 # the shared helpers live in plain modules (tests/ is on sys.path: pyproject's ``pythonpath``); these names stay
 # importable from conftest for the test files not yet moved into their folders
-from paths import CKPT, KNOWN_GOOD, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
+from paths import CKPT, KNOWN_GOOD, REPO, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
 from commands import run_subprocess  # noqa: E402,F401
 
 
@@ -31,10 +32,7 @@ CACHE_VARS = {"TINYATTN_CACHE": "tinyattn", "TRITON_CACHE_DIR": "triton", "TORCH
               "MPLCONFIGDIR": "matplotlib"}
 _CACHES_ROOT = "TINYATTN_TEST_CACHES"              # set by the process that made the folder
 _made_caches = pytest.StashKey[Path]()
-
-
 _files_before = pytest.StashKey[set]()
-REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
@@ -45,7 +43,7 @@ def pytest_configure(config):
     for var, name in CACHE_VARS.items():
         os.environ.setdefault(var, str(root / name))
     config.stash[_made_caches] = root
-    config.stash[_files_before] = _new_files_in_checkout()
+    config.stash[_files_before] = _loose_files_in_checkout()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -55,18 +53,16 @@ def pytest_sessionfinish(session, exitstatus):
     before = session.config.stash.get(_files_before, None)
     if before is None:
         return
-    new = sorted(_new_files_in_checkout() - before)
+    new = sorted(_loose_files_in_checkout() - before)
     if new:
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             f"tests wrote outside their tmp_path, into the checkout: {new[:20]}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _new_files_in_checkout() -> set:
+def _loose_files_in_checkout() -> set:
     """Untracked and ignored paths of the checkout as ``git status`` lists them, and every file under out/; empty
     outside a git checkout. Python's and the test tools' own caches are left out."""
-    import subprocess
-
     try:
         proc = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
@@ -117,7 +113,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    outcome = yield                        # a module-level importorskip (tests/integrations/test_hf.py) skips at collection
+    outcome = yield                 # a module-level importorskip (tests/integrations/test_hf.py) skips at collection
     _require_extras(outcome.get_result())
 
 

@@ -238,7 +238,7 @@ def test_eval_plot_dir_without_matplotlib_writes_csv_json_and_names_the_extra(tm
     assert not list(plots.glob("*.png"))
 
 
-# ---------------------------------------------------------------------------------------------- past the training context
+# ------------------------------------------------------------------------------------ past the training context
 def test_eval_warns_past_the_training_context(short_context_model, capsys):
     code, out, err = run_main(["eval", "--model", str(short_context_model), "--max-stories", "1", "--max-context",
                                "40", "--page-size", "8", "--page-budgets", "2", "--no-progress", "--no-repeat-probe",
