@@ -384,7 +384,7 @@ def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
 
 
 def test_cli_kv_cache_dtype():
-    from test_cli import assert_clean_error, model_args, run_cli
+    from commands import assert_clean_error, model_args, run_cli
 
     proc = run_cli("generate", "--help")
     assert "--kv-cache-dtype {auto,fp16,bf16,int8,fp8_e4m3}" in proc.stdout and "per (page, KV head)" in proc.stdout

@@ -201,9 +201,9 @@ class PagedKVCache:
                                  f"free a sequence or build a larger cache. No sequence was changed.")
         slots: list[int] = []
         page_size = self.page_size
-        for seq_id, count, n_new in zip(seq_ids, counts, needed):
-            for _ in range(n_new):
-                self._take_page(seq_id)
+        for seq_id, n_new in zip(seq_ids, needed):
+            self._take_pages(seq_id, n_new)
+        for seq_id, count in zip(seq_ids, counts):
             start, pages = self._lens[seq_id], self._pages[seq_id]
             slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
@@ -216,15 +216,20 @@ class PagedKVCache:
         total = -(-(self._lens[seq_id] + count) // self.page_size)
         return max(total - len(self._pages[seq_id]), 0)
 
-    def _take_page(self, seq_id: int) -> None:
-        page = self._free.pop()
+    def _take_pages(self, seq_id: int, count: int) -> None:
+        """Append ``count`` free pages to the sequence, each empty: its box reset (the first write sets it), and for
+        int8 / fp8 a zero scale and no valid slot. One op per layer and tensor, whatever ``count``."""
+        if count == 0:
+            return
+        new = [self._free.pop() for _ in range(count)]
+        pages = torch.tensor(new, dtype=torch.int64, device=self.device)
         for k_min, k_max in zip(self.k_min, self.k_max):
-            kv_cache.reset_boxes(k_min, k_max, page)     # an empty box: the first write sets it
+            kv_cache.reset_boxes(k_min, k_max, pages)
         for scale in self.k_scale + self.v_scale:
-            scale[page] = 0.0                        # an empty page: the first write sets its scale
+            scale.index_fill_(0, pages, 0.0)
         if self.quantized:
-            self._fill[page] = 0
-        self._pages[seq_id].append(page)
+            self._fill.index_fill_(0, pages, 0)
+        self._pages[seq_id].extend(new)
 
     # ---- page operations: copy, fork, resize, truncate, drop ----------------------------------------
     def copy_pages(self, src, dst) -> None:
@@ -275,7 +280,7 @@ class PagedKVCache:
         new = self.add_sequence()
         for p in src:
             if p >= 0:
-                self._take_page(new)
+                self._take_pages(new, 1)
             else:
                 self._pages[new].append(-1)
         self.copy_pages(held, [p for p in self._pages[new] if p >= 0])
@@ -437,11 +442,18 @@ class PagedKVCache:
             raise TypeError(f"slots: expected a 1-D int32/int64 tensor (from extend()), got {got}")
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != expected:
-                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {got}")
+            if not x.is_floating_point() or x.device != self.device:
+                raise TypeError(f"{name}: expected a float tensor on {self.device}, got {x.dtype} on {x.device}")
         issued = getattr(self, "_issued", None)
-        if trusted or (issued is not None and slots is issued[0]):
-            pages = None                                       # made by extend(): in range by construction
+        if issued is not None and slots is issued[0]:          # made by extend(): in range by construction
+            if issued[1] is None:                              # its pages, once for every layer
+                self._issued = issued = (slots, torch.div(slots, self.page_size, rounding_mode="floor"))
+            pages = issued[1]
+        elif trusted:
+            pages = None
         else:
             slots = slots.to(device=self.device, dtype=torch.int64)
             capacity = self.num_pages * self.page_size
@@ -450,11 +462,12 @@ class PagedKVCache:
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
         boxes_on = bool(self.k_min)
+        # the cache made every other tensor: the op's own argument checks are skipped (trusted)
         api.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
-                          k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
-                          k_scale=self.k_scale[layer] if self.quantized else None,
-                          v_scale=self.v_scale[layer] if self.quantized else None,
-                          fill=self._fill if self.quantized else None, pages=pages, backend=backend)
+                     k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
+                     k_scale=self.k_scale[layer] if self.quantized else None,
+                     v_scale=self.v_scale[layer] if self.quantized else None,
+                     fill=self._fill if self.quantized else None, pages=pages, backend=backend, trusted=True)
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("tinyattn.integrations.hf")
 import tinyattn.profiler as tp  # noqa: E402
 
-from test_hf_generation import FAMILIES, PAD, inputs, models, sparse_calls  # noqa: E402
+from hf_tiny_models import FAMILIES, PAD, inputs, models, sparse_calls  # noqa: E402
 
 GEN = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None, return_dict_in_generate=True)
 

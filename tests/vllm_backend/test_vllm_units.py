@@ -245,7 +245,7 @@ def test_throughput_bench_has_a_help():
     assert exc.value.code == 0
 
 
-# ---- no host sync per layer, persistent step tables, CUDA-graph batches (issue 26) --------------------------
+# ---- no host sync per layer, persistent step tables, CUDA-graph batches --------------------------------------
 _SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
 
 

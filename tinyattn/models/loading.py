@@ -1,7 +1,7 @@
 """The command line's model loader (``generate``, ``eval``, ``serve-bench``): the llama2.c checkpoint and tokenizer
 named by ``--model`` / ``--tokenizer`` (default: the shipped stories260K), or a pretrained model by name or path
 (``smollm2``, a llama ``.gguf``, a Hugging Face folder: :mod:`tinyattn.models.sources`), the ``--dtype``, ``--threads`` and
-``--backend`` options. Below the CLI and the engine, so both import it without a cycle (issue 28).
+``--backend`` options. Below the CLI and the engine, so both import it without an import cycle.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def load_model(args):
     from .llama import LlamaModel
     from .tokenizer import Tokenizer
 
-    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder (issue 27)
+    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder
         if args.tokenizer is not None:
             raise CLIError(f"--tokenizer: {args.model} brings its own tokenizer; omit --tokenizer")
         prepare_backend(args.backend)

@@ -177,12 +177,12 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
                                          v_scale, window_left)
-    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
-        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     if torch.compiler.is_compiling():
         return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
                          k_scale, v_scale)
-    impl = _planned("sparse", call, block_table, seq_lens)
+    impl = _planned("sparse", call, block_table, seq_lens)     # checks the table values first
+    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
+        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     scales = None if k_scale is None else (k_scale, v_scale)
     return impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, None, call.scale, scales,
                     call.window_left)
@@ -354,7 +354,8 @@ def resolve_write_backend(backend, device: torch.device) -> str:
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
              k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-             fill: torch.Tensor | None = None, pages: torch.Tensor | None = None, backend: str | None = None) -> None:
+             fill: torch.Tensor | None = None, pages: torch.Tensor | None = None, backend: str | None = None,
+             trusted: bool = False) -> None:
     """Store ``k``, ``v`` at ``slots`` of a paged pool and grow the touched pages' boxes and scales, in place (vLLM's
     ``reshape_and_cache`` plus the box upkeep of Quest; the policy: :mod:`tinyattn.ops.kv_cache.torch_impl`).
 
@@ -369,12 +370,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
         fill: int8 / fp8 pools: ``[num_pages]`` int64 valid slots per page (shared by all layers; idempotent).
         pages: optional ``slots // page_size`` (int64) when the caller has it (torch backend).
         backend: None (Triton for CUDA pools, torch otherwise), ``"torch"`` or ``"triton"``.
+        trusted: the caller made and checked every tensor (:meth:`tinyattn.PagedKVCache.write`, once per layer per
+            step): the argument checks are skipped.
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, dtypes or devices, before anything
         is written (:func:`resolve_write_backend` for ``backend``).
     """
-    checks.check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill)
+    if not trusted:
+        checks.check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill)
     backend = resolve_write_backend(backend, k_cache.device)
     if backend == "triton" and k_cache.dtype != torch.float64:
         with span("metadata", k_new=k, pages=k.shape[0]):

@@ -65,11 +65,11 @@ def store_box(k_min: torch.Tensor, k_max: torch.Tensor, index: torch.Tensor, lo:
 
 
 def reset_boxes(k_min: torch.Tensor, k_max: torch.Tensor, pages: torch.Tensor) -> None:
-    """Empty boxes (``k_min = +inf``, ``k_max = -inf``) for ``pages`` (an int or an int64 tensor; repeats allowed):
-    a page (re)allocated to a sequence starts from nothing, so the first key written sets its box and padding
-    never enters it."""
-    k_min.index_fill_(0, torch.as_tensor(pages, device=k_min.device).view(-1), float("inf"))
-    k_max.index_fill_(0, torch.as_tensor(pages, device=k_max.device).view(-1), float("-inf"))
+    """Empty boxes (``k_min = +inf``, ``k_max = -inf``) for ``pages`` (int64 ``[N]``, on the boxes' device; repeats
+    allowed): a page (re)allocated to a sequence starts from nothing, so the first key written sets its box and
+    padding never enters it."""
+    k_min.index_fill_(0, pages, float("inf"))
+    k_max.index_fill_(0, pages, float("-inf"))
 
 
 def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale=None):

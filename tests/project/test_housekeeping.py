@@ -1,5 +1,6 @@
 """Repository hygiene: what docs/api.md documents is importable from ``tinyattn``, ``import tinyattn`` stays
-light, no dead helpers or duplicated constants come back, and the model modules import in one direction."""
+light, no dead helpers or duplicated constants come back, the model modules import in one direction and nothing
+below the command line imports it, and output folders are git-ignored."""
 
 import ast
 import importlib
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_subprocess
+from paths import REPO as ROOT
+from commands import run_subprocess
 
 import tinyattn
 
-ROOT = Path(__file__).resolve().parents[1]
 API_MD = ROOT / "docs" / "api.md"
 
 
@@ -60,10 +61,11 @@ def test_every_name_api_md_imports_is_also_a_tinyattn_attribute(name, module):
     assert name in dir(tinyattn)
 
 
+@pytest.mark.slow
 def test_import_tinyattn_is_light_and_loads_the_rest_on_demand():
     code = ("import sys, tinyattn\n"
-            "heavy = [m for m in ('triton', 'tinyattn.models', 'tinyattn.cache', 'tinyattn.training', 'transformers')"
-            " if m in sys.modules]\n"
+            "heavy = [m for m in ('triton', 'tinyattn.models', 'tinyattn.cache', 'tinyattn.training', 'tinyattn.cli',"
+            " 'transformers', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "assert tinyattn.CacheFullError.__module__ == 'tinyattn.cache'\n"
             "assert 'tinyattn.cache' in sys.modules and 'tinyattn.models' not in sys.modules\n"
@@ -114,6 +116,42 @@ def test_llama2c_does_not_import_the_model_module():
     assert not {".llama", "tinyattn.models.llama", "tinyattn.models"} & imports
     from tinyattn.models import LlamaConfig, config, llama, llama2c
     assert llama.LlamaConfig is llama2c.LlamaConfig is config.LlamaConfig is LlamaConfig
+
+
+def test_nothing_below_the_cli_imports_it():
+    """Only the entry points import ``tinyattn.cli``; the engine's serve-bench loads models through
+    ``tinyattn.models.loading`` (no import cycle through the command line)."""
+    offenders = []
+    for path in (ROOT / "tinyattn").rglob("*.py"):
+        if path.name == "__main__.py" or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if any(re.fullmatch(r"(tinyattn\.)?cli(\..*)?|\.+cli", n) or n == "tinyattn.cli" for n in names) \
+                        or (node.level and node.module == "cli") or (node.level and node.module is None and any(
+                            a.name == "cli" for a in node.names)):
+                    offenders.append(str(path.relative_to(ROOT)))
+            elif isinstance(node, ast.Import) and any(a.name == "tinyattn.cli" for a in node.names):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders
+
+
+def test_no_test_names_a_fixed_folder_under_tmp_or_home():
+    """Tests write below their tmp_path (tests/conftest.py moves the libraries' caches there too); a literal
+    ``/tmp/...`` or ``~/...`` path in a test would outlive the run and collide with parallel runs."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.match(r"(/tmp|~|/root|/home)/",
+                                                                                            node.value):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]}")
+    assert not offenders
+
+
+def test_out_folders_are_git_ignored():
+    ignore = (ROOT / ".gitignore").read_text().split()
+    assert "/out/" in ignore            # convert's default out/<model>-hf, bench's out/bench, finetune's out/...
 
 
 def _download_packages(text: str) -> set[str]:

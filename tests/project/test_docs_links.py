@@ -1,6 +1,6 @@
 """Every relative link of README.md and docs/*.md points at a file that exists and, with ``#anchor``, at a heading
 of that file, under GitHub's anchor rules (lower case; punctuation other than ``-`` and ``_`` dropped; spaces to
-``-``; a repeated heading gets ``-1``, ``-2``, ...). tests/test_newcomer.py checks the files; this adds anchors."""
+``-``; a repeated heading gets ``-1``, ``-2``, ...); and no doc points outside the repository."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from paths import REPO
+
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -63,3 +64,12 @@ def test_relative_links_and_anchors_resolve(doc: Path):
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 bad.append(f"{target}: no heading with that anchor")
     assert not bad, f"{doc.name}: {bad}"
+
+
+def test_docs_point_inside_the_repository():
+    """The design card the code and docs cite as DESIGN.md is in the repository; no doc (command, snippet or link)
+    reads a ../shared folder beside the checkout (a fresh clone has none) or keeps a ``git+<...>`` placeholder."""
+    assert (REPO / "docs" / "DESIGN.md").exists()
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        assert "../shared" not in text and "git+<" not in text, path.name

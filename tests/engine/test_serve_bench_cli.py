@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from test_cli import run_cli
+from commands import run_cli
+
+pytestmark = pytest.mark.slow         # each test starts python -m tinyattn
 
 
 def test_serve_bench_help_explains_every_option():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tinyattn.models.tokenizer import Tokenizer
 
-from conftest import SAMPLE, TOKENIZER  # noqa: E402  (shipped with the package)
+from paths import SAMPLE, TOKENIZER  # noqa: E402  (shipped with the package)
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,21 @@
-"""Policy comparison on the real model: the runtime's policy option, eval's JSON / plots / probes, the CLI."""
+"""Teacher-forced evaluation (tinyattn/models/evaluate.py) and policy comparison on the real model: the runtime's
+policy option, eval's JSON / plots / probes, the warning past the training context, the CLI."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tinyattn.models import LlamaRuntime, load_stories
+from tinyattn.models import LlamaModel, LlamaRuntime, load_stories
 from tinyattn.models.evaluate import JSON_FIELDS, evaluate, format_comparison, long_range_mask, plot_eval
 from tinyattn.selection import H2OPolicy, SelectionMetrics
 
-from model_fixtures import model, tok  # noqa: F401  (fixtures)
+from model_fixtures import model, short_context_model, tok  # noqa: F401  (fixtures)
 
-REPO = Path(__file__).resolve().parents[1]
-from conftest import CKPT, TOKENIZER, VALID, run_subprocess  # noqa: E402  (shipped with the package)
+from paths import CKPT, TOKENIZER, VALID  # noqa: E402  (shipped with the package)
+from commands import run_cli  # noqa: E402
 TORCH = "torch"
 
 needs_model = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{CKPT} is missing")
@@ -86,6 +83,7 @@ def test_h2o_observes_the_prefill(model, tok):
 
 
 @needs_model
+@pytest.mark.slow
 def test_questmass_keeps_more_of_the_oracles_pages_than_quest(model, tok):
     """On real text questmass beats quest on every selection figure (docs/accuracy.md measures +1.5 to +5.2
     hit-rate points across budgets on all 7 stories); here 3 stories, 160 tokens, a 48-token budget."""
@@ -97,6 +95,7 @@ def test_questmass_keeps_more_of_the_oracles_pages_than_quest(model, tok):
     assert questmass.kl < quest.kl and questmass.nll <= quest.nll
 
 @needs_model
+@pytest.mark.slow
 def test_eval_rows_json_and_probes(small_eval, tmp_path):
     r = small_eval
     assert r.policies == ["quest", "oracle", "h2o"] and r.page_sizes == [4, 8]
@@ -131,6 +130,7 @@ def test_eval_rows_json_and_probes(small_eval, tmp_path):
 
 
 @needs_model
+@pytest.mark.slow
 def test_plots_are_pngs(small_eval, tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_eval(small_eval, tmp_path, metrics=("nll", "hit_rate"))
@@ -149,15 +149,8 @@ def test_budget_options_are_validated(model, tok):
         evaluate(model, tok, ["a b c"], page_budgets=[1], policies=["lru"], backend=TORCH, progress=False)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return run_subprocess([sys.executable, "-m", "tinyattn", *args], quiet_seconds=30, cwd=REPO, env=env,
-                          capture_output=True, text=True)
-
-
 @needs_model
+@pytest.mark.slow
 def test_cli_eval_policies_json_and_plots(tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     out = tmp_path / "acc"
@@ -179,9 +172,25 @@ def test_cli_eval_policies_json_and_plots(tmp_path):
 
 
 @needs_model
+@pytest.mark.slow
 def test_cli_generate_policy():
     proc = run_cli("generate", "--model", str(CKPT), "--tokenizer", str(TOKENIZER), "--prompt", "Tom had a dog",
                    "--max-new-tokens", "16", "--page-size", "4", "--page-budget", "3", "--policy", "h2o",
                    "--selection-metrics", "--backend", "torch")
     assert proc.returncode == 0, proc.stderr
     assert "policy=h2o" in proc.stdout and "hit rate" in proc.stdout
+
+
+def test_evaluate_warns_like_generate(short_context_model):
+    from tinyattn.models import Tokenizer
+
+    short = LlamaModel.from_llama2c(short_context_model)
+    tokenizer = Tokenizer(TOKENIZER)
+    with pytest.warns(UserWarning, match=r"sequences reach 40 tokens, past the model's training context "
+                                         r"max_seq_len=32; quality will degrade") as eval_warnings:
+        result = evaluate(short, tokenizer, ["Once upon a time " * 20], page_budgets=[2], page_size=8, max_context=40,
+                          repeat_probe=False, selection_metrics=False, progress=False, backend="torch")
+    assert result.max_sequence_tokens == 40
+    with pytest.warns(UserWarning) as gen_warnings:
+        LlamaRuntime(short, page_size=8, backend="torch").generate([[1]], max_new_tokens=39)
+    assert eval_warnings[0].message.args[0].split(";")[0] == gen_warnings[0].message.args[0].split(";")[0]

@@ -435,8 +435,8 @@ def test_triton_backend_hybrid_short():
 
 
 def test_reusing_a_cache_for_a_smaller_batch_raises_a_clear_error():
-    """Issue 15: generate() with a cache of a bigger batch used to fail inside transformers (a reshape of 0 new
-    tokens); direct forward calls raise the documented batch-size error."""
+    """generate() with a cache of a bigger batch used to fail inside transformers (a reshape of 0 new tokens): it
+    raises tinyattn's error instead; direct forward calls raise the documented batch-size error."""
     tiny, _ = models("llama")
     ids, mask = left_pad([prompt(7, 1), prompt(12, 2)])
     c = cache(tiny, page_budget=4)
@@ -450,7 +450,7 @@ def test_reusing_a_cache_for_a_smaller_batch_raises_a_clear_error():
             tiny(prompt(6, 1)[None], cache=c, use_cache=True)
 
 
-# -------------------------------------------------------------------- KV formats (issue 13)
+# -------------------------------------------------------------------- KV formats (int8, fp8, bf16 pools)
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3"])
 def test_kv_cache_dtype_stays_near_stock(fmt):
     """The pool in another format: the decode logits stay near stock attention's (dense and with a budget), the

@@ -1,4 +1,4 @@
-"""Recall fine-tuning (issue 14, item 3): generated sequences with keys early and questions late, a loss mask
+"""Recall fine-tuning (tinyattn/retrieval/recall.py): generated sequences with keys early and questions late, a loss mask
 on the answer digits, and the ``finetune --task recall`` command.
 
 Expected values come from the sequences' text (the answers are read back from the decoded prompt with a regular

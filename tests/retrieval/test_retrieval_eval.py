@@ -198,6 +198,7 @@ def test_deterministic_across_runs(model, small):
     assert [r.as_dict() for r in again.rows] == [r.as_dict() for r in small.rows]
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_the_rows(model, small):
     """Samples decoded together (rows of one batch leave it at different steps) score as decoded alone; only
     random's draws depend on the batch."""
@@ -309,6 +310,7 @@ def test_table(small):
     assert f"| 64 | 1/4 | {r[0].page_budget} ({r[0].token_budget}) |" in text
 
 
+@pytest.mark.slow
 def test_plots_are_written(small, tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     paths = plot_task_results(small, tmp_path)

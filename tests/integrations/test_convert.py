@@ -13,7 +13,7 @@ from tinyattn.integrations import convert as C  # noqa: E402
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from conftest import CKPT
+    from paths import CKPT
 
     out = tmp_path_factory.mktemp("stories260K-hf")
     assert C.main(["--model", str(CKPT), "--tokenizer", str(CKPT.parent / "tok512.bin"), "--out", str(out)]) == 0
@@ -21,7 +21,7 @@ def converted(tmp_path_factory):
 
 
 def known_good(model_dir) -> str:
-    from conftest import KNOWN_GOOD
+    from paths import KNOWN_GOOD
 
     return KNOWN_GOOD.read_text(encoding="utf-8").strip("\n")
 
@@ -62,7 +62,7 @@ def test_tokenizer_matches_llama2c(converted):
     model_dir, out = converted
     from tinyattn.models import Tokenizer, load_stories
 
-    from conftest import VALID
+    from paths import VALID
 
     ref = Tokenizer(model_dir / "tok512.bin")
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -73,6 +73,7 @@ def test_tokenizer_matches_llama2c(converted):
         assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids)
 
 
+@pytest.mark.slow
 def test_known_good_greedy_text_stock_and_tinyattn(converted):
     model_dir, out = converted
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -201,7 +202,7 @@ def test_unpermute_rope_inverts_permute_rope():
 
 
 def test_cli_per_layer_options(tmp_path, capsys):
-    from conftest import CKPT
+    from paths import CKPT
 
     out = tmp_path / "hyb"
     types = "sliding_attention,full_attention,sliding_attention,sliding_attention,full_attention"
@@ -248,3 +249,41 @@ def test_retrieval_checkpoint_converts_with_its_character_tokenizer(tmp_path, ca
     assert "--nope-layers: not used with a retrieval checkpoint" in capsys.readouterr().err
     assert C.main(["--model", str(tmp_path), "--out", str(out)]) == 2
     assert "is a directory but not a tinyattn retrieval checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- tinyattn convert
+def test_convert_runs_with_no_path_and_writes_readable_files(tmp_path, capsys, monkeypatch):
+    import os
+    import stat
+
+    from commands import run_main
+
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        code, out, err = run_main(["convert"], capsys)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    out_dir = tmp_path / "out" / "stories260K-hf"
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (out_dir / name).is_file(), name
+    # safetensors creates its file 0600; convert gives it the mode of the other files (0666 minus the umask)
+    assert stat.S_IMODE((out_dir / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((out_dir / "config.json").stat().st_mode) == 0o644
+
+
+def test_convert_missing_file_names_the_option(tmp_path, capsys):
+    from commands import run_main
+
+    code, _, err = run_main(["convert", "--model", "no/such.bin", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2
+    assert "convert: error: --model: file not found: no/such.bin" in err
+    assert "Errno" not in err
+    code, _, err = run_main(["convert", "--tokenizer", "no/tok.bin", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--tokenizer: file not found: no/tok.bin" in err
+
+
+def test_convert_module_entry_point_errors_cleanly(tmp_path, capsys):
+    assert C.main(["--model", "no/such.bin", "--out", str(tmp_path)]) == 2
+    assert "python -m tinyattn.integrations.convert: error: --model: file not found" in capsys.readouterr().err

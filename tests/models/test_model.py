@@ -8,7 +8,6 @@ runtime's logits are checked independently of tinyattn's ops and cache.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tinyattn.models.llama import apply_rope
 
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
-from conftest import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
+from paths import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
 
 
 TORCH = "torch"  # conftest sets TRITON_INTERPRET=1, which would make backend=None pick the slow interpreter
@@ -295,6 +294,7 @@ def test_option_validation(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_triton_backend_generates_the_same_tokens(model, tok):
     """Prefill + sparse decode through the Triton kernels (interpreter on CPU) == the torch backend.
 
@@ -373,6 +373,7 @@ def test_fused_weights_follow_weight_updates(model, tok):
     torch.testing.assert_close(w_qkv[:, wk_cols], want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_generation_can_stop_at_bos(model, tok):
     """llama2.c models end a story where the next one's BOS would come: stop_token_ids=(BOS,) stops there (the
     CLI's default, like run.c), the same tokens as an unstopped run up to and including that BOS."""

