@@ -12,12 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyattn
-from tinyattn import reference
-from tinyattn.cache import PagedKVCache
-from tinyattn.ops import quant
-from tinyattn.ops.kv_cache import torch_impl as boxes
 from model_fixtures import model, tok  # noqa: F401  (module fixtures)
-from paged_problems import make_problem, problems
+from paged_problems import problems
 
 NARROW = [torch.bfloat16, torch.float16]
 INF = float("inf")
@@ -56,17 +52,6 @@ def test_scores_over_narrow_boxes_bound_every_logit(p, box, backend):
     best, mag = _max_logit(p, magnitude=True)
     valid = best > -INF
     assert bool((ub.double()[valid] >= best[valid] - 1e-5 * mag[valid]).all())
-
-
-def test_box_dtype_errors_name_the_option():
-    with pytest.raises(ValueError, match="box_dtype: expected one of"):
-        PagedKVCache(1, 1, 8, page_size=4, num_pages=2, box_dtype="int8")
-    p = make_problem(0, batch=1, seq_lens=[5], page_size=4, num_kv_heads=1, group=1, head_dim=8)
-    lo = torch.zeros(p.k_cache.shape[0], 1, 8, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="k_max: expected the dtype of k_min"):
-        tinyattn.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, lo, lo.float())
-    with pytest.raises(TypeError, match="k_min: expected dtype"):
-        tinyattn.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, lo.to(torch.float64), lo.double())
 
 
 def test_runtime_decodes_with_bf16_boxes_and_counts_their_bytes(model, tok):

@@ -118,14 +118,6 @@ def test_4_odd_head_dims_gqa_ratios_and_mqa(backend, head_dim, num_kv_heads, gro
     assert_matches(*run_both(p, backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_4_head_counts_that_do_not_divide_raise(backend):
-    p = make_problem(41, batch=2, seq_lens=[5, 6], page_size=4, num_kv_heads=2, group=2, head_dim=8)
-    q = torch.randn(2, 3, 8)
-    with pytest.raises(ValueError, match=r"q: .*divisible by num_kv_heads=2.*Hq=3"):
-        tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend=backend)
-
-
 # ---- 5. layout, dtype and index validation -------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_5_non_contiguous_q_gives_the_same_answer(backend):
@@ -146,68 +138,6 @@ def test_5_int64_tables_are_accepted(backend):
     got = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table.long(), p.seq_lens.long(),
                                    backend=backend)
     torch.testing.assert_close(got, reference.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))
-
-
-def test_5_page_ids_out_of_range_raise():
-    p = make_problem(52, batch=2, seq_lens=[5, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8)
-    bad = p.block_table.clone()
-    bad[1, 2] = p.k_cache.shape[0]
-    with pytest.raises(ValueError, match=r"block_table: expected physical page ids in \[0, \d+\).*got \d+ at \[1, 2\]"):
-        tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, bad, p.seq_lens)
-    bad[1, 2] = -1
-    with pytest.raises(ValueError, match="block_table"):
-        tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, bad, p.seq_lens)
-
-
-@pytest.mark.parametrize("call,match", [
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, 5), "seq_lens: expected a torch.Tensor"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens.float()), "seq_lens: expected dtype"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache.half(), p.v_cache, p.block_table, p.seq_lens), "k_cache: expected dtype float32"),
-    (lambda p: tinyattn.paged_attention(p.q[:, :, :, :4], p.k_cache, p.v_cache, p.block_table, p.seq_lens), "k_cache: expected head_dim 4"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table[:1], p.seq_lens), "block_table: expected 2 rows"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens + 100), "seq_lens: expected values <="),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens - 100), "seq_lens: expected values >= 0"),
-    (lambda p: tinyattn.paged_attention(p.q.int(), p.k_cache, p.v_cache, p.block_table, p.seq_lens), "q: expected dtype"),
-    (lambda p: tinyattn.paged_attention(p.q[0, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens), r"q: expected a \[B, Hq, D\]"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale="x"), "scale: expected a real number"),
-    (lambda p: tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="cuda"), "backend: expected one of"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens), "k_min, k_max, page_budget"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0],
-                                               k_max=p.k_cache[:, 0], page_budget=0), "page_budget: expected an int >= 1, got 0"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                                               k_min=p.k_cache[:2, 0], k_max=p.k_cache[:2, 0], page_budget=2), "k_min: expected shape"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                                               page_indices=torch.zeros(2, 1, 2)), "page_indices: expected dtype"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                                               page_indices=torch.zeros(2, 3, 2, dtype=torch.int32)), r"page_indices: expected shape \[B=2, Hkv=1"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                                               page_indices=torch.full((2, 1, 2), -3, dtype=torch.int32)), "page_indices: expected logical page ids >= -1"),
-    (lambda p: tinyattn.select_pages(torch.zeros(2, 1, 4), p.seq_lens, page_size=4, page_budget=2, num_sink_pages=-1), "num_sink_pages: expected an int >= 0"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                                               page_indices=torch.zeros(2, 1, 2, dtype=torch.int32), page_budget=2),
-     "page_indices: expected either page_indices or k_min, k_max and page_budget, got page_indices together with page_budget"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].int(),
-                                               k_max=p.k_cache[:, 0], page_budget=2),
-     r"k_min: expected dtype float32 \(that of the cache\) or bfloat16, float16 \(narrower boxes rounded outward\), "
-     r"got int32"),
-    (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].half(),
-                                               k_max=p.k_cache[:, 0], page_budget=2),
-     r"k_max: expected the dtype of k_min \(float16\), got float32"),
-])
-def test_5_bad_input_names_the_argument(call, match):
-    p = make_problem(53, batch=2, seq_lens=[5, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8)
-    with pytest.raises((ValueError, TypeError), match=match) as info:
-        call(p)
-    assert "tensor(" not in str(info.value)                                   # never str(tensor)
-
-
-def test_5_budget_too_small_for_the_query_pages_raises():
-    p = make_problem(54, batch=2, seq_lens=[20, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8,
-                     num_query_tokens=9)
-    k_min, k_max = p.bounds()
-    with pytest.raises(ValueError, match=r"page_budget: expected at least 3 .*Tq=9.*got 2"):
-        tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=k_min,
-                                        k_max=k_max, page_budget=2)
 
 
 # ---- 6. precision ------------------------------------------------------------------------------------------
@@ -319,15 +249,6 @@ def test_7_duplicates_and_pages_past_the_end_are_ignored(backend):
     got = tinyattn.sparse_paged_attention(*args, page_indices=messy, backend=backend)
     want = reference.sparse_paged_attention(*args, page_indices=clean)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
-
-
-def test_5_triton_backend_rejects_a_page_size_that_is_not_a_power_of_two():
-    p = make_problem(55, batch=2, seq_lens=[5, 11], page_size=6, num_kv_heads=1, group=2, head_dim=8)
-    with pytest.raises(ValueError, match="page_size: expected a power of two for the Triton backend.*got 6"):
-        tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="triton")
-    # the torch backend takes any page size
-    got = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
-    torch.testing.assert_close(got, reference.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

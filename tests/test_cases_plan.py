@@ -320,30 +320,6 @@ def test_layer_keeps_the_planned_tables(backend, policy):
         _close(first, want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_public_ops_see_tables_changed_between_calls(backend):
-    """The public ops reuse a plan while the validated tables hold the same values: a change in place between
-    two calls (lengths, pages, listed pages) must be planned anew."""
-    p = _problem(6, [29, 30, 13])
-    k_min, k_max = p.bounds()
-    q = p.q[:, 0]
-    args = lambda: (q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)          # noqa: E731
-    for step in range(2):
-        if step:
-            p.seq_lens[0] -= 5
-            p.seq_lens[2] -= 1
-            p.block_table[1, :2] = p.block_table[1, :2].flip(0).clone()
-            R.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
-        _close(tinyattn.sparse_paged_attention(*args(), k_min=k_min, k_max=k_max, page_budget=3, backend=backend),
-               R.sparse_paged_attention(*args(), k_min=k_min, k_max=k_max, page_budget=3))
-        _close(tinyattn.paged_attention(*args(), backend=backend), R.paged_attention(*args()))
-    listed = torch.tensor([[[0, 3, -1], [1, 2, 5]]] * 3)
-    tinyattn.sparse_paged_attention(*args(), page_indices=listed, backend=backend)
-    listed[0, 0, 1] = 6
-    _close(tinyattn.sparse_paged_attention(*args(), page_indices=listed, backend=backend),
-           R.sparse_paged_attention(*args(), page_indices=listed))
-
-
 # ---- kind 5: what run() is given beside the planned tables ---------------------------------------------------------
 _LISTED = [[[0, 3, -1], [1, 2, 5]]] * 3           # [B=3, Hkv=2, K=3]
 

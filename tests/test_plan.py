@@ -4,7 +4,6 @@ Expected values come from ``tinyattn.reference`` (independent loop twins). The p
 its own selection (a stable sort) and its own gather tables, so every property is checked on it directly.
 """
 
-import contextlib
 import math
 
 import pytest
@@ -12,14 +11,12 @@ import torch
 
 from hypothesis import given, settings, strategies as st
 
-import tinyattn
 from tinyattn import reference as R
 from tinyattn.layer import PagedAttention, SparsityConfig
 from tinyattn.ops.selection import torch_impl as core
 from tinyattn.ops.selection import torch_impl as T
 from tinyattn.ops.plan import PagedAttentionPlan
 
-from paged_problems import make_problem
 
 BACKENDS = ["torch", "triton"]
 
@@ -202,50 +199,6 @@ def test_plan_rejects_bad_tables():
         plan.plan(table.float(), torch.tensor([1, 2]), num_q_heads=2, num_kv_heads=1, head_dim=4, page_size=8)
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_repeated_calls_skip_checks_only_for_unchanged_tables(sparse):
-    """The public ops validate a (block_table, seq_lens) pair once per thread; changed values (in place, or a
-    new tensor) are validated again, and a reused plan never serves stale tables."""
-    q, k, v, table, sl, k_min, k_max = _problem(5, 2, 4, 2, 8, 8, [40, 17])
-    kw = dict(k_min=k_min, k_max=k_max, page_budget=2) if sparse else {}
-    op = tinyattn.sparse_paged_attention if sparse else tinyattn.paged_attention
-    ref_op = R.sparse_paged_attention if sparse else R.paged_attention
-    for _ in range(2):
-        torch.testing.assert_close(op(q[:, 0], k, v, table, sl, **kw), ref_op(q[:, 0], k, v, table, sl, **kw),
-                                   atol=2e-5, rtol=1e-4)
-    sl[1] = 10_000                                          # in place: the version counter moves
-    with pytest.raises(ValueError, match="seq_lens"):
-        op(q[:, 0], k, v, table, sl, **kw)
-    sl[1] = 9                                               # a valid change: a new answer, not the cached one
-    torch.testing.assert_close(op(q[:, 0], k, v, table, sl, **kw), ref_op(q[:, 0], k, v, table, sl, **kw),
-                               atol=2e-5, rtol=1e-4)
-    bad = table.clone()
-    bad[0, 0] = 10_000                                      # a new tensor with a bad page id
-    with pytest.raises(ValueError, match="block_table"):
-        op(q[:, 0], k, v, bad, sl, **kw)
-
-
-def test_remembered_call_still_checks_every_other_argument():
-    """After a validated call is remembered (same tables), a call that differs in any other argument - a
-    ``True`` budget for ``1``, a NaN scale, a q of another dtype, boxes of another shape - is checked afresh."""
-    q, k, v, table, sl, k_min, k_max = _problem(8, 2, 4, 2, 8, 8, [40, 17])
-    q0 = q[:, 0]
-    kw = dict(k_min=k_min, k_max=k_max, page_budget=1, num_recent_pages=1)
-    for _ in range(2):
-        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **kw)
-    with pytest.raises(TypeError, match="page_budget"):
-        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **dict(kw, page_budget=True))
-    with pytest.raises(ValueError, match="scale"):
-        tinyattn.sparse_paged_attention(q0, k, v, table, sl, scale=float("nan"), **kw)
-    with pytest.raises(TypeError, match="k_cache"):
-        tinyattn.sparse_paged_attention(q0.double(), k, v, table, sl, **kw)
-    with pytest.raises(ValueError, match="k_min"):
-        tinyattn.sparse_paged_attention(q0, k, v, table, sl, **dict(kw, k_min=k_min[:-1]))
-    tinyattn.paged_attention(q0, k, v, table, sl)
-    with pytest.raises(TypeError, match="scale"):
-        tinyattn.paged_attention(q0, k, v, table, sl, scale="0.5")
-
-
 @settings(deadline=None, max_examples=10)
 @given(seed=st.integers(0, 2**16), budget=st.integers(2, 12), sinks=st.integers(0, 2), n_ties=st.integers(0, 20),
        B=st.integers(1, 2))
@@ -274,36 +227,6 @@ def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
     assert torch.equal(torch.where(got == 10**6, -1, got), want)
     ref = R.sparse_paged_attention(q0, k, v, table, sl, page_indices=want)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-
-
-def test_tables_written_behind_autograds_back_are_seen():
-    """A host buffer shared with seq_lens (torch.from_numpy, as serving loops reuse one) changes without a
-    version bump: the op still answers for the new values and still rejects bad ones."""
-    import numpy as np
-    q, k, v, table, _, _, _ = _problem(6, 2, 2, 1, 8, 4, [5, 11])
-    host = np.array([5, 11], dtype=np.int32)
-    sl = torch.from_numpy(host)
-    tinyattn.paged_attention(q[:, 0], k, v, table, sl)
-    host[1] = 6
-    torch.testing.assert_close(tinyattn.paged_attention(q[:, 0], k, v, table, sl),
-                               R.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
-    host[1] = 1000
-    with pytest.raises(ValueError, match="seq_lens"):
-        tinyattn.paged_attention(q[:, 0], k, v, table, sl)
-
-
-def test_inference_mode_tables_and_fp64_masks():
-    """Tables made under torch.inference_mode work; fp64 with a mask (unequal lengths) matches the reference
-    (SDPA needs the mask in the query's dtype)."""
-    q, k, v, table, sl, k_min, k_max = _problem(7, 2, 4, 2, 8, 4, [10, 23], dtype=torch.float64)
-    with torch.inference_mode():
-        table_i, sl_i = table.clone(), sl.clone()
-    for op, kw, ref in ((tinyattn.paged_attention, {}, R.paged_attention(q[:, 0], k, v, table, sl)),
-                        (tinyattn.sparse_paged_attention, dict(k_min=k_min, k_max=k_max, page_budget=2),
-                         R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max,
-                                                  page_budget=2))):
-        torch.testing.assert_close(op(q[:, 0], k, v, table_i, sl_i, backend="torch", **kw), ref,
-                                   atol=1e-10, rtol=1e-10)
 
 
 def test_run_ignores_duplicate_pages_and_checks_q():
@@ -386,20 +309,6 @@ def test_a_failed_plan_does_not_run_the_last_step():
         plan.plan(bad, sl, **kw)
     with pytest.raises(RuntimeError, match="plan"):
         plan.run(q[:, 0], k, v)
-
-
-def test_public_op_reads_the_tables_it_is_given_after_buffer_reuse():
-    """The public ops reuse a plan while the table values repeat; a caller that then rewrites its old int64 buffers
-    and passes new tensors gets the answer of the new tensors (the plan's host tables are copies, not views)."""
-    q, k, v, table, sl, _, _ = _problem(9, 2, 4, 2, 8, 4, [13, 7])
-    q, k, v = q[:, 0].double(), k.double(), v.double()
-    a, lens = table.long(), sl.long()
-    tinyattn.paged_attention(q, k, v, a, lens)                      # fp64: the PyTorch path builds host tables
-    b, lens_b = a.clone(), lens.clone()
-    a[:] = a.flip(0)
-    lens[:] = lens.flip(0)
-    got = tinyattn.paged_attention(q, k, v, b, lens_b, window_left=3)
-    torch.testing.assert_close(got, R.paged_attention(q, k, v, b, lens_b, window_left=3))
 
 
 def test_run_refuses_an_integer_query():

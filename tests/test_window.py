@@ -251,37 +251,6 @@ def test_gradcheck_torch_backend_with_a_window():
 
 
 # ------------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("bad, error", [(-2, ValueError), (1.5, TypeError), (True, TypeError), ("4", TypeError)])
-def test_bad_window_left_raises_naming_it(bad, error):
-    p = make_problem(0, batch=1, seq_lens=[5], page_size=4, num_kv_heads=1, group=1, head_dim=8)
-    k_min, k_max = p.bounds()
-    calls = [
-        lambda: tinyattn.paged_attention(*args(p), window_left=bad),
-        lambda: tinyattn.sparse_paged_attention(*args(p), k_min=k_min, k_max=k_max, page_budget=1, window_left=bad),
-        lambda: reference.paged_attention(*args(p), window_left=bad),
-        lambda: tinyattn.PagedAttentionPlan(backend="torch").plan(
-            p.block_table, p.seq_lens, num_q_heads=1, num_kv_heads=1, head_dim=8, page_size=4).run(
-            p.q[:, 0], p.k_cache, p.v_cache, window_left=bad),
-    ]
-    for call in calls:
-        with pytest.raises(error, match="window_left"):
-            call()
-    attn = PagedAttention(backend="torch").begin(p.block_table, p.seq_lens, num_q_heads=1, num_kv_heads=1,
-                                                 head_dim=8, page_size=4)
-    with pytest.raises(error, match="window_left"):
-        attn(0, p.q[:, 0], p.k_cache, p.v_cache, window_left=bad)
-
-
-def test_windowed_selection_by_boxes_refuses_sink_pages():
-    p = make_problem(0, batch=1, seq_lens=[20], page_size=4, num_kv_heads=1, group=1, head_dim=8)
-    k_min, k_max = p.bounds()
-    for fn in (tinyattn, reference):
-        with pytest.raises(ValueError, match="num_sink_pages"):
-            fn.sparse_paged_attention(*args(p), k_min=k_min, k_max=k_max, page_budget=3, num_sink_pages=1,
-                                      window_left=4)
-    # listed pages carry no forced sinks: allowed
-    idx = torch.tensor([[[0, 3, 4]]], dtype=torch.int32)
-    tinyattn.sparse_paged_attention(*args(p), page_indices=idx, num_sink_pages=1, window_left=4)
 
 
 # ------------------------------------------------------------------------------------------- the layer
