@@ -128,7 +128,7 @@ def test_one_piece_above_max_threads_matches_the_reference(monkeypatch):
 def test_chunks_of_a_quantized_pool(tiny_chunks, monkeypatch, fmt):
     """An int8 / fp8 pool in chunks: each chunk dequantizes what it gathers; equal to the reference on the
     dequantized pool (garbage codes and NaN scales where no row owns a slot)."""
-    from test_kv_formats import dequantized_args, quantize_problem
+    from paged_problems import dequantized_args, quantize_problem
 
     p = make_problem(5, batch=2, seq_lens=[61, 0], page_size=8, num_kv_heads=2, group=2, head_dim=8)
     kq, vq, ks, vs = quantize_problem(p, fmt)

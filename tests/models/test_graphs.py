@@ -21,9 +21,9 @@ from tinyattn.models import LlamaRuntime, SparsityConfig
 from tinyattn.models import graphs as graphs_module
 from tinyattn.models.graphs import DecodeGraphs, batch_buckets
 
-from conftest import KNOWN_GOOD
+from paths import KNOWN_GOOD
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
-from test_plan_contract import _watch
+from host_calls import watch_host_calls
 
 TORCH = "torch"      # conftest sets TRITON_INTERPRET=1: backend=None would pick the slow interpreter
 
@@ -123,7 +123,7 @@ def test_graph_body_makes_no_sync_no_allocation_and_padding_changes_nothing(mode
         else:
             b = graphs.prepare(ids, tokens)
             seen = []
-            _watch(monkeypatch, seen)
+            watch_host_calls(monkeypatch, seen)
             try:
                 full = graphs.body(b)
             finally:

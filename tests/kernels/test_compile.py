@@ -8,13 +8,11 @@ specialisation (``tinyattn.kernels.compile``); the whole table is the ``slow`` t
 """
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import run_subprocess
-
-ROOT = Path(__file__).resolve().parents[1]
+from commands import run_subprocess
+from paths import REPO as ROOT
 
 
 def _run(*args, quiet_seconds=120):

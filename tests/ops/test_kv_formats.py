@@ -399,9 +399,9 @@ def test_cli_kv_cache_dtype():
 def test_published_kv_format_table_meets_the_issue():
     """docs/accuracy.md's KV-format rows (docs/accuracy/kv_formats/*.json): the must-show figures of issue 13."""
     import json
-    from pathlib import Path
+    from paths import REPO
 
-    root = Path(__file__).resolve().parents[1] / "docs" / "accuracy" / "kv_formats"
+    root = REPO / "docs" / "accuracy" / "kv_formats"
     rows = {f: json.loads((root / f"{f}.json").read_text()) for f in ("auto", "fp16", "bf16", "int8", "fp8_e4m3")}
 
     def nll(fmt, budget):
@@ -413,7 +413,7 @@ def test_published_kv_format_table_meets_the_issue():
     assert per_token["int8"] <= 0.4 * per_token["auto"] and per_token["bf16"] <= 0.55 * per_token["auto"]
     for f, r in rows.items():
         assert r["meta"]["kv_cache_dtype"] == f and r["meta"]["page_sizes"] == [16]
-    from conftest import CKPT
+    from paths import CKPT
     from tinyattn.models import LlamaModel
 
     m = LlamaModel.from_llama2c(CKPT)
