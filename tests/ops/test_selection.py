@@ -1,414 +1,195 @@
-"""Page-selection policies (tinyattn.selection) against independent brute-force computations.
+"""The two-stage selection (``tinyattn.kernels.chunk_topk``) in the interpreter, against the reference and the
+one-stage kernels (``page_scores`` + ``select_pages``).
 
-The brute-force twins below loop over rows, KV heads, query heads and tokens in plain Python/fp64 and
-rank pages with sorted(); they share no code with the policies.
+Two families of boxes: integer-valued queries and boxes, whose bounds are exact in fp32 whatever the order
+of the channel sum (so the kernel's bounds equal the reference's bit for bit, and equal bounds, i.e. ties,
+are frequent), compared with ``reference.select_pages(reference.page_scores(...))``; and Gaussian boxes,
+compared with the one-stage kernels bit for bit. Both over ragged batches (B >= 2), GQA 1-4, Tq > 1,
+budgets above and below the page count (argmax loops and radix select), sinks / recent pages, NaN boxes,
+poisoned pages past the end and forced chunk sizes 1 .. 64 (several chunks per row, one chunk per row).
 """
+import os
 
-from __future__ import annotations
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftest.py sets it too)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import math
+import math  # noqa: E402
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
-import tinyattn
-from tinyattn import selection as S
-from paged_problems import make_problem, problems
+from tinyattn.ops.selection import triton_impl as selection_triton  # noqa: E402
+from tinyattn.kernels import chunk_topk as C  # noqa: E402
+from tinyattn.ops import reference  # noqa
+from tinyattn.ops.selection import torch_impl as core  # noqa: E402
+from tinyattn.ops.plan import PagedAttentionPlan  # noqa: E402
+from paged_problems import make_problem  # noqa: E402
 
-TORCH = "torch"
-POLICY_NAMES = ["quest", "questmass", "meanstd", "oracle", "streaming", "h2o", "random"]
-
-
-def problem(seed=0, lens=(37, 5, 64, 0, 16), page_size=4, Hkv=2, G=2, D=8, Tq=1):
-    return make_problem(seed, batch=len(lens), seq_lens=list(lens), page_size=page_size, num_kv_heads=Hkv,
-                        group=G, head_dim=D, num_query_tokens=Tq, logit_scale=1.5)
-
-
-def context(pb, budget, *, layer=0, sinks=0, recent=1, q=None):
-    k_min, k_max = pb.bounds()
-    q = pb.q if q is None else q
-    return S.SelectionContext(layer=layer, q=q[:, 0] if q.shape[1] == 1 else q, k_cache=pb.k_cache,
-                              v_cache=pb.v_cache, k_min=k_min, k_max=k_max, block_table=pb.block_table,
-                              seq_lens=pb.seq_lens, page_budget=budget, num_sink_pages=sinks,
-                              num_recent_pages=recent, backend=TORCH)
+CHUNKS = (1, 2, 4, 8, 64)
 
 
-# ------------------------------------------------------------------------------------ brute force
-def n_pages(n, S_):
-    return -(-n // S_)
+@st.composite
+def selection_problems(draw, integer=True):
+    """A paged problem with boxes, selection options and a forced chunk size."""
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    batch = draw(st.integers(2, 3))
+    max_pages = draw(st.integers(1, 24 if page_size == 1 else 9))
+    lens = [draw(st.integers(0, max_pages * page_size)) for _ in range(batch)]
+    assume(len(set(lens)) > 1)
+    Hkv, G = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4]))
+    Tq = draw(st.integers(1, 2 * page_size))
+    D = draw(st.sampled_from([4, 8, 24]))
+    p = make_problem(draw(st.integers(0, 2**31 - 1)), batch=batch, seq_lens=lens, page_size=page_size,
+                     num_kv_heads=Hkv, group=G, head_dim=D, num_query_tokens=Tq,
+                     spare_columns=draw(st.integers(0, 2)))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    P = p.k_cache.shape[0]
+    if integer:
+        # small integers: every bound is exact in fp32, many pages tie
+        q = torch.randint(-2, 3, p.q.shape, generator=g).float()
+        lo = torch.randint(-2, 2, (P, Hkv, D), generator=g).float()
+        k_min, k_max = lo, lo + torch.randint(0, 2, (P, Hkv, D), generator=g).float()
+    else:
+        q = p.q
+        k_min, k_max = p.bounds()
+    # boxes of pages no row owns are poison (rows must never read them through ids past their end)
+    owned = torch.zeros(P, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        owned[p.block_table[b, :-(-n // page_size)].long()] = True
+    k_min[~owned], k_max[~owned] = math.inf, math.nan
+    if draw(st.booleans()):  # a NaN box: the page scores NaN, which counts as -inf
+        j = int(torch.randint(0, P, (1,), generator=g))
+        k_min[j, 0, 0] = math.nan
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    opts = dict(page_size=page_size, page_budget=draw(st.sampled_from([1, 2, 3, 5, 17, 20, max_pages + 2])),
+                num_sink_pages=draw(st.integers(0, 3)), num_recent_pages=draw(st.integers(0, 3)))
+    return (q.to(dtype), k_min.to(dtype), k_max.to(dtype), p.block_table, p.seq_lens, opts,
+            draw(st.sampled_from(CHUNKS)))
 
 
-def brute_logits(pb, b, h, g, t):
-    """Scaled logits of query (t, head h*G+g) of row b over the keys it sees: list of (position, logit)."""
-    Tq, Hq, D = pb.q.shape[1], pb.q.shape[2], pb.q.shape[3]
-    G = Hq // pb.num_kv_heads
-    n = int(pb.seq_lens[b])
-    qpos = n - Tq + t
-    q = pb.q[b, t, h * G + g].double()
-    out = []
-    for pos in range(min(n, qpos + 1)):
-        page = int(pb.block_table[b, pos // pb.page_size])
-        k = pb.k_cache[page, pos % pb.page_size, h].double()
-        out.append((pos, float(q @ k) / math.sqrt(D)))
+def two_stage(q, k_min, k_max, block_table, seq_lens, opts, chunk, window_left=-1):
+    B, Tq, Hq, D = q.shape
+    Hkv, maxp, budget = k_min.shape[1], block_table.shape[1], opts["page_budget"]
+    meta = C.chunk_blocks(B, Hkv, maxp, budget, Tq, Hq // Hkv, D, opts["page_size"], chunk=chunk)
+    shape = C.workspace_shape(B, Hkv, meta)
+    ws_key, ws_page = torch.full(shape, 123, dtype=torch.int32), torch.full(shape, 123, dtype=torch.int32)
+    out = torch.full((B, Hkv, budget), -7, dtype=torch.int32)
+    selection_triton.score_and_select_pages(q, k_min, k_max, block_table, seq_lens, **opts, meta=meta, ws_key=ws_key,
+                             ws_page=ws_page, out=out, window_left=window_left)
     return out
 
 
-def brute_mass(pb, b, h, pages=None):
-    """{page: mass summed over the group and queries}, softmax over the keys of ``pages`` (None = all)."""
-    Tq, Hq = pb.q.shape[1], pb.q.shape[2]
-    G = Hq // pb.num_kv_heads
-    mass = {}
-    for t in range(Tq):
-        for g in range(G):
-            lg = [(p, x) for p, x in brute_logits(pb, b, h, g, t) if pages is None or p // pb.page_size in pages]
-            if not lg:
-                continue
-            m = max(x for _, x in lg)
-            z = sum(math.exp(x - m) for _, x in lg)
-            for p, x in lg:
-                mass[p // pb.page_size] = mass.get(p // pb.page_size, 0.0) + math.exp(x - m) / z
-    return mass
+def one_stage(q, k_min, k_max, block_table, seq_lens, opts, window_left=-1):
+    B, Tq = q.shape[:2]
+    scores = torch.full((B, k_min.shape[1], block_table.shape[1]), math.nan)
+    selection_triton.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=opts["page_size"], out=scores)
+    core.mask_pages_before_window(scores, seq_lens, opts["page_size"], Tq, window_left)
+    out = torch.full((B, k_min.shape[1], opts["page_budget"]), -7, dtype=torch.int32)
+    selection_triton.select_pages(scores, seq_lens, **opts, num_query_tokens=Tq, out=out)
+    return out, scores
 
 
-def brute_select(n, budget, score, *, sinks=0, recent=1):
-    """Forced recent pages, then sinks, then best score (ties to the lower index); ascending list."""
-    if n <= budget:
-        return list(range(n))
-    keep = list(range(n - 1, n - 1 - max(recent, 1), -1))[:budget]
-    for j in range(min(sinks, n)):
-        if len(keep) < budget and j not in keep:
-            keep.append(j)
-    rest = sorted((j for j in range(n) if j not in keep), key=lambda j: (-score(j), j))
-    keep += rest[: budget - len(keep)]
-    return sorted(keep)
+@settings(max_examples=150, deadline=None)
+@given(selection_problems(integer=True))
+def test_two_stage_matches_reference(case):
+    q, k_min, k_max, table, seq_lens, opts, chunk = case
+    ref_scores = reference.page_scores(q, k_min, k_max, table, seq_lens, page_size=opts["page_size"])
+    try:
+        ref = reference.select_pages(ref_scores, seq_lens, **opts, num_query_tokens=q.shape[1])
+    except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
+        assume(False)
+    assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk), ref)
 
 
-def as_lists(idx):
-    return [[[int(x) for x in row if x >= 0] for row in head] for head in idx.tolist()]
+@settings(max_examples=100, deadline=None)
+@given(selection_problems(integer=False), st.sampled_from([-1, 0, 3, 9]))
+def test_two_stage_equals_one_stage(case, window_left):
+    q, k_min, k_max, table, seq_lens, opts, chunk = case
+    try:
+        reference.select_pages(torch.zeros(q.shape[0], 1, table.shape[1]), seq_lens, **opts,
+                               num_query_tokens=q.shape[1])
+    except ValueError:
+        assume(False)
+    one, _ = one_stage(q, k_min, k_max, table, seq_lens, opts, window_left)
+    assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk, window_left), one)
 
 
-# ------------------------------------------------------------------------------------ properties
-@pytest.mark.parametrize("name", POLICY_NAMES)
-@pytest.mark.parametrize("budget,sinks,recent", [(1, 0, 1), (3, 0, 1), (4, 1, 2), (8, 1, 1), (40, 0, 1)])
-def test_every_policy_returns_a_valid_selection(name, budget, sinks, recent):
-    pb = problem(seed=budget)
-    pol = S.get_policy(name)
-    ctx = context(pb, budget, sinks=sinks, recent=recent)
-    idx = pol.select(ctx)
-    if pol.stateful:  # a second step after observing
-        pol.observe(ctx, idx, S.page_attention_mass(ctx.q, pb.k_cache, pb.block_table, pb.seq_lens, page_indices=idx))
-        idx = pol.select(context(pb, budget, sinks=sinks, recent=recent))
-    B, Hkv = pb.block_table.shape[0], pb.num_kv_heads
-    assert idx.shape == (B, Hkv, budget) and idx.dtype == torch.int32
-    for b in range(B):
-        n = n_pages(int(pb.seq_lens[b]), pb.page_size)
-        for h in range(Hkv):
-            row = idx[b, h].tolist()
-            kept = [x for x in row if x >= 0]
-            assert row == kept + [-1] * (budget - len(kept)), row            # -1 padding at the end only
-            assert kept == sorted(set(kept))                                   # ascending, no duplicate
-            assert all(0 <= x < n for x in kept)                               # never past the end
-            if n <= budget:
-                assert kept == list(range(n))                                  # everything fits: all pages
-            else:
-                assert len(kept) == budget and n - 1 in kept                   # full budget, last page kept
-                assert set(range(n - min(max(recent, 1), budget), n)) <= set(kept)
+def test_all_ties_radix_and_short_rows():
+    """Every page scores the same (the lowest pages win), a row of 0 tokens, a short row kept whole."""
+    p = make_problem(0, batch=3, seq_lens=[40, 0, 7], page_size=1, num_kv_heads=2, group=2, head_dim=8)
+    P = p.k_cache.shape[0]
+    k_min, k_max = torch.zeros(P, 2, 8), torch.ones(P, 2, 8)
+    opts = dict(page_size=1, page_budget=20, num_sink_pages=2, num_recent_pages=3)
+    ref = reference.select_pages(reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=1),
+                                 p.seq_lens, **opts)
+    for chunk in (4, 16, 64):
+        got = two_stage(p.q, k_min, k_max, p.block_table, p.seq_lens, opts, chunk)
+        assert torch.equal(got, ref)
+    assert ref[0, 0].tolist() == [0, 1] + list(range(2, 17)) + [37, 38, 39]
+    assert (ref[1] == -1).all() and ref[2, 0].tolist() == list(range(7)) + [-1] * 13
 
 
-def test_quest_equals_select_pages_of_page_scores_and_the_fused_op():
-    pb = problem(seed=3)
-    for budget, sinks in ((2, 0), (5, 1)):
-        ctx = context(pb, budget, sinks=sinks)
-        k_min, k_max = ctx.k_min, ctx.k_max
-        scores = tinyattn.page_scores(ctx.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=4, backend=TORCH)
-        want = tinyattn.select_pages(scores, pb.seq_lens, page_size=4, page_budget=budget, num_sink_pages=sinks,
-                                     backend=TORCH)
-        assert torch.equal(S.QuestPolicy().select(ctx), want)
-        fused = tinyattn.sparse_paged_attention(ctx.q, pb.k_cache, pb.v_cache, pb.block_table, pb.seq_lens,
-                                                k_min=k_min, k_max=k_max, page_budget=budget, num_sink_pages=sinks,
-                                                backend=TORCH)
-        # same pages (checked above); the fused op gathers them in score order, the policy path in page order,
-        # so the sums may differ in the last bits
-        torch.testing.assert_close(S.attend(S.QuestPolicy(), ctx), fused, atol=1e-6, rtol=1e-6)
+@pytest.mark.parametrize("chunk", [8, 32, 128])
+def test_radix_select_over_long_rows(chunk):
+    """Budgets above ``RADIX_MIN_BUDGET`` (radix select in both stages) on rows of 70-100 pages, Tq = 3."""
+    p = make_problem(7, batch=2, seq_lens=[100, 70], page_size=1, num_kv_heads=2, group=3, head_dim=16,
+                     num_query_tokens=3)
+    k_min, k_max = p.bounds()
+    k_min[int(p.block_table[0, 50])] = math.nan                    # one NaN box in the pool of row 0
+    for budget, sink in ((20, 2), (40, 0)):
+        opts = dict(page_size=1, page_budget=budget, num_sink_pages=sink, num_recent_pages=2)
+        one, scores = one_stage(p.q, k_min, k_max, p.block_table, p.seq_lens, opts)
+        ref = reference.select_pages(scores, p.seq_lens, **opts, num_query_tokens=3)
+        assert torch.equal(one, ref)
+        assert torch.equal(two_stage(p.q, k_min, k_max, p.block_table, p.seq_lens, opts, chunk), ref)
 
 
-@pytest.mark.parametrize("Tq", [1, 3])
-def test_page_attention_mass_matches_brute_force(Tq):
-    pb = problem(seed=5, lens=(37, 5, 17), Tq=Tq)
-    got = S.page_attention_mass(pb.q, pb.k_cache, pb.block_table, pb.seq_lens)
-    sel = torch.tensor([[[0, 3, -1, 9], [1, 2, 4, -1]]] * 3, dtype=torch.int32)
-    got_sel = S.page_attention_mass(pb.q, pb.k_cache, pb.block_table, pb.seq_lens, page_indices=sel)
-    for b in range(3):
-        n = n_pages(int(pb.seq_lens[b]), 4)
-        for h in range(2):
-            want = brute_mass(pb, b, h)
-            for j in range(got.shape[2]):
-                assert got[b, h, j].item() == pytest.approx(want.get(j, 0.0), abs=1e-5)
-            pages = {p for p in sel[b, h].tolist() if 0 <= p < n}
-            want_sel = brute_mass(pb, b, h, pages)
-            for k, p in enumerate(sel[b, h].tolist()):
-                assert got_sel[b, h, k].item() == pytest.approx(want_sel.get(p, 0.0) if p in pages else 0.0, abs=1e-5)
-        assert got[b].sum(-1) == pytest.approx(torch.full((2,), 2.0 * Tq), abs=1e-4)  # G * Tq queries
+def test_heuristic_table(monkeypatch):
+    """GPU sizes: at B = 1 and a large budget the chunks are larger than the budget (stage 1 filters: the merge
+    sees at most half the pages), the candidates stay in one tile, and the radix passes take 4-bit digits where
+    the counting tile allows (stage 1: 8 dependent passes; the merge of 1024 candidates: 16, instead of 32); a small budget keeps the
+    GPU-filling chunks (>= 2 programs per SM)."""
+    monkeypatch.setattr(C, "is_interpreting", lambda: False)
+    for pages, chunk, cand, bits in ((2048, 256, 1024, 2), (8192, 256, 4096, 1)):
+        meta = C.chunk_blocks(1, 8, pages, 128, 1, 4, 128, 16, num_sms=132)
+        assert meta["stage1"]["CHUNK"] == chunk and meta["NC"] * meta["KC"] == cand
+        assert chunk >= C.FILTER * 128 and cand <= pages // 2 and meta["stage2"]["BN"] <= C.MAX_CANDIDATES
+        assert meta["stage1"]["BITS"] == 4 and meta["stage2"]["BITS"] == bits
+        assert C.use_two_stage(1, 8, pages, 128)
+    meta = C.chunk_blocks(1, 8, 2048, 8, 1, 4, 128, 16, num_sms=132)        # a small budget: fill the GPU
+    assert meta["stage1"]["CHUNK"] == 64 and 8 * meta["NC"] >= 2 * 132 - 8
+    assert [C.radix_bits(n) for n in (64, 256, 512, 1024, 2048, 4096)] == [4, 4, 2, 2, 1, 1]
+    assert not C.use_two_stage(64, 8, 2048, 128)            # 512 rows x heads fill the GPU: one stage
+    assert C.use_two_stage(64, 8, 4096, 128)                # the one-stage tile would hold 4096 keys
+    assert not C.use_two_stage(1, 8, 100, 128)              # every page fits the budget: nothing to select
+    for batch, pages, budget in ((1, 3, 2), (4, 32768, 128), (16, 2048, 8), (1, 100000, 512)):
+        meta = C.chunk_blocks(batch, 8, pages, budget, 1, 4, 128, 16)
+        chunk = meta["stage1"]["CHUNK"]
+        assert chunk & (chunk - 1) == 0 and meta["NC"] * chunk >= pages and meta["KC"] == min(budget, chunk)
+    monkeypatch.undo()
+    assert C.chunk_blocks(1, 8, 8192, 128, 1, 4, 128, 16)["stage1"]["CHUNK"] == C.INTERPRET_CHUNK
 
 
-@pytest.mark.parametrize("budget,sinks,recent", [(2, 0, 1), (4, 1, 1), (5, 0, 3)])
-def test_oracle_picks_the_pages_of_most_true_mass(budget, sinks, recent):
-    pb = problem(seed=7)
-    idx = S.OraclePolicy().select(context(pb, budget, sinks=sinks, recent=recent))
-    for b in range(pb.block_table.shape[0]):
-        n = n_pages(int(pb.seq_lens[b]), 4)
-        for h in range(2):
-            mass = brute_mass(pb, b, h)
-            assert as_lists(idx)[b][h] == brute_select(n, budget, lambda j: mass.get(j, 0.0), sinks=sinks,
-                                                       recent=recent)
-
-
-@pytest.mark.parametrize("budget,sinks", [(1, 0), (3, 0), (4, 2)])
-def test_streaming_is_sinks_plus_recent(budget, sinks):
-    pb = problem(seed=8)
-    idx = S.StreamingPolicy().select(context(pb, budget, sinks=sinks))
-    for b in range(pb.block_table.shape[0]):
-        n = n_pages(int(pb.seq_lens[b]), 4)
-        n_sink = max(sinks, 1) if budget > 1 else 0
-        want = list(range(n)) if n <= budget else sorted(set(range(n_sink)) | set(range(n - budget + n_sink, n)))
-        assert as_lists(idx)[b] == [want, want]
-
-
-def test_meanstd_scores_match_the_formula():
-    pb = problem(seed=9)
-    pol = S.MeanStdPolicy(alpha=1.5)
-    ctx = context(pb, 3)
-    got = pol.scores(ctx)
-    G = 2
-    for b in range(pb.block_table.shape[0]):
-        n_tok = int(pb.seq_lens[b])
-        for h in range(2):
-            for j in range(got.shape[2]):
-                if j >= n_pages(n_tok, 4):
-                    assert got[b, h, j].item() == float("-inf")
-                    continue
-                page = int(pb.block_table[b, j])
-                keys = pb.k_cache[page, : min(4, n_tok - 4 * j), h].double()          # valid tokens only
-                mu, sd = keys.mean(0), keys.std(0, unbiased=False)
-                want = max(float(q @ mu + 1.5 * (q.abs() @ sd)) for q in pb.q[b, 0, h * G:(h + 1) * G].double())
-                assert got[b, h, j].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
-    assert torch.equal(pol.select(ctx), ctx.select_top(got))
-
-
-# ------------------------------------------------------------------------------------ questmass
-def brute_box_estimates(pb, gamma):
-    """{(b, t, hq, page): est} from boxes built here over each page's valid keys, in fp64, per query head."""
-    B, Tq, Hq, D = pb.q.shape
-    Hkv = pb.num_kv_heads
-    G = Hq // Hkv
-    out = {}
-    for b in range(B):
-        n = int(pb.seq_lens[b])
-        for t in range(Tq):
-            seen = max(n - Tq + 1 + t, 0)                                        # keys query t sees
-            for j in range(n_pages(seen, pb.page_size)):
-                keys = pb.k_cache[int(pb.block_table[b, j]), : min(pb.page_size, n - j * pb.page_size)].double()
-                for hq in range(Hq):
-                    lo, hi = keys[:, hq // G].amin(0), keys[:, hq // G].amax(0)        # the page's box
-                    q = pb.q[b, t, hq].double()
-                    out[(b, t, hq, j)] = float(q @ ((lo + hi) / 2) + gamma * (q.abs() @ ((hi - lo) / 2)))
-    return out
-
-
-@settings(max_examples=25, deadline=None)
-@given(problems(max_query_tokens=3, page_sizes=(1, 2, 4, 8)), st.sampled_from([0.0, 0.3, 0.75, 1.0]))
-def test_box_logit_estimates_match_brute_force_and_bound_every_key_at_gamma_one(pb, gamma):
-    k_min, k_max = pb.bounds()
-    est = S.box_logit_estimates(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=pb.page_size,
-                                gamma=gamma, backend=TORCH)
-    B, Tq, Hq, D = pb.q.shape
-    want = brute_box_estimates(pb, gamma)
-    G = Hq // pb.num_kv_heads
-    for b in range(B):
-        n = int(pb.seq_lens[b])
-        for t in range(Tq):
-            for hq in range(Hq):
-                for j in range(est.shape[3]):
-                    got = est[b, t, hq, j].item()
-                    if (b, t, hq, j) not in want:
-                        assert got == float("-inf")                               # past what query t sees
-                        continue
-                    assert got == pytest.approx(want[(b, t, hq, j)], rel=1e-5, abs=1e-4)
-                    keys = pb.k_cache[int(pb.block_table[b, j]), : min(pb.page_size, n - j * pb.page_size)]
-                    logits = keys[:, hq // G].double() @ pb.q[b, t, hq].double()
-                    if gamma == 1.0:                                              # Quest's bound: an upper bound
-                        assert got >= logits.max().item() - 1e-4 * (1 + logits.abs().max().item())
-
-
-@settings(max_examples=12, deadline=None)
-@given(problems(max_query_tokens=2, page_sizes=(1, 2, 4, 8, 16)), st.sampled_from([0.0, 0.75, 1.0]))
-@pytest.mark.slow
-def test_box_page_log_mass_triton_matches_torch(pb, gamma):
-    """The Triton scoring kernel (interpreted) gives the torch backend's estimates."""
-    k_min, k_max = pb.bounds()
-    args = (pb.q, k_min, k_max, pb.block_table, pb.seq_lens)
-    ref = S.box_page_log_mass(*args, page_size=pb.page_size, gamma=gamma, backend=TORCH)
-    got = S.box_page_log_mass(*args, page_size=pb.page_size, gamma=gamma, backend="triton")
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.parametrize("Tq", [1, 3])
-def test_box_page_log_mass_is_the_group_sum_of_per_head_softmaxes(Tq):
-    pb = problem(seed=15, lens=(37, 5, 0, 17), G=3, Tq=Tq)
-    k_min, k_max = pb.bounds()
-    gamma, scale = 0.5, 0.3
-    got = S.box_page_log_mass(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=4, gamma=gamma,
-                              scale=scale, backend=TORCH)
-    est = brute_box_estimates(pb, gamma)
-    B, _, Hq, _ = pb.q.shape
-    for b in range(B):
-        for h in range(2):
-            mass = {}
-            for t in range(Tq):
-                for hq in range(h * 3, h * 3 + 3):
-                    row = {j: e for (bb, tt, qq, j), e in est.items() if (bb, tt, qq) == (b, t, hq)}
-                    if not row:
-                        continue
-                    m = max(row.values())
-                    z = sum(math.exp(scale * (e - m)) for e in row.values())
-                    for j, e in row.items():
-                        mass[j] = mass.get(j, 0.0) + math.exp(scale * (e - m)) / z
-            for j in range(got.shape[2]):
-                want = math.log(mass[j]) if j in mass else float("-inf")
-                assert got[b, h, j].item() == pytest.approx(want, abs=1e-5)
-        if int(pb.seq_lens[b]) >= Tq:                                             # every query sees a key
-            assert got[b].exp().sum(-1) == pytest.approx(torch.full((2,), 3.0 * Tq), abs=1e-4)
-
-
-def test_questmass_with_one_head_per_group_and_gamma_one_selects_quests_pages():
-    pb = problem(seed=16, G=1)
-    for budget, sinks in ((2, 0), (3, 1), (5, 0)):
-        ctx = context(pb, budget, sinks=sinks)
-        assert torch.equal(S.QuestMassPolicy(gamma=1.0).select(ctx), S.QuestPolicy().select(ctx))
-
-
-def test_questmass_selects_the_top_of_its_scores_and_weighs_every_head_of_the_group():
-    # two pages besides the forced last one; head 0's logits are large on both (its bound prefers page 0 by a
-    # little), head 1 puts nearly all its attention on page 1. quest (max over the group) keeps page 0;
-    # questmass (sum of the heads' shares) keeps page 1, where the group's attention mass is.
-    D, S_ = 2, 1
-    k_cache = torch.tensor([[[[10.0, 0.0]]], [[[9.0, 5.0]]], [[[0.0, 0.0]]]])       # [3 pages, 1 slot, Hkv=1, D]
-    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])                                    # [B=1, Hq=2, D]
-    table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    lens = torch.tensor([3], dtype=torch.int32)
-    k_min = k_max = k_cache[:, 0]
-    ctx = S.SelectionContext(layer=0, q=q, k_cache=k_cache, v_cache=k_cache, k_min=k_min, k_max=k_max,
-                             block_table=table, seq_lens=lens, page_budget=2, backend=TORCH)
-    assert S.QuestPolicy().select(ctx).tolist() == [[[0, 2]]]
-    pol = S.QuestMassPolicy()
-    assert pol.select(ctx).tolist() == [[[1, 2]]]
-    assert torch.equal(pol.select(ctx), ctx.select_top(pol.scores(ctx)))
-    oracle = S.OraclePolicy().select(ctx)
-    assert oracle.tolist() == [[[1, 2]]]
-
-
-@pytest.mark.parametrize("gamma", [-0.1, 1.5, float("nan"), "1", True])
-def test_questmass_rejects_a_bad_gamma(gamma):
-    with pytest.raises(ValueError, match="gamma"):
-        S.QuestMassPolicy(gamma=gamma)
-    pb = problem(seed=17)
-    k_min, k_max = pb.bounds()
-    with pytest.raises(ValueError, match="gamma"):
-        S.box_page_log_mass(pb.q, k_min, k_max, pb.block_table, pb.seq_lens, page_size=4, gamma=gamma)
-
-
-def test_h2o_running_score_and_eviction_against_brute_force():
-    """Decode 30 steps of 2 rows; at each step H2O == a Python simulation of accumulated mass + eviction."""
-    S_, budget, recent_ratio = 2, 4, 0.5
-    full = problem(seed=11, lens=(60, 60), page_size=S_, Hkv=2, G=2)
-    pol = S.H2OPolicy(recent_ratio=recent_ratio)
-    score = {}                       # (b, h, page) -> accumulated mass
-    evicted = set()
-    g = torch.Generator().manual_seed(0)
-    for step, n_tok in enumerate(range(3, 33)):
-        lens = torch.tensor([n_tok, n_tok - 2], dtype=torch.int32)
-        q = torch.randn(2, 1, 4, 8, generator=g)
-        pb = type(full)(q, full.k_cache, full.v_cache, full.block_table, lens, S_)
-        ctx = context(pb, budget, layer=1)
-        idx = pol.select(ctx)
-        recent = max(1, int(budget * recent_ratio))
-        for b in range(2):
-            n = n_pages(int(lens[b]), S_)
-            for h in range(2):
-                cand = lambda j: -math.inf if (b, h, j) in evicted else score.get((b, h, j), 0.0)  # noqa: E731
-                want = brute_select(n, budget, cand, recent=recent)
-                assert as_lists(idx)[b][h] == want, (step, b, h)
-                evicted |= {(b, h, j) for j in range(n) if j not in want}
-                for j, m in brute_mass(pb, b, h, set(want)).items():
-                    score[(b, h, j)] = score.get((b, h, j), 0.0) + m
-        pol.observe(ctx, idx, S.page_attention_mass(ctx.q, pb.k_cache, pb.block_table, lens, page_indices=idx))
-    assert evicted, "the budget never forced an eviction"
-    pol.reset()
-    assert not pol._score
-
-
-def test_random_is_seeded_and_reset_replays():
-    pb = problem(seed=12)
-    a = S.RandomPolicy(seed=4)
-    first = [a.select(context(pb, 3)) for _ in range(3)]
-    a.reset()
-    again = [a.select(context(pb, 3)) for _ in range(3)]
-    assert all(torch.equal(x, y) for x, y in zip(first, again))
-    assert not torch.equal(first[0], first[1])
-    assert not torch.equal(first[0], S.RandomPolicy(seed=5).select(context(pb, 3)))
-
-
-# ------------------------------------------------------------------------------------ metrics
-def test_oracle_vs_itself_has_hit_rate_one_and_all_pages_capture_all_mass():
-    pb = problem(seed=13)
-    ctx = context(pb, 3, layer=2)
-    metrics = S.SelectionMetrics()
-    metrics.record(ctx, S.OraclePolicy().select(ctx))
-    assert metrics.hit_rate == 1.0 and metrics.samples == 3 * 2  # rows 0, 2 and 4 hold more than 3 pages
-    mass = ctx.true_page_mass()
-    everything = torch.arange(mass.shape[2]).expand(mass.shape).to(torch.int32)
-    n = ctx.valid_pages()[:, None, None]
-    everything = torch.where(everything < n, everything, -1)
-    hit, n_oracle, captured = S.selection_overlap(everything, everything, mass)
-    nonempty = ctx.seq_lens > 0
-    assert torch.allclose(captured[nonempty], torch.ones_like(captured[nonempty]), atol=1e-5)
-    assert torch.equal(hit, n_oracle)
-
-
-def test_hit_rate_and_captured_mass_against_brute_force():
-    pb = problem(seed=14)
-    ctx = context(pb, 3)
-    sel = S.StreamingPolicy().select(ctx)
-    metrics = S.SelectionMetrics()
-    metrics.record(ctx, sel)
-    hits = oracle_n = 0
-    caught, count = 0.0, 0
-    for b in range(pb.block_table.shape[0]):
-        n = n_pages(int(pb.seq_lens[b]), 4)
-        if n <= 3:
-            continue
-        for h in range(2):
-            mass = brute_mass(pb, b, h)
-            oracle = brute_select(n, 3, lambda j: mass.get(j, 0.0))
-            mine = as_lists(sel)[b][h]
-            hits += len(set(mine) & set(oracle))
-            oracle_n += len(oracle)
-            caught += sum(mass.get(j, 0.0) for j in mine) / sum(mass.values())
-            count += 1
-    assert metrics.hit_rate == pytest.approx(hits / oracle_n)
-    assert metrics.captured_mass == pytest.approx(caught / count, abs=1e-5)
-    assert 0 < metrics.hit_rate < 1
-
-
-def test_get_policy_and_cli_names():
-    from tinyattn.cli import _POLICY_NAMES
-
-    assert tuple(S.POLICIES) == _POLICY_NAMES
-    for name in POLICY_NAMES:
-        assert S.get_policy(name).name == name
-    h = S.H2OPolicy()
-    assert S.get_policy(h) is h
-    with pytest.raises(ValueError, match="policy"):
-        S.get_policy("lru")
+@pytest.mark.parametrize("window_left", [-1, 5])
+def test_plan_uses_two_stage_and_matches_one_stage(monkeypatch, window_left):
+    """The plan's sparse step goes through the two-stage selection at small batch, same pages as one stage."""
+    p = make_problem(5, batch=2, seq_lens=[61, 30], page_size=4, num_kv_heads=2, group=2, head_dim=16,
+                     num_query_tokens=2)
+    k_min, k_max = p.bounds()
+    plan_args = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, num_query_tokens=2, page_budget=5,
+                     num_sink_pages=1 if window_left < 0 else 0)   # a sliding window takes no sinks
+    calls = []
+    real = selection_triton.merge_chunks
+    monkeypatch.setattr(selection_triton, "merge_chunks", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    plan = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
+    assert plan._impl._chunks is not None and plan._impl._chunks["NC"] == -(-p.block_table.shape[1] // C.INTERPRET_CHUNK) > 1
+    two = plan.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
+    pages_two = plan._impl._selected.clone()
+    assert calls == [1]
+    monkeypatch.setattr(C, "use_two_stage", lambda *a, **k: False)
+    plan1 = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
+    assert plan1._impl._chunks is None
+    one = plan1.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
+    assert calls == [1] and torch.equal(plan1._impl._selected, pages_two) and torch.equal(one, two)
