@@ -302,6 +302,17 @@ def relayout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x
 
 
+@st.composite
+def laid_out_problems(draw, dtypes=("fp32", "fp16"), max_pages_per_row=5):
+    """``(problem, layout)`` for the kernels' property tests: B = 2 or 3 rows of distinct lengths (around page
+    boundaries), page sizes 1..32, head dims up to 128 (not all powers of two), 1-2 KV heads with groups 1-4, up to
+    two pages of query tokens, and one of :data:`LAYOUTS` for q / out."""
+    p = draw(problems(dtypes=dtypes, min_batch=2, max_batch=3, distinct_lengths=True,
+                      max_pages_per_row=max_pages_per_row, page_sizes=(1, 2, 4, 8, 16, 32),
+                      head_dims=(8, 16, 24, 40, 64, 80, 128), max_query_tokens=two_pages, max_kv_heads=2))
+    return p, draw(st.sampled_from(LAYOUTS))
+
+
 def interleave_kv(k: torch.Tensor, v: torch.Tensor):
     """K and V as views of one ``[num_pages, 2, page_size, Hkv, D]`` pool (page stride 2x the page size)."""
     kv = torch.stack([k, v], 1)
