@@ -5,19 +5,21 @@ the right gradients; the Triton kernels run in the interpreter (tests/conftest.p
 directly. Gradients are checked for q, k_cache and v_cache, through ``out`` and ``lse`` together.
 """
 
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyattn
-from tinyattn import reference
-from tinyattn.ops import custom_ops as A
-from tinyattn.ops.selection import torch_impl as T
 from tinyattn.ops.page_grad import page_grad_norms
-from paged_problems import make_problem
+from tinyattn.ops.selection import torch_impl as T
+from tinyattn.ops import custom_ops as A
+from tinyattn import reference
 
-BACKENDS = ["torch", "triton"]
+from paged_problems import BACKENDS, make_problem
+
+
 OPS = ["dense", "sparse"]
 
 
@@ -359,3 +361,69 @@ def test_page_grad_norms(backend, page_size, head_dim):
     unread = ~read_slots(p, pi).any(1)                     # [num_pages, Hkv]: pages a head never read
     assert torch.equal(norms[unread], torch.zeros_like(norms[unread]))
     assert (norms[~unread] > 0).all()
+
+
+# ---- torch.compile(fullgraph=True) with the default value checks, with and without grad ----------------------------
+def _compile_problem():
+    p = make_problem(11, batch=2, seq_lens=[5, 21], page_size=8, num_kv_heads=1, group=2, head_dim=8)
+    lo, hi = p.bounds()
+    return p, lo, hi
+
+
+def _op(kind, p, lo, hi, backend):
+    args = (p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    if kind == "dense":
+        return lambda x: tinyattn.paged_attention(x, *args, backend=backend)
+    if kind == "sparse":
+        return lambda x: tinyattn.sparse_paged_attention(x, *args, k_min=lo, k_max=hi, page_budget=2,
+                                                         num_sink_pages=1, backend=backend)
+    indices = torch.tensor([[[0, -1]], [[2, 0]]], dtype=torch.int32)
+    return lambda x: tinyattn.sparse_paged_attention(x, *args, page_indices=indices, backend=backend)
+
+
+def _reference(kind, p, lo, hi, x):
+    args = (x, p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    if kind == "dense":
+        return reference.paged_attention(*args)
+    if kind == "sparse":
+        return reference.sparse_paged_attention(*args, k_min=lo, k_max=hi, page_budget=2, num_sink_pages=1)
+    return reference.sparse_paged_attention(*args, page_indices=torch.tensor([[[0, -1]], [[0, 2]]]))
+
+
+def _check_compiled(kind, backend, compiler, grad):
+    torch._dynamo.reset()
+    p, lo, hi = _compile_problem()
+    f = _op(kind, p, lo, hi, backend)
+    q = p.q[:, 0].detach()
+    x_eager, x_comp = q.clone().requires_grad_(grad), q.clone().requires_grad_(grad)
+    want = f(x_eager)
+    got = torch.compile(f, fullgraph=True, backend=compiler)(x_comp)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.detach(), _reference(kind, p, lo, hi, q), atol=3e-5, rtol=3e-5)
+    if grad:
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(x_comp.grad, x_eager.grad, atol=1e-6, rtol=1e-6)
+        assert x_comp.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["dense", "sparse", "page_indices"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fullgraph_compile_aot_eager_equals_eager(backend, kind, grad):
+    """Default value checks on: they are skipped while tracing; the no-grad path goes through the custom ops."""
+    _check_compiled(kind, backend, "aot_eager", grad)
+
+
+@pytest.mark.parametrize("backend, kind, grad", [("torch", "dense", True), ("triton", "sparse", False)])
+def test_fullgraph_compile_inductor_equals_eager(backend, kind, grad):
+    """Inductor on the CPU compiles C++ (a few seconds a graph here): two cases only."""
+    _check_compiled(kind, backend, "inductor", grad)
+
+
+def test_value_checks_still_run_in_eager_after_compiling():
+    p, lo, hi = _compile_problem()
+    f = _op("dense", p, lo, hi, "torch")
+    torch.compile(f, fullgraph=True, backend="aot_eager")(p.q[:, 0])
+    with pytest.raises(ValueError, match="seq_lens: expected values <="):
+        tinyattn.paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens + 1000, backend="torch")

@@ -24,7 +24,10 @@ from tinyattn.ops.selection import torch_impl as core
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, laid_out_problems, make_problem, relayout
+from paged_problems import BACKENDS, brute_force_select, laid_out_problems, make_problem, relayout
+
+
+
 
 
 
@@ -317,3 +320,42 @@ def test_select_pages_matches_reference(case):
     out = torch.full(ref.shape, -7, dtype=torch.int32)
     selection_triton.select_pages(scores, seq_lens, **opts, out=out)
     assert torch.equal(out, ref)
+
+
+# ---- NaN scores count as -inf, ties go to the lower page (NaN vs -inf too), against a brute-force ranking ---------
+NAN, NEG_INF = float("nan"), float("-inf")
+
+SELECTORS = {
+    "reference": reference.select_pages,
+    "torch": lambda *a, **k: tinyattn.select_pages(*a, **k, backend="torch"),
+    "triton": lambda *a, **k: tinyattn.select_pages(*a, **k, backend="triton"),
+}
+
+
+@pytest.mark.parametrize("impl", SELECTORS)
+def test_nan_score_counts_as_minus_inf_and_ties_go_to_the_lower_page(impl):
+    scores = torch.tensor([[[NAN, NEG_INF, 0.0]]])
+    got = SELECTORS[impl](scores, torch.tensor([48]), page_size=16, page_budget=2)
+    assert got.tolist() == [[[0, 2]]]
+    scores = torch.tensor([[[NEG_INF, NAN, NEG_INF, 0.0]]])                   # NaN after -inf: -inf (page 0) wins
+    got = SELECTORS[impl](scores, torch.tensor([64]), page_size=16, page_budget=2)
+    assert got.tolist() == [[[0, 3]]]
+
+
+@pytest.mark.parametrize("impl", SELECTORS)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_selection_with_nan_inf_and_ties_matches_brute_force(impl, data):
+    """Small budgets (the kernel's argmax loop) and budgets above 16 pages (its radix select)."""
+    B, Hkv = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    radix = data.draw(st.booleans())
+    P = data.draw(st.integers(18, 40) if radix else st.integers(1, 10))
+    page_size = 4
+    lens = torch.tensor([data.draw(st.integers(0, P * page_size)) for _ in range(B)], dtype=torch.int32)
+    pool = st.sampled_from([NAN, NEG_INF, -1.0, 0.0, -0.0, 2.0, math.inf])
+    scores = torch.tensor(data.draw(st.lists(pool, min_size=B * Hkv * P, max_size=B * Hkv * P))).view(B, Hkv, P)
+    sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    low = sinks + max(recent, 1)
+    budget = data.draw(st.integers(max(low, 17), max(low, 17) + 6) if radix else st.integers(low, low + P))
+    opts = dict(page_size=page_size, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
+    assert torch.equal(SELECTORS[impl](scores, lens, **opts), brute_force_select(scores, lens, **opts))
