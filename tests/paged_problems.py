@@ -102,6 +102,16 @@ def make_problem(seed: int, *, batch: int, seq_lens: list[int], page_size: int, 
                    page_size)
 
 
+def empty_batch(head_dim=8, num_q_heads=2, num_kv_heads=1, page_size=4, num_pages=3):
+    """B = 0: ``(q, k_cache, v_cache, block_table, seq_lens)`` with no rows (legal by DESIGN.md §2)."""
+    q = torch.randn(0, num_q_heads, head_dim)
+    k = torch.randn(num_pages, page_size, num_kv_heads, head_dim)
+    v = torch.randn(num_pages, page_size, num_kv_heads, head_dim)
+    bt = torch.zeros(0, 2, dtype=torch.int32)
+    sl = torch.zeros(0, dtype=torch.int32)
+    return q, k, v, bt, sl
+
+
 def tiers(fast: int, full: int):
     """Parametrize a property test's ``examples``: ``fast`` hypothesis examples in the fast tier (``-m "not slow"``)
     and the other ``full - fast`` marked slow, so a whole run draws ``full`` (the test sets

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyattn
-from tinyattn import reference
 from tinyattn.cache import CacheFullError, PagedKVCache
+from tinyattn import reference
+
 
 
 def fill(cache, seq_ids, counts, gen):
@@ -361,3 +362,16 @@ def test_a_cache_without_boxes_stores_kv_only():
     cache.resize(6)
     shadow.check()
     assert cache.kv_bytes == 2 * 2 * 6 * 4 * 1 * 2 * 4
+
+
+def test_cache_extend_numpy_int_count_is_an_int():
+    np = pytest.importorskip("numpy")
+    from tinyattn.cache import PagedKVCache
+    c = PagedKVCache(1, 1, 2, page_size=4, num_pages=2, dtype=torch.float32, device="cpu")
+    s = c.add_sequence()
+    try:
+        slots = c.extend([s], np.int64(2))
+    except (TypeError, ValueError) as e:      # acceptable only with a message naming the argument
+        assert "num_tokens" in str(e)
+    else:
+        assert slots.numel() == 2 and c.length(s) == 2

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tinyattn
-from tinyattn import reference as R
+from tinyattn import reference
 from tinyattn.ops.attention import torch_impl as chunked
 from tinyattn.ops.plan import PagedAttentionPlan
 
@@ -61,15 +61,15 @@ def _check_against_reference(p, Tq, budget, dtype):
     if budget is None:
         out, lse = tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True,
                                             backend="torch")
-        want, want_lse = R.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True)
+        want, want_lse = reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True)
     else:
         k_min = torch.zeros(p.k_cache.shape[0], 2, 8, dtype=dtype)
         k_max = torch.zeros_like(k_min)
-        R.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+        reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
         kw = dict(k_min=k_min, k_max=k_max, page_budget=budget)
         out, lse = tinyattn.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                    return_lse=True, backend="torch", **kw)
-        want, want_lse = R.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+        want, want_lse = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                   return_lse=True, **kw)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
     torch.testing.assert_close(out, want, **tol)
@@ -81,16 +81,16 @@ def test_fast_path_chunks_too(tiny_chunks, monkeypatch):
     p = make_problem(3, batch=2, seq_lens=[150, 97], page_size=16, num_kv_heads=2, group=4, head_dim=16)
     k_min = torch.zeros(p.k_cache.shape[0], 2, 16)
     k_max = torch.zeros_like(k_min)
-    R.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+    reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
     plan = PagedAttentionPlan(backend="torch").plan(p.block_table, p.seq_lens, num_q_heads=8, num_kv_heads=2,
                                                     head_dim=16, page_size=16, page_budget=4)
     calls = _chunk_calls(monkeypatch)
     q = p.q[:, 0]
     torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache),
-                               R.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens),
+                               reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens),
                                atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max),
-                               R.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                               reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                                                         k_min=k_min, k_max=k_max, page_budget=4),
                                atol=1e-5, rtol=1e-4)
     assert calls == [16, 16]
@@ -136,7 +136,7 @@ def test_chunks_of_a_quantized_pool(tiny_chunks, monkeypatch, fmt):
     q, k, v, table, sl = dequantized_args(p, kq, vq, ks, vs)
     out, lse = tinyattn.paged_attention(q[:, 0], kq, vq, table, sl, k_scale=ks, v_scale=vs, return_lse=True,
                                         backend="torch")
-    want, want_lse = R.paged_attention(q[:, 0], k, v, table, sl, return_lse=True)
+    want, want_lse = reference.paged_attention(q[:, 0], k, v, table, sl, return_lse=True)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-4)
     assert calls

@@ -288,18 +288,18 @@ def test_profiler_counts_the_pages_of_the_window():
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
 def test_opcheck_custom_ops_with_a_window(backend, dtype):
     """The custom ops' schema, fake kernels and autograd registration with the ``window_left`` argument."""
-    from tinyattn.ops import custom_ops as A
-    from tinyattn.ops.selection import torch_impl as core
+    from tinyattn.ops import custom_ops
+    from tinyattn.ops.selection import torch_impl as selection_torch
 
     p = make_problem(14, batch=2, seq_lens=[7, 3], page_size=2, num_kv_heads=1, group=2, head_dim=8,
                      num_query_tokens=2, dtype=dtype, poison=0.5)
-    pi = core.canonical_page_indices(torch.tensor([[[0, 2, 3]], [[1, -1, 0]]]), p.seq_lens, 2)
+    pi = selection_torch.canonical_page_indices(torch.tensor([[[0, 2, 3]], [[1, -1, 0]]]), p.seq_lens, 2)
     q, k, v = (x.detach().clone().requires_grad_() for x in (p.q, p.k_cache, p.v_cache))
     for indices in (pi, None):
-        torch.library.opcheck(A.paged_attention_fwd, (q, k, v, p.block_table, p.seq_lens, indices, 0.5, backend, 2))
-    out, lse = A.paged_attention_fwd(q.detach(), k.detach(), v.detach(), p.block_table, p.seq_lens, pi, 0.5,
+        torch.library.opcheck(custom_ops.paged_attention_fwd, (q, k, v, p.block_table, p.seq_lens, indices, 0.5, backend, 2))
+    out, lse = custom_ops.paged_attention_fwd(q.detach(), k.detach(), v.detach(), p.block_table, p.seq_lens, pi, 0.5,
                                      backend, 2)
-    torch.library.opcheck(A.paged_attention_bwd, (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(),
+    torch.library.opcheck(custom_ops.paged_attention_bwd, (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(),
                                                   p.block_table, p.seq_lens, pi, out, lse, 0.5, backend, 2))
 
 

@@ -633,20 +633,20 @@ def test_quantized_cache_boxes_pass_and_a_stale_box_raises(backend, fmt):
 
 def test_the_check_runs_again_only_after_a_write():
     """A pass is remembered per (boxes, tables) until a torch in-place write touches one of them."""
-    from tinyattn.ops import validation as V
+    from tinyattn.ops import validation
 
     q, k_cache, v_cache, bt, sl = _readme_problem()
     k_min, k_max = torch.empty(6, 2, 16), torch.empty(6, 2, 16)
     tinyattn.update_page_metadata(k_cache, bt, sl, k_min, k_max)
-    V.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
+    validation.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
     saved = k_min.clone()
     k_min.data[2] = float("inf")             # through .data: no version bump, so the pass is (knowingly) recalled
-    V.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
+    validation.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
     k_min.copy_(saved)                       # an in-place torch write: checked again, and passes
-    V.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
+    validation.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
     k_min[2] = float("inf")
     with pytest.raises(ValueError, match=MESSAGE):
-        V.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
+        validation.check_boxes_filled(k_min, k_max, k_cache, bt, sl, 8)
 
 
 # ---- the call budget: a warm call runs few tinyattn functions (per-call overhead counts: one call per layer per token)

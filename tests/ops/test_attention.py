@@ -22,7 +22,13 @@ from tinyattn.ops.kv_cache import triton_impl as kv_cache_triton
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, interleave_kv, laid_out_problems, make_problem, relayout, relocate
+from paged_problems import BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, relayout, relocate
+
+
+
+
+
+
 
 
 ATOL_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -465,3 +471,69 @@ def test_duplicates_and_pages_past_the_end_are_ignored(backend):
     got = tinyattn.sparse_paged_attention(*args, page_indices=messy, backend=backend)
     want = reference.sparse_paged_attention(*args, page_indices=clean)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+# ---- empty inputs (B = 0, a table of width 0, an empty pool, Tq = 0, a budget of 0): zeros and lse = -inf (DESIGN.md §2)
+def test_torch_backend_empty_batch_dense():
+    q, k, v, bt, sl = empty_batch()
+    out, lse = tinyattn.paged_attention(q, k, v, bt, sl, backend="torch", return_lse=True)
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+def test_torch_backend_empty_batch_sparse():
+    q, k, v, bt, sl = empty_batch()
+    out = tinyattn.sparse_paged_attention(q, k, v, bt, sl, k_min=k[:, 0], k_max=k[:, 0], page_budget=2,
+                                          backend="torch")
+    assert out.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_torch_backend_zero_width_table_empty_pool(sparse):
+    # every row has seq_len 0: the table may have width 0 and the pool may hold no page
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(0, 4, 1, 8)
+    bt = torch.zeros(2, 0, dtype=torch.int32)
+    sl = torch.zeros(2, dtype=torch.int32)
+    kw = dict(k_min=k[:, 0], k_max=k[:, 0], page_budget=2) if sparse else {}
+    fn = tinyattn.sparse_paged_attention if sparse else tinyattn.paged_attention
+    out, lse = fn(q, k, k, bt, sl, backend="torch", return_lse=True, **kw)
+    ref_out, ref_lse = reference.paged_attention(q, k, k, bt, sl, return_lse=True)
+    torch.testing.assert_close(out, ref_out)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.isneginf(lse).all() and torch.equal(lse, ref_lse)
+
+
+def test_torch_backend_page_indices_of_width_zero():
+    # a budget-0 page list selects nothing: zeros and lse = -inf (the Triton backend does this)
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(4, 4, 1, 8)
+    v = torch.randn(4, 4, 1, 8)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    sl = torch.tensor([6, 3], dtype=torch.int32)
+    pi = torch.zeros(2, 1, 0, dtype=torch.int32)
+    out, lse = tinyattn.sparse_paged_attention(q, k, v, bt, sl, page_indices=pi, backend="torch", return_lse=True)
+    ref_out, ref_lse = reference.sparse_paged_attention(q, k, v, bt, sl, page_indices=pi, return_lse=True)
+    torch.testing.assert_close(out, ref_out)
+    assert torch.equal(lse, ref_lse)
+
+
+def test_torch_backend_zero_query_tokens():
+    q = torch.randn(2, 0, 1, 8)
+    k = torch.randn(1, 4, 1, 8)
+    bt = torch.zeros(2, 1, dtype=torch.int32)
+    sl = torch.zeros(2, dtype=torch.int32)
+    out, lse = tinyattn.paged_attention(q, k, k, bt, sl, backend="torch", return_lse=True)
+    assert out.shape == (2, 0, 1, 8) and lse.shape == (2, 0, 1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batch_and_no_query_tokens(backend):
+    """B = 0 and Tq = 0 return empty outputs on both backends (the Triton plan used to divide by zero)."""
+    k = v = torch.randn(4, 4, 2, 8)
+    out = tinyattn.paged_attention(torch.randn(0, 2, 8), k, v, torch.zeros(0, 2, dtype=torch.int32),
+                                   torch.zeros(0, dtype=torch.int32), backend=backend)
+    assert out.shape == (0, 2, 8)
+    out = tinyattn.paged_attention(torch.randn(1, 0, 2, 8), k, v, torch.zeros(1, 2, dtype=torch.int32),
+                                   torch.tensor([3], dtype=torch.int32), backend=backend)
+    assert out.shape == (1, 0, 2, 8)

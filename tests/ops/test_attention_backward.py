@@ -5,7 +5,6 @@ the right gradients; the Triton kernels run in the interpreter (tests/conftest.p
 directly. Gradients are checked for q, k_cache and v_cache, through ``out`` and ``lse`` together.
 """
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,11 +12,15 @@ from hypothesis import strategies as st
 
 import tinyattn
 from tinyattn.ops.page_grad import page_grad_norms
-from tinyattn.ops.selection import torch_impl as T
-from tinyattn.ops import custom_ops as A
+from tinyattn.ops.selection import torch_impl as selection_torch
+from tinyattn.ops import custom_ops
 from tinyattn import reference
 
-from paged_problems import BACKENDS, make_problem
+from paged_problems import BACKENDS, empty_batch, make_problem
+
+
+
+
 
 
 OPS = ["dense", "sparse"]
@@ -293,10 +296,10 @@ def test_gradcheck_torch_backend_float64(op):
 def test_gradcheck_custom_op_out_and_lse_float64():
     """Both outputs of tinyattn::paged_attention_fwd (lse in float64 here) against finite differences."""
     p = tiny_problem(poison=1e30)
-    pi = T.canonical_page_indices(torch.tensor([[[0, 1]], [[2, 0]], [[1, -1]]]), p.seq_lens, p.page_size)
+    pi = selection_torch.canonical_page_indices(torch.tensor([[[0, 1]], [[2, 0]], [[1, -1]]]), p.seq_lens, p.page_size)
 
     def f(q, k, v):
-        out, lse = A.paged_attention_fwd(q, k, v, p.block_table, p.seq_lens, pi, 0.7, "torch")
+        out, lse = custom_ops.paged_attention_fwd(q, k, v, p.block_table, p.seq_lens, pi, 0.7, "torch")
         return out, torch.where(torch.isfinite(lse), lse, 0.0)
 
     assert torch.autograd.gradcheck(f, tuple(leaves(p, torch.float64)), atol=1e-8, rtol=1e-6)
@@ -306,7 +309,7 @@ def opcheck_args(backend, dtype=torch.float32):
     p = make_problem(14, batch=2, seq_lens=[5, 3], page_size=2, num_kv_heads=1, group=2, head_dim=8,
                      num_query_tokens=2, dtype=dtype, poison=0.5)
     bt, sl = p.block_table.to(torch.int32), p.seq_lens.to(torch.int32)
-    pi = T.canonical_page_indices(torch.tensor([[[0, 2]], [[1, -1]]]), sl, 2)
+    pi = selection_torch.canonical_page_indices(torch.tensor([[[0, 2]], [[1, -1]]]), sl, 2)
     q, k, v = leaves(p, dtype)
     return q, k, v, bt, sl, pi
 
@@ -315,10 +318,10 @@ def opcheck_args(backend, dtype=torch.float32):
 def test_opcheck_forward_and_backward_ops(backend, dtype):
     q, k, v, bt, sl, pi = opcheck_args(backend, dtype)
     for indices in (pi, None):
-        torch.library.opcheck(A.paged_attention_fwd, (q, k, v, bt, sl, indices, 0.5, backend))
-    out, lse = A.paged_attention_fwd(q.detach(), k.detach(), v.detach(), bt, sl, pi, 0.5, backend)
+        torch.library.opcheck(custom_ops.paged_attention_fwd, (q, k, v, bt, sl, indices, 0.5, backend))
+    out, lse = custom_ops.paged_attention_fwd(q.detach(), k.detach(), v.detach(), bt, sl, pi, 0.5, backend)
     dout = torch.randn_like(out)
-    torch.library.opcheck(A.paged_attention_bwd, (dout, None, q.detach(), k.detach(), v.detach(), bt, sl, pi, out,
+    torch.library.opcheck(custom_ops.paged_attention_bwd, (dout, None, q.detach(), k.detach(), v.detach(), bt, sl, pi, out,
                                                   lse, 0.5, backend))
 
 
@@ -427,3 +430,31 @@ def test_value_checks_still_run_in_eager_after_compiling():
     torch.compile(f, fullgraph=True, backend="aot_eager")(p.q[:, 0])
     with pytest.raises(ValueError, match="seq_lens: expected values <="):
         tinyattn.paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens + 1000, backend="torch")
+
+
+# ---- edge cases of the backward ---------------------------------------------------------------------------------
+def test_torch_backend_empty_batch_backward():
+    q, k, v, bt, sl = empty_batch()
+    q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
+    tinyattn.paged_attention(q, k, v, bt, sl, backend="torch").sum().backward()
+    assert torch.count_nonzero(k.grad) == 0 and torch.count_nonzero(v.grad) == 0
+
+
+def test_triton_backward_keeps_its_own_selection():
+    """Triton: the selection buffer is rewritten by the next call's kernel (no version bump), so a backward after
+    another sparse call must still use its own pages: dq equals the reference's."""
+    torch.manual_seed(1)
+    S, N = 4, 12
+    k, v = torch.randn(N, S, 1, 8), torch.randn(N, S, 1, 8)
+    bt = torch.arange(N, dtype=torch.int32).view(2, 6)
+    sl = torch.tensor([23, 18], dtype=torch.int32)
+    kmin, kmax = torch.zeros(N, 1, 8), torch.zeros(N, 1, 8)
+    tinyattn.update_page_metadata(k, bt, sl, kmin, kmax, backend="torch")
+    q, q2 = torch.randn(2, 2, 8), 3 * torch.randn(2, 2, 8)
+    qa = q.clone().requires_grad_()
+    out = tinyattn.sparse_paged_attention(qa, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2, backend="triton")
+    tinyattn.sparse_paged_attention(q2, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2, backend="triton")
+    out.sum().backward()
+    qr = q.clone().requires_grad_()
+    reference.sparse_paged_attention(qr, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2).sum().backward()
+    torch.testing.assert_close(qa.grad, qr.grad, atol=1e-5, rtol=1e-4)

@@ -186,17 +186,17 @@ def test_triton_kernel_dequantizes_in_registers(fmt, qdtype):
 def test_fp8_on_an_older_gpu_is_a_value_error_naming_the_formats(monkeypatch):
     from types import SimpleNamespace
 
-    from tinyattn.ops import validation as V
+    from tinyattn.ops import validation
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     cuda = torch.device("cuda", 0)
-    assert V.kv_formats_supported("triton", cuda) == ("auto", "fp16", "bf16", "int8")
-    assert "fp8_e4m3" in V.kv_formats_supported("torch", cuda)
-    V.check_kv_backend(SimpleNamespace(dtype=torch.int8, device=cuda), "triton")
+    assert validation.kv_formats_supported("triton", cuda) == ("auto", "fp16", "bf16", "int8")
+    assert "fp8_e4m3" in validation.kv_formats_supported("torch", cuda)
+    validation.check_kv_backend(SimpleNamespace(dtype=torch.int8, device=cuda), "triton")
     with pytest.raises(ValueError, match=r"kv_cache_dtype: the triton backend on cuda:0 supports \('auto', 'fp16', "
                                          r"'bf16', 'int8'\), got 'fp8_e4m3'"):
-        V.check_kv_backend(SimpleNamespace(dtype=torch.float8_e4m3fn, device=cuda), "triton")
+        validation.check_kv_backend(SimpleNamespace(dtype=torch.float8_e4m3fn, device=cuda), "triton")
 
 
 def test_plan_run_checks_the_format():

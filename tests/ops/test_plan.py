@@ -8,14 +8,27 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hypothesis import given, settings, strategies as st
-
-from tinyattn import reference as R
+import tinyattn
 from tinyattn.layer import PagedAttention, SparsityConfig
-from tinyattn.ops.selection import torch_impl as core
-from tinyattn.ops.selection import torch_impl as T
 from tinyattn.ops.plan import PagedAttentionPlan
+from tinyattn.ops.selection import torch_impl as selection_torch
+from tinyattn.ops import plan as plan_module
+from tinyattn import reference
+
+from host_calls import watch_host_calls
+from paged_problems import make_problem, relocate
+
+
+
+
+
+
+
+
+
 
 
 BACKENDS = ["torch", "triton"]
@@ -37,7 +50,7 @@ def _problem(seed, B, Hq, Hkv, D, S, lens, Tq=1, dtype=torch.float32):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     k_min = torch.zeros(N, Hkv, D, dtype=dtype)
     k_max = torch.zeros(N, Hkv, D, dtype=dtype)
-    R.update_page_metadata(k, table, seq_lens, k_min, k_max)
+    reference.update_page_metadata(k, table, seq_lens, k_min, k_max)
     q = torch.randn(B, Tq, Hq, D, generator=g).to(dtype)
     return q, k, v, table, seq_lens, k_min, k_max
 
@@ -61,8 +74,8 @@ def test_plan_run_matches_reference_torch(shapes, data, seed):
                                                     page_size=S, num_query_tokens=Tq, page_budget=budget,
                                                     num_sink_pages=sinks)
     qq = q[:, 0] if Tq == 1 else q
-    dense_ref, dense_lse = R.paged_attention(qq, k, v, table, sl, return_lse=True)
-    sparse_ref, sparse_lse = R.sparse_paged_attention(qq, k, v, table, sl, k_min=k_min, k_max=k_max,
+    dense_ref, dense_lse = reference.paged_attention(qq, k, v, table, sl, return_lse=True)
+    sparse_ref, sparse_lse = reference.sparse_paged_attention(qq, k, v, table, sl, k_min=k_min, k_max=k_max,
                                                       page_budget=budget, num_sink_pages=sinks, return_lse=True)
     for kwargs, ref, ref_lse in (({}, dense_ref, dense_lse), (dict(k_min=k_min, k_max=k_max), sparse_ref, sparse_lse)):
         out = plan.run(qq, k, v, **kwargs)                               # the fast path (SDPA)
@@ -96,9 +109,9 @@ def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties)
         return
     q0 = q[:, 0]
     plan.run(q0, k, v, k_min=k_min, k_max=k_max)
-    got = core.canonical_page_indices(plan._impl.select(q0[:, None], k_min, k_max), sl, S)
-    scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
-    want = R.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
+    got = selection_torch.canonical_page_indices(plan._impl.select(q0[:, None], k_min, k_max), sl, S)
+    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=S)
+    want = reference.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(got.to(torch.int32), want)
 
 
@@ -110,13 +123,13 @@ def test_plan_reused_across_layers_and_steps(backend):
         q0, k0, v0, table, sl, k_min0, k_max0 = _problem(10 * step, B, 4, 2, 8, 8, lens)
         k1, v1 = k0 * -2.0, v0 + 1.0               # a second layer: other values, same pages (NaN stays NaN)
         k_min1, k_max1 = torch.zeros_like(k_min0), torch.zeros_like(k_max0)
-        R.update_page_metadata(k1, table, sl, k_min1, k_max1)
+        reference.update_page_metadata(k1, table, sl, k_min1, k_max1)
         layers = [(q0, k0, v0, None, None, k_min0, k_max0), (q0 * 0.5, k1, v1, None, None, k_min1, k_max1)]
         plan.plan(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8, page_budget=3)
         for q, k, v, _, _, k_min, k_max in layers:
             # the same table for every layer of a step: the pools differ, the geometry does not
             out = plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max)
-            ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+            ref = reference.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -163,7 +176,7 @@ def test_triton_run_allocates_nothing_with_out(monkeypatch):
     got = plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max, out=out)
     monkeypatch.undo()
     assert made == [] and got is out
-    ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
+    ref = reference.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -174,10 +187,10 @@ def test_layer_decision(policy):
     attn = PagedAttention(SparsityConfig(page_budget=3, dense_layers=1, policy=policy), backend="torch")
     attn.begin(table, sl, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=8, trusted=False)
     dense = attn(0, q[:, 0], k, v, k_min, k_max)
-    torch.testing.assert_close(dense, R.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dense, reference.paged_attention(q[:, 0], k, v, table, sl), atol=2e-5, rtol=1e-4)
     sparse = attn(1, q[:, 0], k, v, k_min, k_max)
     if policy == "quest":
-        ref = R.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3,
+        ref = reference.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3,
                                        num_sink_pages=attn.sparsity.num_sink_pages)   # the default recipe's
         torch.testing.assert_close(sparse, ref, atol=2e-5, rtol=1e-4)
     else:
@@ -219,13 +232,13 @@ def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
     out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
     got = torch.sort(plan._impl.select(q0[:, None], k_min, k_max), dim=-1).values.to(torch.int32)
     assert "packed" in plan._impl._keys                    # the long-row form ran
-    scores = R.page_scores(q0, k_min, k_max, table, sl, page_size=S)
-    want = R.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
+    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=S)
+    want = reference.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
     n = (sl.long() + S - 1) // S
     got = torch.where(got < n[:, None, None], got, -1)                 # a short row pads with invalid pages
     got = torch.sort(torch.where(got < 0, 10**6, got), dim=-1).values
     assert torch.equal(torch.where(got == 10**6, -1, got), want)
-    ref = R.sparse_paged_attention(q0, k, v, table, sl, page_indices=want)
+    ref = reference.sparse_paged_attention(q0, k, v, table, sl, page_indices=want)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -234,7 +247,7 @@ def test_run_ignores_duplicate_pages_and_checks_q():
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=1, head_dim=8,
                                                     page_size=4)
     dup = torch.tensor([[[0, 0, 2]]], dtype=torch.int32)
-    want = R.sparse_paged_attention(q[:, 0], k, v, table, sl, page_indices=torch.tensor([[[0, 2]]]))
+    want = reference.sparse_paged_attention(q[:, 0], k, v, table, sl, page_indices=torch.tensor([[[0, 2]]]))
     torch.testing.assert_close(plan.run(q[:, 0], k, v, page_indices=dup), want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(plan.run(q[:, 0].clone().requires_grad_(), k, v, page_indices=dup), want,
                                atol=2e-5, rtol=1e-4)
@@ -248,13 +261,13 @@ def test_nan_bound_ties_with_a_real_minus_inf(pages):
     forms, exactly as select_pages (a real -inf once became -FLT_MAX through nan_to_num and outranked NaN)."""
     S = 2
     q, k, v, table, sl, _, _ = _problem(9, 1, 2, 1, 4, S, [pages * S])
-    keys = T.selection_keys(sl, pages, page_size=S, page_budget=3, num_sink_pages=0, num_recent_pages=1,
+    keys = selection_torch.selection_keys(sl, pages, page_size=S, page_budget=3, num_sink_pages=0, num_recent_pages=1,
                             num_query_tokens=1)
     scores = torch.full((1, 1, pages), float("-inf"))           # every bound -inf ...
     scores[0, 0, 0] = float("nan")                               # ... but page 0's, NaN: ties with -inf, kept first
     scores[0, 0, 7] = float("inf")
-    got = torch.sort(T.top_pages(scores, keys), dim=-1).values.to(torch.int32)
-    want = R.select_pages(scores, sl, page_size=S, page_budget=3)
+    got = torch.sort(selection_torch.top_pages(scores, keys), dim=-1).values.to(torch.int32)
+    want = reference.select_pages(scores, sl, page_size=S, page_budget=3)
     assert torch.equal(got, want)
 
 
@@ -265,10 +278,10 @@ def test_nan_bound_ties_with_a_real_minus_inf(pages):
 def test_float_order_key_orders_like_the_scores(values, dtype):
     """The int64 selection key orders exactly as the fp32 scores with NaN as -inf and -0.0 equal to 0.0
     (expected order from Python's own float comparisons), and leaves its input untouched."""
-    from tinyattn.ops.selection import torch_impl as core
+    from tinyattn.ops.selection import torch_impl as selection_torch
     x = torch.tensor(values, dtype=dtype)
     before = x.clone()
-    key = core.float_order_key(x).tolist()
+    key = selection_torch.float_order_key(x).tolist()
     as_f32 = [float("-inf") if v != v else float(torch.tensor(v, dtype=torch.float32)) for v in values]
     for i in range(len(values)):
         for j in range(len(values)):
@@ -288,8 +301,8 @@ def test_a_layer_scale_is_not_kept_for_the_next_layers(boxes):
 
     def ref(scale=None):
         if boxes:
-            return R.sparse_paged_attention(q[:, 0], k, v, table, sl, page_budget=3, scale=scale, **kw)
-        return R.paged_attention(q[:, 0], k, v, table, sl, scale=scale)
+            return reference.sparse_paged_attention(q[:, 0], k, v, table, sl, page_budget=3, scale=scale, **kw)
+        return reference.paged_attention(q[:, 0], k, v, table, sl, scale=scale)
 
     for order in (("plan", 0.5, "plan"), (0.5, "plan", 0.5)):
         for scale in order:
@@ -326,3 +339,570 @@ def test_run_names_mismatched_pool_and_box_dtypes():
         plan.run(q[:, 0], k, v.half())
     with pytest.raises(TypeError, match="k_max: expected dtype torch.float32"):
         plan.run(q[:, 0], k, v, k_min=k_min, k_max=k_max.half())
+
+
+# ---- the plan's contract with its tables: plan() copies them; graph mode allocates nothing and never syncs ----------
+def _contract_problem(seed=0, lens=(37, 61)):
+    p = make_problem(seed, batch=len(lens), seq_lens=list(lens), page_size=4, num_kv_heads=2, group=2, head_dim=16)
+    k_min, k_max = p.bounds()
+    return p, k_min, k_max
+
+
+def _contract_plan(p, backend, **kw):
+    return tinyattn.PagedAttentionPlan(backend=backend).plan(
+        p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_tables_changed_after_plan_give_the_planned_step(backend, sparse):
+    """A caller reuses its table buffers for the next step before the last run() of this one: the rows grow past
+    the budget and point at other pages. Every run (first and later, selecting or dense) still computes the
+    planned step; before issue 25 the budget was ignored for a grown row and the backends disagreed."""
+    p, k_min, k_max = _contract_problem()
+    q = p.q[:, 0]
+    planned_table, planned_lens = p.block_table.clone(), p.seq_lens.clone()
+    budget = 6
+    kw = dict(page_budget=budget) if sparse else {}
+    run_kw = dict(k_min=k_min, k_max=k_max) if sparse else {}
+    if sparse:
+        want = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, planned_table, planned_lens, k_min=k_min,
+                                        k_max=k_max, page_budget=budget)
+    else:
+        want = reference.paged_attention(q, p.k_cache, p.v_cache, planned_table, planned_lens)
+    plan = _contract_plan(p, backend, **kw)
+    first = plan.run(q, p.k_cache, p.v_cache, **run_kw)
+    # the caller's buffers now describe another step: longer rows, other pages
+    p.seq_lens.add_(3)
+    p.block_table.copy_(torch.flip(p.block_table, dims=[1]))
+    second = plan.run(q, p.k_cache, p.v_cache, **run_kw)
+    for out in (first, second):
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(plan.block_table.long(), planned_table.long())
+    assert torch.equal(plan.seq_lens.long(), planned_lens.long())
+
+
+def test_both_backends_answer_the_same_after_in_place_changes():
+    """The same planned step with the same in-place change answers the same on both backends."""
+    outs = []
+    for backend in BACKENDS:
+        p, k_min, k_max = _contract_problem(3)
+        plan = _contract_plan(p, backend, page_budget=5)
+        p.seq_lens.fill_(p.block_table.shape[1] * 4)                 # every row grown to the table's capacity
+        outs.append(plan.run(p.q[:, 0], p.k_cache, p.v_cache, k_min=k_min, k_max=k_max))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_page_index_past_int32_is_ignored(backend):
+    """An int64 page_indices entry of 2**32 + 1 is past every row's end: ignored, not read as page 1 after an
+    int32 cast (the removed C++ path did that). Checked through plan.run and the public op."""
+    p, _, _ = _contract_problem(4)
+    q = p.q[:, 0]
+    big = 2**32 + 1
+    listed = torch.tensor([[[0, 2, big], [big, 3, -1]], [[1, big, 4], [0, 5, big]]], dtype=torch.int64)
+    kept = torch.where(listed == big, -1, listed)
+    want = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, page_indices=kept)
+    plan = _contract_plan(p, backend)
+    torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache, page_indices=listed), want, atol=2e-5, rtol=1e-4)
+    got = tinyattn.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, page_indices=listed,
+                                          backend=backend)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_dispatches_once(backend, monkeypatch):
+    """run() makes one call into the implementation chosen at plan() time, with or without a gradient (the
+    implementation routes autograd itself: the torch forms are differentiable, the Triton backend goes through
+    the custom op)."""
+    p, k_min, k_max = _contract_problem(5)
+    plan = _contract_plan(p, backend, page_budget=4)
+    impl = plan._impl
+    calls = []
+    real = impl.run
+    monkeypatch.setattr(impl, "run", lambda *a, **k: (calls.append("run"), real(*a, **k))[1])
+    plan.run(p.q[:, 0], p.k_cache, p.v_cache, k_min=k_min, k_max=k_max)
+    out = plan.run(p.q[:, 0].clone().requires_grad_(), p.k_cache, p.v_cache, k_min=k_min, k_max=k_max)
+    assert calls == ["run", "run"] and out.grad_fn is not None
+    assert type(impl).__name__ == {"torch": "TorchPlan", "triton": "TritonPlan"}[backend]
+
+
+def test_per_layer_scale_is_passed_down_not_stored():
+    """A layer's own scale changes that call only; the plan's scale (and the next call) are untouched."""
+    p, _, _ = _contract_problem(6)
+    q = p.q[:, 0]
+    plan = _contract_plan(p, "torch")
+    before = plan.scale
+    got = plan.run(q, p.k_cache, p.v_cache, scale=0.05)
+    assert plan.scale == before
+    torch.testing.assert_close(got, reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale=0.05),
+                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache),
+                               reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_no_compiled_code_in_the_package():
+    """No C, C++ or CUDA source ships, and nothing builds an extension (issue 25, DESIGN.md §5)."""
+    from pathlib import Path
+
+    root = Path(plan_module.__file__).resolve().parents[1]
+    sources = [f for f in root.rglob("*") if f.suffix in {".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}]
+    assert sources == []
+    offenders = [f for f in root.rglob("*.py") if "cpp_extension" in f.read_text() or "ninja" in f.read_text()]
+    assert offenders == []
+
+
+def test_graph_mode_steps_allocate_nothing_and_never_sync(monkeypatch):
+    """Issue 26 (graph mode, Triton path under the interpreter): after one warm-up step, plan() + run() of later
+    steps with new tables (other lengths, other pages) within the capacity allocate no tensor and read no value
+    on the host, the buffers keep their storage (a captured CUDA graph stays valid), and every step equals the
+    reference."""
+    cap_b, cap_p, S, budget = 2, 24, 4, 3
+    plans = tinyattn.PagedAttentionPlan(backend="triton")
+    g = torch.Generator().manual_seed(0)
+    num_pages = 64
+    k = torch.randn(num_pages, S, 2, 16, generator=g)
+    v = torch.randn(num_pages, S, 2, 16, generator=g)
+    k_min, k_max = torch.empty(num_pages, 2, 16), torch.empty(num_pages, 2, 16)
+    every = torch.arange(num_pages, dtype=torch.int32)[None].expand(1, -1).contiguous()
+    reference.update_page_metadata(k, every, torch.tensor([num_pages * S]), k_min, k_max)
+    out = torch.empty(cap_b, 4, 16)
+    ptrs = None
+    for step in range(4):
+        lens = torch.randint(9, 60, (cap_b,), generator=g, dtype=torch.int32)
+        width = int(lens.max()) // S + 1 + step % 2                         # the table's width changes too
+        table = torch.randperm(num_pages, generator=g, dtype=torch.int32)[: cap_b * width].view(cap_b, width)
+        q = torch.randn(cap_b, 4, 16, generator=g)
+        seen = []
+        if step > 0:
+            watch_host_calls(monkeypatch, seen)
+        plans.plan(table, lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=S, page_budget=budget,
+                   trusted=True, max_batch=cap_b, max_pages_per_seq=cap_p)
+        got = plans.run(q, k, v, k_min=k_min, k_max=k_max, out=out)
+        monkeypatch.undo()
+        assert seen == [], f"step {step}: tinyattn called {seen}"
+        assert got is out
+        now = {n: b.data_ptr() for n, b in plans._impl._buffers.items()}
+        assert ptrs is None or now == ptrs                                 # same storage every step
+        ptrs = now
+        want = reference.sparse_paged_attention(q, k, v, table, lens, k_min=k_min, k_max=k_max, page_budget=budget)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+# ---- CASES.md's fault kinds on the plan itself: copied tables, the selection template, packed / sorted keys, the
+# one- and two-stage Triton selections, graph-mode capacity, reuse across steps, the autograd route ---------------
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def _case_problem(seed, lens, *, page_size=4, num_kv_heads=2, group=2, head_dim=16, num_query_tokens=1, **kw):
+    return make_problem(seed, batch=len(lens), seq_lens=list(lens), page_size=page_size, num_kv_heads=num_kv_heads,
+                        group=group, head_dim=head_dim, num_query_tokens=num_query_tokens, **kw)
+
+
+def _boxes(p, poison_unused=float("nan")):
+    """Exact fp32 boxes of the rows' pages; the boxes of pages no row holds are poisoned."""
+    k_min, k_max = p.bounds()
+    used = {int(p.block_table[b, j]) for b, n in enumerate(p.seq_lens.tolist()) for j in range(-(-n // p.page_size))}
+    unused = [i for i in range(k_min.shape[0]) if i not in used]
+    k_min[unused] = poison_unused
+    k_max[unused] = poison_unused
+    return k_min, k_max
+
+
+def _case_plan(backend, p, *, num_query_tokens=1, **kw):
+    return tinyattn.PagedAttentionPlan(backend=backend).plan(
+        p.block_table, p.seq_lens, num_q_heads=p.q.shape[2], num_kv_heads=p.num_kv_heads, head_dim=p.q.shape[3],
+        page_size=p.page_size, num_query_tokens=num_query_tokens, **kw)
+
+
+def _q(p, num_query_tokens):
+    return p.q if num_query_tokens > 1 else p.q[:, 0]
+
+
+def _close(got, want, dtype=torch.float32):
+    if isinstance(want, tuple):
+        assert not torch.isnan(got[0]).any() and not torch.isnan(got[1]).any()
+        torch.testing.assert_close(got[0].float(), want[0].float(), **TOL[dtype])
+        torch.testing.assert_close(got[1].float(), want[1].float(), **TOL[dtype])
+    else:
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def _want(p, q, *, k_min=None, k_max=None, page_budget=None, page_indices=None, **kw):
+    """The reference on fp32 copies of the problem (low-precision pools compared at their tolerance)."""
+    k, v = p.k_cache.float(), p.v_cache.float()
+    qf = q.float() if q.dtype != torch.float64 else q
+    if q.dtype == torch.float64:
+        k, v = p.k_cache.double(), p.v_cache.double()
+    if page_indices is not None:
+        return reference.sparse_paged_attention(qf, k, v, p.block_table, p.seq_lens, page_indices=page_indices, **kw)
+    if page_budget is not None:
+        return reference.sparse_paged_attention(qf, k, v, p.block_table, p.seq_lens, k_min=k_min.to(qf.dtype),
+                                        k_max=k_max.to(qf.dtype), page_budget=page_budget, **kw)
+    return reference.paged_attention(qf, k, v, p.block_table, p.seq_lens, **kw)
+
+
+CASES = {
+    # name: (lens, problem options, plan options, run options)
+    "ragged_tails": ([1, 3, 4, 5, 8, 9], {}, {}, {}),
+    "empty_rows_dense": ([0, 9, 0, 5], {}, {}, {}),
+    "empty_rows_selecting": ([0, 29, 0, 5], {}, dict(page_budget=3), {}),
+    "rows_below_the_budget": ([5, 29, 2], {}, dict(page_budget=4), {}),
+    "tq3_selecting": ([29, 30, 13], dict(num_query_tokens=3), dict(page_budget=4), {}),
+    "tq5_sinks_recent": ([40, 33], dict(num_query_tokens=5), dict(page_budget=5, num_sink_pages=1,
+                                                                  num_recent_pages=2), {}),
+    "tq2_empty_row": ([0, 33, 7], dict(num_query_tokens=2), dict(page_budget=4), {}),
+    "rows_shorter_than_tq": ([2, 33, 7], dict(num_query_tokens=4), dict(page_budget=4), {}),
+    "window_dense": ([29, 30, 13, 0], {}, {}, dict(window_left=5)),
+    "window_zero": ([29, 30, 13, 1], {}, {}, dict(window_left=0)),
+    "window_selecting": ([29, 30, 13, 0], {}, dict(page_budget=3), dict(window_left=5)),
+    "window_tq3_selecting": ([29, 30, 13], dict(num_query_tokens=3), dict(page_budget=4), dict(window_left=6)),
+    "window_tq3_dense": ([29, 30, 13, 1], dict(num_query_tokens=3), {}, dict(window_left=2)),
+    "gqa_3": ([29, 30, 13], dict(group=3), dict(page_budget=3), {}),
+    "mqa": ([29, 30, 13], dict(num_kv_heads=1, group=5), dict(page_budget=3), {}),
+    "head_dim_8": ([29, 30, 13], dict(head_dim=8), dict(page_budget=3), {}),
+    "head_dim_80": ([29, 30, 13], dict(head_dim=80), dict(page_budget=3), {}),
+    "fp16": ([29, 30, 13], dict(dtype=torch.float16), dict(page_budget=3), {}),
+    "bf16": ([29, 30, 13], dict(dtype=torch.bfloat16), dict(page_budget=3), {}),
+    "fp16_tq2": ([29, 30, 13], dict(dtype=torch.float16, num_query_tokens=2), dict(page_budget=4), {}),
+    "huge_poison": ([29, 30, 13], dict(poison=1e30), dict(page_budget=3), {}),
+    "negative_huge_poison": ([29, 30, 13], dict(poison=-1e30), dict(page_budget=3), {}),
+    # P > 64: the torch backend's packed int64 keys (topk) instead of the sort; short and empty rows beside long
+    "packed_keys": ([300, 5, 0, 150], dict(head_dim=8), dict(page_budget=6), {}),
+    "packed_keys_tq3": ([300, 9, 150], dict(head_dim=8, num_query_tokens=3), dict(page_budget=6,
+                                                                                 num_recent_pages=2), {}),
+    "packed_keys_window": ([300, 9, 150], dict(head_dim=8, num_query_tokens=2), dict(page_budget=6),
+                           dict(window_left=13)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_planned_step_matches_the_reference(backend, name):
+    lens, prob, plan_kw, run_kw = CASES[name]
+    p = _case_problem(len(name), lens, **prob)
+    Tq = prob.get("num_query_tokens", 1)
+    dtype = prob.get("dtype", torch.float32)
+    k_min, k_max = _boxes(p)
+    q = _q(p, Tq)
+    sel = dict(k_min=k_min.to(dtype), k_max=k_max.to(dtype)) if "page_budget" in plan_kw else {}
+    got = _case_plan(backend, p, num_query_tokens=Tq, **plan_kw).run(q, p.k_cache, p.v_cache, return_lse=True,
+                                                                **sel, **run_kw)
+    want = _want(p, q, k_min=k_min, k_max=k_max, return_lse=True, **plan_kw, **run_kw)
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fill", [0.0, float("nan"), float("inf"), float("-inf")])
+def test_boxes_with_ties_nan_and_infinite_bounds(backend, fill):
+    """Kind 7: three pages of row 0 share one box (ties, NaN = -inf, +-inf bounds); with and without a sink."""
+    p = _case_problem(4, [29, 30, 13])
+    q = p.q[:, 0]
+    k_min, k_max = p.bounds()
+    pages = p.block_table[0, 2:5].long()
+    k_min[pages] = fill
+    k_max[pages] = fill
+    for sinks in (0, 1):
+        got = _case_plan(backend, p, page_budget=3, num_sink_pages=sinks).run(q, p.k_cache, p.v_cache, k_min=k_min,
+                                                                          k_max=k_max)
+        _close(got, _want(p, q, k_min=k_min, k_max=k_max, page_budget=3, num_sink_pages=sinks))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window_left", [-1, 6])
+@pytest.mark.parametrize("num_query_tokens", [1, 2])
+def test_listed_pages_with_duplicates_minus_one_and_int64_past_int32(backend, window_left, num_query_tokens):
+    """Kinds 5 and 7: listed pages with duplicates, -1, ids past the row's end and past int32 (2**40), an empty
+    row; the reference gets the de-duplicated list."""
+    p = _case_problem(5, [29, 0, 13], num_query_tokens=num_query_tokens)
+    listed = torch.tensor([[[0, 0, 2, -1], [3, 3, 3, 1]], [[7, -1, -1, 1], [1, 0, 9, 9]],
+                           [[0, 0, 0, 0], [2**40, 1, 2**40, -1]]], dtype=torch.int64)
+    dedup = torch.tensor([[sorted({j for j in r if 0 <= j < 2**31}) + [-1] * (4 - len({j for j in r
+                                                                                      if 0 <= j < 2**31}))
+                           for r in row] for row in listed.tolist()])
+    q = _q(p, num_query_tokens)
+    got = _case_plan(backend, p, num_query_tokens=num_query_tokens).run(q, p.k_cache, p.v_cache, page_indices=listed,
+                                                                    window_left=window_left, return_lse=True)
+    _close(got, _want(p, q, page_indices=dedup, window_left=window_left, return_lse=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_stage_triton_selection_with_windows_and_nan_boxes(backend):
+    """``B * Hkv >= 132``: the Triton plan selects in one stage (bound kernel, window mask, top-k kernel), the path
+    the interpreter's small problems never take otherwise (they select in two stages)."""
+    lens = [(i * 7) % 40 for i in range(34)]
+    p = _case_problem(6, lens, num_kv_heads=4, group=1, head_dim=8, num_query_tokens=2)
+    k_min, k_max = _boxes(p)
+    g = torch.Generator().manual_seed(1)
+    nan_pages = torch.rand(k_min.shape[0], generator=g) < 0.3
+    k_min[nan_pages] = float("nan")
+    k_max[nan_pages] = float("nan")
+    for window_left in (-1, 5):
+        got = _case_plan(backend, p, num_query_tokens=2, page_budget=3).run(p.q, p.k_cache, p.v_cache, k_min=k_min,
+                                                                       k_max=k_max, window_left=window_left,
+                                                                       return_lse=True)
+        _close(got, _want(p, p.q, k_min=k_min, k_max=k_max, page_budget=3, window_left=window_left,
+                          return_lse=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("int64", [False, True])
+def test_rows_at_high_page_ids(backend, int64):
+    p = relocate(_case_problem(3, [29, 30, 13]), num_pages=4000, spare_columns=2, poison=float("nan"), seed=1)
+    k_min = torch.full((4000, 2, 16), float("nan"))
+    k_max = k_min.clone()
+    reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+    q = p.q[:, 0]
+    bt, sl = (p.block_table.long(), p.seq_lens.long()) if int64 else (p.block_table, p.seq_lens)
+    plan = tinyattn.PagedAttentionPlan(backend=backend).plan(bt, sl, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                            page_size=4, page_budget=3)
+    _close(plan.run(q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max),
+           _want(p, q, k_min=k_min, k_max=k_max, page_budget=3))
+    _close(plan.run(q, p.k_cache, p.v_cache), _want(p, q))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_q_pools_boxes_and_out(backend):
+    p = _case_problem(1, [29, 30, 13])
+    k_min, k_max = p.bounds()
+    q = p.q[:, 0]
+    nan = float("nan")
+    q_view = torch.cat([q, torch.full_like(q, nan)], -1)[..., :16]                       # a slice
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)                                  # a transpose view
+    k_view = torch.cat([p.k_cache, torch.full_like(p.k_cache, nan)], -1)[..., :16]
+    v_view = torch.cat([torch.full_like(p.v_cache, nan), p.v_cache], -1)[..., 16:]
+    lo, hi = torch.cat([k_min, k_min], -1)[..., :16], torch.cat([k_max, k_max], -1)[..., :16]
+    out = torch.zeros(3, 16, 4).transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (q_view, q_t, k_view, v_view, lo, out))
+    plan = _case_plan(backend, p, page_budget=3)
+    want = _want(p, q, k_min=k_min, k_max=k_max, page_budget=3)
+    for qq in (q_view, q_t):
+        _close(plan.run(qq, k_view, v_view, k_min=lo, k_max=hi), want)
+    plan.run(q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, out=out)
+    _close(out, want)
+    _close(plan.run(q_t, k_view, v_view), _want(p, q))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float_pool_of_another_dtype_than_q_raises(backend):
+    """DESIGN.md §2: the pools hold ``q``'s dtype (or int8 / fp8 with scales). ``run`` with an fp16 pool under an
+    fp32 ``q`` raised an interpreter/compiler error on the Triton plan ("Both operands must be same dtype") and ran
+    on the torch plan: now a TypeError naming ``k_cache`` on both, as the public ops raise."""
+    p = _case_problem(3, [29, 30, 13])
+    k_min, k_max = p.bounds()
+    plan = _case_plan(backend, p, page_budget=3)
+    for kw in ({}, dict(k_min=k_min, k_max=k_max)):
+        with pytest.raises(TypeError, match="k_cache: expected dtype float32"):
+            plan.run(p.q[:, 0], p.k_cache.half(), p.v_cache.half(), **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_plan_reused_across_steps_of_other_sizes(backend):
+    plan = tinyattn.PagedAttentionPlan(backend=backend)
+    for seed, lens, Tq, budget in [(5, [29, 30, 13], 1, 3), (6, [9], 1, 2), (7, [40, 3, 0, 17, 22], 2, 4),
+                                   (8, [5, 5], 1, None), (9, [60, 61], 3, 5), (10, [13, 2, 7], 1, 3)]:
+        p = _case_problem(seed, lens, num_query_tokens=Tq)
+        k_min, k_max = _boxes(p)
+        q = _q(p, Tq)
+        plan.plan(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                  num_query_tokens=Tq, page_budget=budget)
+        sel = dict(k_min=k_min, k_max=k_max) if budget else {}
+        _close(plan.run(q, p.k_cache, p.v_cache, return_lse=True, **sel),
+               _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget, return_lse=True))
+        _close(plan.run(q, p.k_cache, p.v_cache, window_left=5), _want(p, q, window_left=5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_mode_steps_that_shrink_the_batch_and_the_rows(backend):
+    """Graph mode: capacity 6 rows x 20 pages; later steps have fewer rows, shorter tables, empty rows; fp64 runs
+    the torch plan over the Triton plan's capacity-wide tables."""
+    plan = tinyattn.PagedAttentionPlan(backend=backend)
+    for seed, lens, budget in [(11, [29, 30, 13, 50], 3), (12, [9, 20], 3), (13, [57], 4), (14, [0, 33, 5], 3),
+                               (15, [1, 2, 3, 4, 5, 6], 3)]:
+        p = _case_problem(seed, lens)
+        k_min, k_max = _boxes(p)
+        q = p.q[:, 0]
+        plan.plan(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                  page_budget=budget, max_batch=6, max_pages_per_seq=20, trusted=True)
+        out = torch.empty_like(q)
+        _close(plan.run(q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, out=out, return_lse=True),
+               _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget, return_lse=True))
+        _close(plan.run(q, p.k_cache, p.v_cache, out=out), _want(p, q))
+        lo, hi = torch.nan_to_num(k_min).double(), torch.nan_to_num(k_max).double()
+        _close(plan.run(q.double(), p.k_cache.double(), p.v_cache.double(), k_min=lo, k_max=hi),
+               _want(p, q.double(), k_min=lo, k_max=hi, page_budget=budget), torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("Tq, lens, budget, window_left", [(1, [29, 30, 13], 3, -1), (3, [29, 0, 13], 4, -1),
+                                                           (2, [29, 30], 4, 5), (1, [29, 30, 13], None, 4)])
+def test_gradients_with_selection_shared_pages_and_poisoned_slots(backend, Tq, lens, budget, window_left):
+    """Selection + backward; rows 0 and 1 share their first three pages (prefix sharing: gradients accumulate);
+    unused slots hold NaN (no NaN may reach dq, nor the gradient of any valid slot)."""
+    p = _case_problem(16, lens, num_query_tokens=Tq)
+    bt = p.block_table.clone()
+    if lens[1] > 0:
+        bt[1, :3] = bt[0, :3]
+    k_min = torch.zeros(p.k_cache.shape[0], 2, 16)
+    k_max = torch.zeros_like(k_min)
+    reference.update_page_metadata(p.k_cache, bt, p.seq_lens, k_min, k_max)
+    q0 = _q(p, Tq)
+    w = torch.randn(q0.shape, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for impl in ("plan", "reference"):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, p.k_cache, p.v_cache))
+        if impl == "plan":
+            plan = tinyattn.PagedAttentionPlan(backend=backend).plan(
+                bt, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, num_query_tokens=Tq,
+                page_budget=budget)
+            o = plan.run(q, k, v, window_left=window_left, **(dict(k_min=k_min, k_max=k_max) if budget else {}))
+        elif budget:
+            o = reference.sparse_paged_attention(q, k, v, bt, p.seq_lens, k_min=k_min, k_max=k_max, page_budget=budget,
+                                         window_left=window_left)
+        else:
+            o = reference.paged_attention(q, k, v, bt, p.seq_lens, window_left=window_left)
+        (o * w).sum().backward()
+        grads.append([o.detach(), q.grad, torch.nan_to_num(k.grad, nan=7.0), torch.nan_to_num(v.grad, nan=7.0)])
+    assert not torch.isnan(grads[0][1]).any()
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["quest", "oracle", "streaming"])
+def test_layer_keeps_the_planned_tables(backend, policy):
+    p = _case_problem(7, [29, 0, 30, 13])
+    k_min, k_max = p.bounds()
+    q = p.q[:, 0]
+    planned = p.block_table.clone(), p.seq_lens.clone()
+    attn = PagedAttention(SparsityConfig(page_budget=3, policy=policy), backend=backend)
+    attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    first = attn(0, q, p.k_cache, p.v_cache, k_min, k_max)
+    p.seq_lens.add_(2)
+    p.block_table.copy_(p.block_table.flip(1))
+    _close(attn(0, q, p.k_cache, p.v_cache, k_min, k_max), first)
+    if policy == "quest":
+        want = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, *planned, k_min=k_min, k_max=k_max, page_budget=3,
+                                        num_sink_pages=attn.sparsity.num_sink_pages)    # the default recipe's
+        _close(first, want)
+
+
+_LISTED = [[[0, 3, -1], [1, 2, 5]]] * 3           # [B=3, Hkv=2, K=3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_indices, error, match", [
+    (torch.tensor([[[0, 3, -1]]] * 3), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),   # Hkv 1
+    (torch.tensor(_LISTED[:1]), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),          # B 1
+    (torch.tensor([[0, 3, -1]] * 3), ValueError, r"page_indices: expected shape \[B=3, Hkv=2, K\]"),     # 2-D
+    (torch.tensor(_LISTED, dtype=torch.float32), TypeError, "page_indices: expected dtype"),
+    (torch.ones(3, 2, 3, dtype=torch.bool), TypeError, "page_indices: expected dtype"),
+])
+def test_run_rejects_page_indices_of_another_shape_or_dtype(backend, page_indices, error, match):
+    """A ``[B, 1, K]`` / ``[1, Hkv, K]`` / ``[B, K]`` list was broadcast by the torch plan (or failed deep inside it)
+    and read past its end by the Triton kernel (a silently wrong answer); float / bool lists were read as pages."""
+    p = _case_problem(1, [29, 30, 13])
+    with pytest.raises(error, match=match):
+        _case_plan(backend, p).run(p.q[:, 0], p.k_cache, p.v_cache, page_indices=page_indices)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                          ("0.5", TypeError), (True, TypeError)])
+def test_run_rejects_a_bad_scale_override(backend, scale, error):
+    """``run(scale=...)`` (a layer's own scale) is checked like ``plan(scale=...)``: NaN / inf gave NaN outputs, a
+    string was parsed."""
+    p = _case_problem(1, [29, 30, 13])
+    with pytest.raises(error, match="scale: expected"):
+        _case_plan(backend, p).run(p.q[:, 0], p.k_cache, p.v_cache, scale=scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_rejects_integer_boxes_and_an_out_of_another_dtype(backend):
+    """Integer boxes were scored as numbers; an int ``out`` received the output truncated to integers."""
+    p = _case_problem(1, [29, 30, 13])
+    k_min, k_max = p.bounds()
+    plan = _case_plan(backend, p, page_budget=3)
+    q = p.q[:, 0]
+    with pytest.raises(TypeError, match="k_min: expected a floating dtype"):
+        plan.run(q, p.k_cache, p.v_cache, k_min=k_min.int(), k_max=k_max.int())
+    for dtype in (torch.int32, torch.float16):
+        with pytest.raises(TypeError, match="out: expected dtype float32"):
+            plan.run(q, p.k_cache, p.v_cache, out=torch.zeros(q.shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window_left", [-1, 2])
+@pytest.mark.parametrize("budget", [None, 3])
+def test_no_lse_path_with_empty_rows_and_very_negative_logits(backend, window_left, budget):
+    """Without ``return_lse`` the torch plan runs SDPA with an additive ``-inf`` mask: an empty row, queries that
+    see nothing and logits near -1e8 must still give the reference (zeros, no NaN)."""
+    p = _case_problem(4, [29, 0, 13], num_query_tokens=2, logit_scale=1e4)
+    k_min, k_max = p.bounds()
+    sel = dict(k_min=k_min, k_max=k_max) if budget else {}
+    got = _case_plan(backend, p, num_query_tokens=2, page_budget=budget).run(p.q, p.k_cache, p.v_cache,
+                                                                         window_left=window_left, **sel)
+    want = _want(p, p.q, k_min=k_min, k_max=k_max, page_budget=budget, window_left=window_left)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("Tq, budget", [(1, None), (1, 5), (2, 6)])
+def test_torch_plan_in_chunks_matches_the_reference(monkeypatch, Tq, budget):
+    """The torch plan's split-K path (ops/chunked.py: chunks of keys merged by lse), forced on a small step: empty
+    row, ragged tails, NaN in unused slots, selection, with and without lse."""
+    from tinyattn.ops.attention import torch_impl as chunked
+    monkeypatch.setattr(chunked, "MIN_BYTES", 0)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 4 * 2 * 16 * 4)       # 16 keys per chunk here
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    p = _case_problem(9, [61, 0, 37, 3], num_query_tokens=Tq)
+    k_min, k_max = _boxes(p)
+    q = _q(p, Tq)
+    sel = dict(k_min=k_min, k_max=k_max) if budget else {}
+    plan = _case_plan("torch", p, num_query_tokens=Tq, page_budget=budget)
+    assert chunked.chunk_keys(64, 8, 16) == 16
+    _close(plan.run(q, p.k_cache, p.v_cache, return_lse=True, **sel),
+           _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget, return_lse=True))
+    _close(plan.run(q, p.k_cache, p.v_cache, **sel), _want(p, q, k_min=k_min, k_max=k_max, page_budget=budget))
+
+
+# ---- the plan's own checks ---------------------------------------------------------------------------------------
+def test_plan_run_checks_its_shapes_and_the_pool_size():
+    """run: v_cache / boxes of another shape, k_min without k_max, boxes with page_indices, a wrong out=, and a
+    pool smaller than the (checked) table's largest id are ValueErrors, never an out-of-bounds read."""
+    from tinyattn.ops.plan import PagedAttentionPlan
+    k = v = torch.randn(7, 4, 1, 8)
+    q = torch.randn(2, 2, 8)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    sl = torch.tensor([9, 5], dtype=torch.int32)
+    box = torch.zeros(7, 1, 8)
+    p = PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                                                 page_budget=1)
+    with pytest.raises(ValueError, match="v_cache"):
+        p.run(q, k, v[:3].clone())
+    with pytest.raises(ValueError, match="k_min, k_max"):
+        p.run(q, k, v, k_min=box)
+    with pytest.raises(ValueError, match="k_min"):
+        p.run(q, k, v, k_min=box[:2], k_max=box[:2])
+    with pytest.raises(ValueError, match="page_indices"):
+        p.run(q, k, v, k_min=box, k_max=box, page_indices=torch.zeros(2, 1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        p.run(q, k, v, out=torch.empty(2, 2, 4))
+    big = torch.tensor([[0, 1, 10**6], [3, 4, 5]], dtype=torch.int32)
+    p.plan(big, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    with pytest.raises(ValueError, match="block_table"):
+        p.run(q, k, v)
+
+
+def test_trusted_prefill_chunk_still_checks_its_query_pages():
+    """A trusted plan with Tq > 1 whose budget cannot hold the queries' own pages raises like the public op (the
+    torch backend has the lengths on the host: no sync)."""
+    from tinyattn.ops.plan import PagedAttentionPlan
+    bt = torch.arange(8, dtype=torch.int32)[None]
+    sl = torch.tensor([30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_budget: expected at least 4"):
+        PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                                                 num_query_tokens=12, page_budget=2, trusted=True)

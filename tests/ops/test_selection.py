@@ -17,10 +17,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tinyattn
-from tinyattn.kernels import chunk_topk as C
+from tinyattn.kernels import chunk_topk
 from tinyattn.ops.kv_cache import triton_impl as kv_cache_triton
 from tinyattn.ops.plan import PagedAttentionPlan
-from tinyattn.ops.selection import torch_impl as core
+from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
@@ -78,8 +78,8 @@ def selection_problems(draw, integer=True):
 def two_stage(q, k_min, k_max, block_table, seq_lens, opts, chunk, window_left=-1):
     B, Tq, Hq, D = q.shape
     Hkv, maxp, budget = k_min.shape[1], block_table.shape[1], opts["page_budget"]
-    meta = C.chunk_blocks(B, Hkv, maxp, budget, Tq, Hq // Hkv, D, opts["page_size"], chunk=chunk)
-    shape = C.workspace_shape(B, Hkv, meta)
+    meta = chunk_topk.chunk_blocks(B, Hkv, maxp, budget, Tq, Hq // Hkv, D, opts["page_size"], chunk=chunk)
+    shape = chunk_topk.workspace_shape(B, Hkv, meta)
     ws_key, ws_page = torch.full(shape, 123, dtype=torch.int32), torch.full(shape, 123, dtype=torch.int32)
     out = torch.full((B, Hkv, budget), -7, dtype=torch.int32)
     selection_triton.score_and_select_pages(q, k_min, k_max, block_table, seq_lens, **opts, meta=meta, ws_key=ws_key,
@@ -91,7 +91,7 @@ def one_stage(q, k_min, k_max, block_table, seq_lens, opts, window_left=-1):
     B, Tq = q.shape[:2]
     scores = torch.full((B, k_min.shape[1], block_table.shape[1]), math.nan)
     selection_triton.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=opts["page_size"], out=scores)
-    core.mask_pages_before_window(scores, seq_lens, opts["page_size"], Tq, window_left)
+    selection_torch.mask_pages_before_window(scores, seq_lens, opts["page_size"], Tq, window_left)
     out = torch.full((B, k_min.shape[1], opts["page_budget"]), -7, dtype=torch.int32)
     selection_triton.select_pages(scores, seq_lens, **opts, num_query_tokens=Tq, out=out)
     return out, scores
@@ -157,25 +157,25 @@ def test_heuristic_table(monkeypatch):
     sees at most half the pages), the candidates stay in one tile, and the radix passes take 4-bit digits where
     the counting tile allows (stage 1: 8 dependent passes; the merge of 1024 candidates: 16, instead of 32); a small budget keeps the
     GPU-filling chunks (>= 2 programs per SM)."""
-    monkeypatch.setattr(C, "is_interpreting", lambda: False)
+    monkeypatch.setattr(chunk_topk, "is_interpreting", lambda: False)
     for pages, chunk, cand, bits in ((2048, 256, 1024, 2), (8192, 256, 4096, 1)):
-        meta = C.chunk_blocks(1, 8, pages, 128, 1, 4, 128, 16, num_sms=132)
+        meta = chunk_topk.chunk_blocks(1, 8, pages, 128, 1, 4, 128, 16, num_sms=132)
         assert meta["stage1"]["CHUNK"] == chunk and meta["NC"] * meta["KC"] == cand
-        assert chunk >= C.FILTER * 128 and cand <= pages // 2 and meta["stage2"]["BN"] <= C.MAX_CANDIDATES
+        assert chunk >= chunk_topk.FILTER * 128 and cand <= pages // 2 and meta["stage2"]["BN"] <= chunk_topk.MAX_CANDIDATES
         assert meta["stage1"]["BITS"] == 4 and meta["stage2"]["BITS"] == bits
-        assert C.use_two_stage(1, 8, pages, 128)
-    meta = C.chunk_blocks(1, 8, 2048, 8, 1, 4, 128, 16, num_sms=132)        # a small budget: fill the GPU
+        assert chunk_topk.use_two_stage(1, 8, pages, 128)
+    meta = chunk_topk.chunk_blocks(1, 8, 2048, 8, 1, 4, 128, 16, num_sms=132)        # a small budget: fill the GPU
     assert meta["stage1"]["CHUNK"] == 64 and 8 * meta["NC"] >= 2 * 132 - 8
-    assert [C.radix_bits(n) for n in (64, 256, 512, 1024, 2048, 4096)] == [4, 4, 2, 2, 1, 1]
-    assert not C.use_two_stage(64, 8, 2048, 128)            # 512 rows x heads fill the GPU: one stage
-    assert C.use_two_stage(64, 8, 4096, 128)                # the one-stage tile would hold 4096 keys
-    assert not C.use_two_stage(1, 8, 100, 128)              # every page fits the budget: nothing to select
+    assert [chunk_topk.radix_bits(n) for n in (64, 256, 512, 1024, 2048, 4096)] == [4, 4, 2, 2, 1, 1]
+    assert not chunk_topk.use_two_stage(64, 8, 2048, 128)            # 512 rows x heads fill the GPU: one stage
+    assert chunk_topk.use_two_stage(64, 8, 4096, 128)                # the one-stage tile would hold 4096 keys
+    assert not chunk_topk.use_two_stage(1, 8, 100, 128)              # every page fits the budget: nothing to select
     for batch, pages, budget in ((1, 3, 2), (4, 32768, 128), (16, 2048, 8), (1, 100000, 512)):
-        meta = C.chunk_blocks(batch, 8, pages, budget, 1, 4, 128, 16)
+        meta = chunk_topk.chunk_blocks(batch, 8, pages, budget, 1, 4, 128, 16)
         chunk = meta["stage1"]["CHUNK"]
         assert chunk & (chunk - 1) == 0 and meta["NC"] * chunk >= pages and meta["KC"] == min(budget, chunk)
     monkeypatch.undo()
-    assert C.chunk_blocks(1, 8, 8192, 128, 1, 4, 128, 16)["stage1"]["CHUNK"] == C.INTERPRET_CHUNK
+    assert chunk_topk.chunk_blocks(1, 8, 8192, 128, 1, 4, 128, 16)["stage1"]["CHUNK"] == chunk_topk.INTERPRET_CHUNK
 
 
 @pytest.mark.parametrize("window_left", [-1, 5])
@@ -190,11 +190,11 @@ def test_plan_uses_two_stage_and_matches_one_stage(monkeypatch, window_left):
     real = selection_triton.merge_chunks
     monkeypatch.setattr(selection_triton, "merge_chunks", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     plan = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
-    assert plan._impl._chunks is not None and plan._impl._chunks["NC"] == -(-p.block_table.shape[1] // C.INTERPRET_CHUNK) > 1
+    assert plan._impl._chunks is not None and plan._impl._chunks["NC"] == -(-p.block_table.shape[1] // chunk_topk.INTERPRET_CHUNK) > 1
     two = plan.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
     pages_two = plan._impl._selected.clone()
     assert calls == [1]
-    monkeypatch.setattr(C, "use_two_stage", lambda *a, **k: False)
+    monkeypatch.setattr(chunk_topk, "use_two_stage", lambda *a, **k: False)
     plan1 = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
     assert plan1._impl._chunks is None
     one = plan1.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)
