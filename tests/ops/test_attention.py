@@ -17,12 +17,20 @@ from hypothesis import strategies as st
 
 import tinyattn
 from tinyattn.kernels.attention import choose_num_splits
+from tinyattn.ops.attention import torch_impl as attention_torch
 from tinyattn.ops.attention import triton_impl as attention_triton
 from tinyattn.ops.kv_cache import triton_impl as kv_cache_triton
+from tinyattn.ops.plan import PagedAttentionPlan
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, relayout, relocate
+from paged_problems import BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, problems, relayout, relocate
+
+
+
+
+
+
 
 
 
@@ -537,3 +545,242 @@ def test_empty_batch_and_no_query_tokens(backend):
     out = tinyattn.paged_attention(torch.randn(1, 0, 2, 8), k, v, torch.zeros(1, 2, dtype=torch.int32),
                                    torch.tensor([3], dtype=torch.int32), backend=backend)
     assert out.shape == (1, 0, 2, 8)
+
+
+# ---- the vectorised torch backend against the reference on drawn problems (ragged, poisoned, GQA, fp16 / bf16, fp64) --
+TORCH_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def assert_no_nan(*tensors):
+    for t in tensors:
+        assert not torch.isnan(t).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(dtypes=("fp32", "fp16", "bf16"), max_query_tokens=4))
+def test_torch_backend_dense_matches_reference(p):
+    args = (p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    out, lse = tinyattn.paged_attention(*args, return_lse=True, backend="torch")
+    ref, ref_lse = reference.paged_attention(*args, return_lse=True)
+    assert_no_nan(out, lse)
+    torch.testing.assert_close(out.float(), ref.float(), **TORCH_TOL[p.q.dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(max_query_tokens=3), st.integers(1, 5), st.integers(0, 2), st.integers(0, 2))
+def test_scores_selection_and_sparse_match_reference(p, budget, sinks, recent):
+    k_min, k_max = p.bounds()
+    Tq = p.q.shape[1]
+    needed = max([-(-int(n) // p.page_size) - max(int(n) - Tq, 0) // p.page_size for n in p.seq_lens] + [1])
+    budget = max(budget, needed, sinks + max(recent, 1))               # a smaller budget raises (issue 15)
+    scores = tinyattn.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=p.page_size, backend="torch")
+    ref_scores = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=p.page_size)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=1e-5)
+    opts = dict(page_size=p.page_size, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent,
+                num_query_tokens=Tq)
+    kept = tinyattn.select_pages(ref_scores, p.seq_lens, **opts, backend="torch")
+    assert torch.equal(kept, reference.select_pages(ref_scores, p.seq_lens, **opts))
+    args = (p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    out, lse = tinyattn.sparse_paged_attention(*args, page_indices=kept, return_lse=True, backend="torch")
+    ref, ref_lse = reference.sparse_paged_attention(*args, page_indices=kept, return_lse=True)
+    assert_no_nan(out, lse)
+    torch.testing.assert_close(out, ref, **TORCH_TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float64_is_computed_in_float64(dtype):
+    """The torch backend keeps fp64 for gradcheck-style uses; fp32 inputs give fp32 outputs."""
+    from paged_problems import make_problem
+    p = make_problem(3, batch=2, seq_lens=[7, 3], page_size=4, num_kv_heads=1, group=2, head_dim=8, dtype=dtype)
+    out = tinyattn.paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
+    assert out.dtype == dtype
+    ref = reference.paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    torch.testing.assert_close(out, ref, atol=1e-12 if dtype == torch.float64 else 1e-5, rtol=1e-6)
+
+
+# ---- large steps attend in cache-sized chunks of keys (the torch backend's split-K): thresholds shrunk so small
+# problems take the chunked path; the same output and lse as the reference ---------------------------------------
+def _tiny_chunks(mp):
+    """Every gather is 'large' and a chunk holds 16 keys (one to a few pages)."""
+    mp.setattr(attention_torch, "MIN_BYTES", 0)
+    mp.setattr(attention_torch, "CHUNK_BYTES", 1)
+    mp.setattr(attention_torch, "MAX_THREADS", 1 << 20)       # whatever torch's thread count
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    _tiny_chunks(monkeypatch)
+
+
+def _chunk_calls(monkeypatch):
+    calls = []
+    real = attention_torch.attend_chunked
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_torch, "attend_chunked", counting)
+    return calls
+
+
+@settings(deadline=None, max_examples=30)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+       page_size=st.sampled_from([4, 16]), group=st.sampled_from([1, 3]), Tq=st.sampled_from([1, 2]),
+       budget=st.sampled_from([None, 2, 3]), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_chunked_steps_match_the_reference(seed, lens, page_size, group, Tq, budget, dtype):
+    """Dense and Quest-sparse steps, rows of unequal and zero length, NaN in every unowned slot, Tq = 1 or 2,
+    fp32 / fp64: out and lse equal the reference's, and the chunked path really ran."""
+    if Tq > 1:
+        lens = [max(n, Tq) for n in lens]
+        budget = None if budget is None else max(budget, 2 + -(-Tq // page_size))
+    p = make_problem(seed, batch=len(lens), seq_lens=lens, page_size=page_size, num_kv_heads=2, group=group,
+                     head_dim=8, num_query_tokens=Tq, dtype=dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        _tiny_chunks(mp)
+        calls = _chunk_calls(mp)
+        _check_against_reference(p, Tq, budget, dtype)
+    assert calls or max(lens) == 0, "the chunked path did not run"
+
+
+def _check_against_reference(p, Tq, budget, dtype):
+    q = p.q[:, 0] if Tq == 1 else p.q
+    if budget is None:
+        out, lse = tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True,
+                                            backend="torch")
+        want, want_lse = reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, return_lse=True)
+    else:
+        k_min = torch.zeros(p.k_cache.shape[0], 2, 8, dtype=dtype)
+        k_max = torch.zeros_like(k_min)
+        reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+        kw = dict(k_min=k_min, k_max=k_max, page_budget=budget)
+        out, lse = tinyattn.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                                   return_lse=True, backend="torch", **kw)
+        want, want_lse = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                                  return_lse=True, **kw)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(lse, want_lse, **tol)
+
+
+def test_fast_path_chunks_too(tiny_chunks, monkeypatch):
+    """The decode fast path (no lse) of a plan, dense and sparse, also runs in chunks and matches the reference."""
+    p = make_problem(3, batch=2, seq_lens=[150, 97], page_size=16, num_kv_heads=2, group=4, head_dim=16)
+    k_min = torch.zeros(p.k_cache.shape[0], 2, 16)
+    k_max = torch.zeros_like(k_min)
+    reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+    plan = PagedAttentionPlan(backend="torch").plan(p.block_table, p.seq_lens, num_q_heads=8, num_kv_heads=2,
+                                                    head_dim=16, page_size=16, page_budget=4)
+    calls = _chunk_calls(monkeypatch)
+    q = p.q[:, 0]
+    torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache),
+                               reference.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(plan.run(q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max),
+                               reference.sparse_paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                                        k_min=k_min, k_max=k_max, page_budget=4),
+                               atol=1e-5, rtol=1e-4)
+    assert calls == [16, 16]
+
+
+def test_chunk_size_from_bytes():
+    """Below MIN_BYTES of keys: one piece; above: chunks of about CHUNK_BYTES, whole pages of 16."""
+    assert attention_torch.chunk_keys(1024, 4, 64) is None                       # 1 MiB of K
+    c = attention_torch.chunk_keys(4096, 64, 128)                                # 128 MiB of K
+    assert c % 16 == 0 and c * 64 * 128 * 4 <= attention_torch.CHUNK_BYTES
+    assert attention_torch.chunk_keys(10**6, 10**4, 128) == 16                   # never below one page of 16
+
+
+def test_no_chunks_above_max_threads(monkeypatch):
+    """A large gather is chunked with torch on MAX_THREADS threads or fewer, and runs in one piece above."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(attention_torch, "MAX_THREADS", threads)
+    assert attention_torch.chunk_keys(4096, 64, 128) is not None                 # 128 MiB of K
+    monkeypatch.setattr(attention_torch, "MAX_THREADS", threads - 1)
+    assert attention_torch.chunk_keys(4096, 64, 128) is None
+
+
+def test_one_piece_above_max_threads_matches_the_reference(monkeypatch):
+    """The same large dense and sparse steps without chunks (more threads than MAX_THREADS) equal the reference."""
+    monkeypatch.setattr(attention_torch, "MIN_BYTES", 0)
+    monkeypatch.setattr(attention_torch, "MAX_THREADS", 0)
+    calls = _chunk_calls(monkeypatch)
+    p = make_problem(7, batch=2, seq_lens=[150, 0], page_size=16, num_kv_heads=2, group=4, head_dim=8)
+    _check_against_reference(p, 1, None, torch.float32)
+    _check_against_reference(p, 1, 3, torch.float32)
+    assert calls == []
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_chunks_of_a_quantized_pool(tiny_chunks, monkeypatch, fmt):
+    """An int8 / fp8 pool in chunks: each chunk dequantizes what it gathers; equal to the reference on the
+    dequantized pool (garbage codes and NaN scales where no row owns a slot)."""
+    from paged_problems import dequantized_args, quantize_problem
+
+    p = make_problem(5, batch=2, seq_lens=[61, 0], page_size=8, num_kv_heads=2, group=2, head_dim=8)
+    kq, vq, ks, vs = quantize_problem(p, fmt)
+    calls = _chunk_calls(monkeypatch)
+    q, k, v, table, sl = dequantized_args(p, kq, vq, ks, vs)
+    out, lse = tinyattn.paged_attention(q[:, 0], kq, vq, table, sl, k_scale=ks, v_scale=vs, return_lse=True,
+                                        backend="torch")
+    want, want_lse = reference.paged_attention(q[:, 0], k, v, table, sl, return_lse=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-4)
+    assert calls
+
+
+# ---- the torch plan's routes: a fresh prefill (causal SDPA), a chunked prefill / prefix reuse (SDPA under the step's
+# mask), a dense decode, through gathered rows and through views of an in-order pool; the empty prefill-shaped step --
+def _check_route(p, window_left=-1):
+    q = p.q[:, 0] if p.q.shape[1] == 1 else p.q
+    args = (q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    out = tinyattn.paged_attention(*args, backend="torch", window_left=window_left)
+    want = reference.paged_attention(*args, window_left=window_left)
+    assert torch.isfinite(out).all()
+    tol = dict(atol=2e-2, rtol=2e-2) if q.dtype != torch.float32 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+
+
+@settings(deadline=None, max_examples=40)
+@given(seed=st.integers(0, 2**31 - 1), length=st.integers(1, 70), page_size=st.sampled_from([1, 4, 16]),
+       group=st.sampled_from([1, 3]), fresh=st.booleans(), in_order=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_prefill_of_one_row(seed, length, page_size, group, fresh, in_order, dtype):
+    """Tq = length (fresh: causal SDPA) or a chunk of the last tokens (a mask); pages in pool order or shuffled."""
+    tq = length if fresh else max(1, length // 2)
+    p = make_problem(seed, batch=1, seq_lens=[length], page_size=page_size, num_kv_heads=2, group=group,
+                     head_dim=8, num_query_tokens=tq, dtype=dtype, in_order=in_order)
+    _check_route(p)
+
+
+@settings(deadline=None, max_examples=30)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(1, 60), min_size=1, max_size=3),
+       page_size=st.sampled_from([2, 16]), in_order=st.booleans(), window=st.sampled_from([-1, 0, 5]))
+def test_dense_decode_and_batched_prefill(seed, lens, page_size, in_order, window):
+    """Decode rows of any lengths (one in-order row reads pool views), and a batch of fresh prefills of one length."""
+    p = make_problem(seed, batch=len(lens), seq_lens=lens, page_size=page_size, num_kv_heads=2, group=2,
+                     head_dim=8, in_order=in_order)
+    _check_route(p, window)
+    n = min(lens)
+    p = make_problem(seed, batch=len(lens), seq_lens=[n] * len(lens), page_size=page_size, num_kv_heads=2, group=2,
+                     head_dim=8, num_query_tokens=n, in_order=in_order)
+    _check_route(p, window)
+
+
+@pytest.mark.parametrize("num_query_tokens", [1, 3])
+def test_empty_batch_of_a_prefill_shaped_step(num_query_tokens):
+    """B = 0 is a normal step of a serving loop: every op returns empty results, on prefill-shaped queries too."""
+    q = torch.randn(0, num_query_tokens, 4, 8)
+    k = torch.randn(5, 4, 2, 8)
+    table, lens = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    k_min, k_max = k.amin(1), k.amax(1)
+    scores = tinyattn.page_scores(q, k_min, k_max, table, lens, page_size=4, backend="torch")
+    assert scores.shape == (0, 2, 3)
+    out = tinyattn.paged_attention(q, k, k, table, lens, backend="torch")
+    assert out.shape == q.shape
+    out = tinyattn.sparse_paged_attention(q, k, k, table, lens, k_min=k_min, k_max=k_max, page_budget=2,
+                                          backend="torch")
+    assert out.shape == q.shape
