@@ -10,7 +10,6 @@ from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn import reference
 
 
-
 def fill(cache, seq_ids, counts, gen):
     slots = cache.extend(seq_ids, counts)
     for layer in range(cache.num_layers):

@@ -4,11 +4,16 @@ entry point resolves it the same way, and an explicit ``num_sink_pages`` is kept
 (1 page, 16 pages) are the ones docs/accuracy.md ("Defaults") states."""
 
 import pytest
+import torch
 
-from tinyattn.layer import DEFAULT_NUM_SINK_PAGES, DEFAULT_SINK_MIN_BUDGET, SparsityConfig, default_num_sink_pages
+from tinyattn.layer import (DEFAULT_NUM_SINK_PAGES, DEFAULT_SINK_MIN_BUDGET, PagedAttention, SparsityConfig,
+    default_num_sink_pages)
 from tinyattn.models import LlamaRuntime
+from tinyattn import reference
 
-from model_fixtures import model  # noqa: F401  (module-scoped stories260K fixture)
+from model_fixtures import model  # noqa: F401  (module-scoped fixtures)
+from paged_problems import BACKENDS, make_problem
+
 
 # (page_budget, num_recent_pages) -> the sink pages the documented rule gives
 CASES = [(None, 1, 1), (1, 1, 0), (3, 1, 0), (8, 1, 0), (15, 1, 0), (16, 1, 1), (64, 1, 1), (16, 0, 1), (16, 14, 1),
@@ -101,3 +106,20 @@ def test_vllm_settings_take_the_default():
     assert settings_from_env({"TINYATTN_PAGE_BUDGET": "64", "TINYATTN_SINK_PAGES": "0"}).num_sink_pages == 0
     with pytest.raises(ValueError, match="TINYATTN_PAGE_BUDGET"):
         settings_from_env({"TINYATTN_PAGE_BUDGET": "2", "TINYATTN_SINK_PAGES": "2"})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_layer_ignores_the_page_budget(backend):
+    """A sliding layer of a sparse decode step attends densely over its window: the budget and the policy do not
+    change its output (it equals the dense windowed op), while a full layer of the same step selects."""
+    p = make_problem(9, batch=2, seq_lens=[37, 26], page_size=4, num_kv_heads=2, group=2, head_dim=8)
+    k_min, k_max = p.bounds()
+    q = p.q[:, 0]
+    for policy in ("quest", "streaming"):
+        attn = PagedAttention(SparsityConfig(page_budget=2, policy=policy), backend=backend)
+        attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, decode=True)
+        sliding = attn(0, q, p.k_cache, p.v_cache, k_min, k_max, window_left=9)
+        full = attn(1, q, p.k_cache, p.v_cache, k_min, k_max)
+        want = reference.paged_attention(q, *p.args[1:], window_left=9)
+        torch.testing.assert_close(sliding, want, atol=2e-5, rtol=1e-5)
+        assert not torch.allclose(full, reference.paged_attention(q, *p.args[1:]), atol=1e-3)

@@ -8,6 +8,7 @@ import torch
 import tinyattn
 import tinyattn.profiler as tp
 from tinyattn.ops import spans
+
 from paged_problems import make_problem
 
 
@@ -233,3 +234,17 @@ def test_cli_profile_prints_the_summary_and_writes_the_trace(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--- profile" in out and "attention" in out and str(trace) in out
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_profiler_counts_the_pages_of_the_window():
+    """A windowed dense call reads the pages from the one holding the window's first key: lens 70 and 33, pages of
+    8, window_left 20 -> first keys 49 and 12 -> pages 6..8 (3) and 1..4 (4), 2 KV heads."""
+    import tinyattn.profiler as tp
+
+    p = make_problem(0, batch=2, seq_lens=[70, 33], page_size=8, num_kv_heads=2, group=2, head_dim=16)
+    with tp.profile(oracle=False) as prof:
+        tinyattn.paged_attention(p.q[:, 0], *p.args[1:], window_left=20, backend="torch")
+        tinyattn.paged_attention(p.q[:, 0], *p.args[1:], backend="torch")
+    windowed, full = prof.records
+    assert windowed.pages == (3 + 4) * 2 and full.pages == (9 + 5) * 2
+    assert windowed.bytes < full.bytes

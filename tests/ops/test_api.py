@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import tinyattn
-from tinyattn import reference
 from tinyattn.cache import PagedKVCache
 from tinyattn.layer import PagedAttention
 from tinyattn.ops import api
+from tinyattn import reference
+
 from paged_problems import BACKENDS, brute_force_select, make_problem
 
 

@@ -24,7 +24,14 @@ from tinyattn.ops.plan import PagedAttentionPlan
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, problems, relayout, relocate
+from paged_problems import (BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, problems,
+    relayout, relocate, windows)
+
+
+
+
+
+
 
 
 
@@ -784,3 +791,140 @@ def test_empty_batch_of_a_prefill_shaped_step(num_query_tokens):
     out = tinyattn.sparse_paged_attention(q, k, k, table, lens, k_min=k_min, k_max=k_max, page_budget=2,
                                           backend="torch")
     assert out.shape == q.shape
+
+
+# ---- sliding windows (window_left, FlashInfer's convention: a query at position p sees keys [p - window_left, p];
+# -1: no window) against the reference, plain masked softmax, and facts that need no code -------------------------
+WINDOW_EXAMPLES = {"torch": 40, "triton": 12}      # the interpreter is slow: fewer, small examples
+
+
+def assert_close_to_reference(out, lse, ref_out, ref_lse, atol=2e-5):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))           # -inf exactly where nothing is seen
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dense_window_matches_reference(backend):
+    """Ragged rows, empty rows, prefill (Tq > 1), GQA, windows below a page, at a page and past the context."""
+    @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)
+    @given(data=st.data())
+    def check(data):
+        p = data.draw(problems(max_query_tokens=5, head_dims=(8, 24), max_pages_per_row=5))
+        w = data.draw(windows(p.page_size))
+        out, lse = tinyattn.paged_attention(*p.args, window_left=w, return_lse=True, backend=backend)
+        ref_out, ref_lse = reference.paged_attention(*p.args, window_left=w, return_lse=True)
+        assert_close_to_reference(out, lse, ref_out, ref_lse)
+        fast = tinyattn.paged_attention(*p.args, window_left=w, backend=backend)      # the no-lse path
+        torch.testing.assert_close(fast, ref_out, atol=2e-5, rtol=1e-5)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_window_with_listed_pages_matches_reference(backend):
+    """Listed pages attended within the window: the window is a mask on top of the selection."""
+    @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)
+    @given(data=st.data())
+    def check(data):
+        p = data.draw(problems(max_query_tokens=3, head_dims=(8, 16), max_pages_per_row=5))
+        w = data.draw(windows(p.page_size))
+        B, Hkv, width = p.seq_lens.shape[0], p.num_kv_heads, p.block_table.shape[1]
+        g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+        idx = torch.stack([torch.stack([torch.randperm(width, generator=g)[:3] for _ in range(Hkv)])
+                           for _ in range(B)]).to(torch.int32)
+        idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+        out, lse = tinyattn.sparse_paged_attention(*p.args, page_indices=idx, window_left=w, return_lse=True,
+                                                   backend=backend)
+        ref_out, ref_lse = reference.sparse_paged_attention(*p.args, page_indices=idx, window_left=w,
+                                                            return_lse=True)
+        assert_close_to_reference(out, lse, ref_out, ref_lse)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_window_selected_by_boxes_matches_reference(backend):
+    """Selection by the Quest bound with a window: pages before the earliest query's window rank last."""
+    @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)
+    @given(data=st.data())
+    def check(data):
+        p = data.draw(problems(max_query_tokens=2, head_dims=(8, 16), max_pages_per_row=6, page_sizes=(1, 2, 4)))
+        w = data.draw(windows(p.page_size))
+        k_min, k_max = p.bounds()
+        kw = dict(k_min=k_min, k_max=k_max, page_budget=data.draw(st.integers(2, 5)),    # >= the Tq <= 2 query pages
+                  num_recent_pages=data.draw(st.integers(0, 1)), window_left=w, return_lse=True)
+        ref_out, ref_lse = reference.sparse_paged_attention(*p.args, **kw)
+        out, lse = tinyattn.sparse_paged_attention(*p.args, backend=backend, **kw)
+        assert_close_to_reference(out, lse, ref_out, ref_lse)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_zero_returns_each_querys_own_value(backend):
+    """``window_left = 0``: every query sees only itself, so its output is its own value and its lse the logit."""
+    p = make_problem(1, batch=3, seq_lens=[7, 1, 12], page_size=4, num_kv_heads=2, group=3, head_dim=8,
+                     num_query_tokens=1)
+    q = p.q.expand(3, 3, *p.q.shape[2:]).contiguous()                         # Tq = 3 (row of length 1: 1 query)
+    q = q + torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    out, lse = tinyattn.paged_attention(q, *p.args[1:], window_left=0, return_lse=True, backend=backend)
+    G = 3
+    for b, n in enumerate(p.seq_lens.tolist()):
+        for t in range(3):
+            pos = n - 3 + t
+            if pos < 0:                                                      # a query before the row: sees nothing
+                assert (out[b, t] == 0).all() and torch.isinf(lse[b, t]).all()
+                continue
+            page, slot = int(p.block_table[b, pos // 4]), pos % 4
+            for hq in range(q.shape[2]):
+                v = p.v_cache[page, slot, hq // G]
+                k = p.k_cache[page, slot, hq // G]
+                torch.testing.assert_close(out[b, t, hq], v, atol=1e-6, rtol=0)
+                torch.testing.assert_close(lse[b, t, hq], (q[b, t, hq] @ k) / math.sqrt(8), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_covering_the_context_is_full_attention(backend):
+    p = make_problem(3, batch=2, seq_lens=[13, 6], page_size=4, num_kv_heads=1, group=2, head_dim=16,
+                     num_query_tokens=3)
+    full = tinyattn.paged_attention(*p.args, backend=backend)
+    for w in (12, 13, 2**31 - 1):
+        torch.testing.assert_close(tinyattn.paged_attention(*p.args, window_left=w, backend=backend), full,
+                                   atol=1e-6, rtol=0)
+
+
+def test_windowed_decode_matches_a_plain_masked_softmax():
+    """An independent formula: one contiguous sequence, softmax over the last ``window_left + 1`` keys."""
+    torch.manual_seed(0)
+    n, S, D, W = 23, 4, 8, 6
+    keys, values, q = torch.randn(n, D), torch.randn(n, D), torch.randn(D)
+    pages = -(-n // S)
+    k_cache = torch.zeros(pages, S, 1, D)
+    v_cache = torch.zeros(pages, S, 1, D)
+    k_cache.view(-1, D)[:n], v_cache.view(-1, D)[:n] = keys, values
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    out = tinyattn.paged_attention(q.view(1, 1, D), k_cache, v_cache, table, torch.tensor([n], dtype=torch.int32),
+                                   window_left=W, backend="torch")
+    w = torch.softmax(keys[n - 1 - W:] @ q / math.sqrt(D), 0)
+    torch.testing.assert_close(out.view(D), w @ values[n - 1 - W:], atol=1e-6, rtol=1e-6)
+
+
+def test_long_windowed_prefill_runs_in_query_blocks_and_matches_reference():
+    """Torch backend, Tq far above the window: the plan cuts the queries into blocks (each reads only its window);
+    ragged rows (one shorter than Tq: its first queries see nothing), with and without lse, and a second layer
+    with another window under the same plan."""
+    p = make_problem(10, batch=2, seq_lens=[700, 450], page_size=4, num_kv_heads=2, group=2, head_dim=8,
+                     num_query_tokens=600)
+    plan = tinyattn.PagedAttentionPlan(backend="torch")
+    plan.plan(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4,
+              num_query_tokens=600)
+    for w in (20, 7):
+        ref_out, ref_lse = reference.paged_attention(*p.args, window_left=w, return_lse=True)
+        out, lse = plan.run(p.q, p.k_cache, p.v_cache, window_left=w, return_lse=True)
+        assert len(plan._impl._blocks[w]) == 3                                  # 600 queries in blocks of 256
+        assert_close_to_reference(out, lse, ref_out, ref_lse)
+        torch.testing.assert_close(plan.run(p.q, p.k_cache, p.v_cache, window_left=w), ref_out, atol=2e-5,
+                                   rtol=1e-5)

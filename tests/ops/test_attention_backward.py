@@ -16,11 +16,7 @@ from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops import custom_ops
 from tinyattn import reference
 
-from paged_problems import BACKENDS, empty_batch, make_problem
-
-
-
-
+from paged_problems import BACKENDS, empty_batch, make_problem, problems, windows
 
 
 OPS = ["dense", "sparse"]
@@ -458,3 +454,91 @@ def test_triton_backward_keeps_its_own_selection():
     qr = q.clone().requires_grad_()
     reference.sparse_paged_attention(qr, k, v, bt, sl, k_min=kmin, k_max=kmax, page_budget=2).sum().backward()
     torch.testing.assert_close(qa.grad, qr.grad, atol=1e-5, rtol=1e-4)
+
+
+# ---- sliding windows in the backward: against reference autograd, gradcheck, opcheck --------------------------------
+WINDOW_EXAMPLES = {"torch": 40, "triton": 12}      # the interpreter is slow: fewer, small examples
+
+def grads(fn, p, dtype, w, page_indices=None, backend=None):
+    q, k, v = (x.detach().to(dtype).clone().requires_grad_() for x in (p.q, p.k_cache, p.v_cache))
+    kw = dict(window_left=w, return_lse=True)
+    if backend is not None:
+        kw["backend"] = backend
+    if page_indices is None:
+        out, lse = fn.paged_attention(q, k, v, p.block_table, p.seq_lens, **kw)
+    else:
+        out, lse = fn.sparse_paged_attention(q, k, v, p.block_table, p.seq_lens, page_indices=page_indices, **kw)
+    g = torch.Generator().manual_seed(7)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)      # the same draws for any dtype
+    g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)
+    loss = (out * g_out).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * g_lse).sum()
+    if not loss.requires_grad:                            # the reference keeps no graph when no row sees a key
+        return tuple(torch.zeros_like(x) for x in (q, k, v))
+    return torch.autograd.grad(loss, (q, k, v), allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_backward_with_a_window_matches_reference_autograd(backend, sparse):
+    """dq, dk, dv against float64 autograd through the reference loops; pages before the window get exact zeros."""
+    S, W = 4, 5
+    p = make_problem(6, batch=2, seq_lens=[22, 9], page_size=S, num_kv_heads=2, group=2, head_dim=8,
+                     num_query_tokens=3, poison=1e30)
+    idx = None
+    if sparse:
+        idx = torch.tensor([[[0, 3, 5], [4, 5, -1]], [[1, 2, -1], [0, 2, 1]]], dtype=torch.int32)
+    got = grads(tinyattn, p, torch.float32, W, idx, backend)
+    want = grads(reference, p, torch.float64, W, idx)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+    for b, n in enumerate(p.seq_lens.tolist()):                     # pages wholly before the window: no gradient
+        for j in range((n - 3 - W) // S):
+            page = int(p.block_table[b, j])
+            assert (got[1][page] == 0).all() and (got[2][page] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_property_with_windows(backend):
+    """Random ragged problems and windows (dense): gradients equal float64 reference autograd, never NaN."""
+    @settings(max_examples={"torch": 15, "triton": 5}[backend], deadline=None)
+    @given(data=st.data())
+    def check(data):
+        p = data.draw(problems(max_query_tokens=3, head_dims=(8,), max_pages_per_row=4, page_sizes=(1, 2, 4)))
+        w = data.draw(windows(p.page_size))
+        got = grads(tinyattn, p, torch.float32, w, backend=backend)
+        want = grads(reference, p, torch.float64, w)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert not torch.isnan(a).any(), name
+            torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+
+    check()
+
+
+def test_gradcheck_torch_backend_with_a_window():
+    p = make_problem(8, batch=2, seq_lens=[7, 5], page_size=2, num_kv_heads=1, group=2, head_dim=4,
+                     num_query_tokens=2, extra_pages=0, spare_columns=0, poison=0.0)
+    q, k, v = (x.double().requires_grad_() for x in (p.q, p.k_cache, p.v_cache))
+
+    def f(q, k, v):
+        return tinyattn.paged_attention(q, k, v, p.block_table, p.seq_lens, window_left=2, backend="torch")
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
+def test_opcheck_custom_ops_with_a_window(backend, dtype):
+    """The custom ops' schema, fake kernels and autograd registration with the ``window_left`` argument."""
+    from tinyattn.ops import custom_ops
+    from tinyattn.ops.selection import torch_impl as selection_torch
+
+    p = make_problem(14, batch=2, seq_lens=[7, 3], page_size=2, num_kv_heads=1, group=2, head_dim=8,
+                     num_query_tokens=2, dtype=dtype, poison=0.5)
+    pi = selection_torch.canonical_page_indices(torch.tensor([[[0, 2, 3]], [[1, -1, 0]]]), p.seq_lens, 2)
+    q, k, v = (x.detach().clone().requires_grad_() for x in (p.q, p.k_cache, p.v_cache))
+    for indices in (pi, None):
+        torch.library.opcheck(custom_ops.paged_attention_fwd, (q, k, v, p.block_table, p.seq_lens, indices, 0.5, backend, 2))
+    out, lse = custom_ops.paged_attention_fwd(q.detach(), k.detach(), v.detach(), p.block_table, p.seq_lens, pi, 0.5,
+                                     backend, 2)
+    torch.library.opcheck(custom_ops.paged_attention_bwd, (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(),
+                                                  p.block_table, p.seq_lens, pi, out, lse, 0.5, backend, 2))

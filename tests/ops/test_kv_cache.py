@@ -13,20 +13,25 @@ syncs (a CUDA graph can capture it); ``refit_page`` after a cut equals an indepe
 tokens. Cut and rollback through the cache (truncate, fork, drop_pages, the HF crop, the engine's recompute):
 tests/test_cache.py.
 """
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tinyattn
 import tinyattn.reference as reference
-from tinyattn import PagedKVCache
-from tinyattn.ops import api, quant
 from tinyattn.ops.kv_cache import reference as kv_cache_reference
 from tinyattn.ops.kv_cache import torch_impl as kv_cache_torch
+from tinyattn.ops import api, quant
+from tinyattn import PagedKVCache
+
 from paged_problems import (BACKENDS, QMAX, WRITE_BOXES, WRITE_FORMATS, make_problem, poisoned_pools, problems,
-                            take_page, tiers, write_steps)
+    take_page, tiers, write_steps)
+
+
 
 NARROW = [torch.bfloat16, torch.float16]
 INF = float("inf")

@@ -11,10 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyattn
-from tinyattn import reference
 from tinyattn.cache import PagedKVCache
+from tinyattn.models import LlamaRuntime
 from tinyattn.ops import quant
+from tinyattn import reference
+
+from model_fixtures import model, tok  # noqa: F401  (module-scoped fixtures)
 from paged_problems import Problem, make_problem, problems
+
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 TOL = dict(atol=3e-5, rtol=3e-5)
@@ -332,8 +336,6 @@ def test_half_formats_of_an_fp32_model(fmt):
 
 
 # ------------------------------------------------------------------------------------------ runtime and CLI
-from model_fixtures import model, tok  # noqa: E402,F401  (module-scoped fixtures)
-from tinyattn.models import LlamaRuntime  # noqa: E402
 
 
 def _teacher_forced_logits(rt, tokens):

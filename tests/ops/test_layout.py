@@ -6,10 +6,11 @@ formula.
 
 import io
 import re
-import tokenize
 from pathlib import Path
 
 import pytest
+import tokenize
+
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tinyattn"

@@ -22,15 +22,6 @@ from host_calls import watch_host_calls
 from paged_problems import make_problem, relocate
 
 
-
-
-
-
-
-
-
-
-
 BACKENDS = ["torch", "triton"]
 
 
@@ -906,3 +897,18 @@ def test_trusted_prefill_chunk_still_checks_its_query_pages():
     with pytest.raises(ValueError, match="page_budget: expected at least 4"):
         PagedAttentionPlan(backend="torch").plan(bt, sl, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
                                                  num_query_tokens=12, page_budget=2, trusted=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_plan_runs_layers_with_different_windows(backend):
+    """Hybrid models: layers of one step with different windows (full, sliding, a window of 0) share one plan."""
+    p = make_problem(5, batch=2, seq_lens=[19, 11], page_size=4, num_kv_heads=2, group=2, head_dim=8,
+                     num_query_tokens=1)
+    plan = tinyattn.PagedAttentionPlan(backend=backend)
+    plan.plan(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+    g = torch.Generator().manual_seed(0)
+    for w in (-1, 6, 0, 6, -1, 17, 3):
+        q = torch.randn(2, 4, 8, generator=g)
+        out = plan.run(q, p.k_cache, p.v_cache, window_left=w)
+        ref = reference.paged_attention(q, *p.args[1:], window_left=w)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinyattn import reference
+
 from paged_problems import contiguous_kv, make_problem, problems, random_page_indices, windows
 
 

@@ -27,12 +27,6 @@ from tinyattn import reference
 from paged_problems import BACKENDS, brute_force_select, laid_out_problems, make_problem, relayout
 
 
-
-
-
-
-
-
 CHUNKS = (1, 2, 4, 8, 64)
 
 
@@ -359,3 +353,24 @@ def test_selection_with_nan_inf_and_ties_matches_brute_force(impl, data):
     budget = data.draw(st.integers(max(low, 17), max(low, 17) + 6) if radix else st.integers(low, low + P))
     opts = dict(page_size=page_size, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(SELECTORS[impl](scores, lens, **opts), brute_force_select(scores, lens, **opts))
+
+
+# ---- pages wholly before a window are never selected nor read ----------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_query_tokens", [1, 4])
+def test_pages_wholly_before_the_window_are_never_read(backend, num_query_tokens):
+    """NaN in every page before the earliest query's window: the output is still the reference's. A walk or gather
+    that read those pages would turn ``0 * NaN`` into NaN, so this proves that they are skipped."""
+    S, W = 4, 5
+    lens = [30, 21]
+    p = make_problem(4, batch=2, seq_lens=lens, page_size=S, num_kv_heads=2, group=2, head_dim=8,
+                     num_query_tokens=num_query_tokens)
+    ref = reference.paged_attention(*p.args, window_left=W)
+    k, v = p.k_cache.clone(), p.v_cache.clone()
+    for b, n in enumerate(lens):
+        first_key = n - num_query_tokens - W
+        for j in range(first_key // S):                                      # wholly before every window
+            k[int(p.block_table[b, j])] = float("nan")
+            v[int(p.block_table[b, j])] = float("nan")
+    out = tinyattn.paged_attention(p.q, k, v, p.block_table, p.seq_lens, window_left=W, backend=backend)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
