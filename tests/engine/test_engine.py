@@ -370,3 +370,19 @@ def test_engine_with_an_int8_cache_equals_the_runtime(model, prompts):
     assert got == expected
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(model, page_size=16, num_pages=8, kv_cache_dtype="int4")
+
+
+def test_engine_and_hf_cache_take_box_dtype(model):
+    from tinyattn.engine import Engine
+
+    engine = Engine(model, page_size=4, num_pages=8, page_budget=2, backend="torch", box_dtype="bf16")
+    assert engine.cache.k_min[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="box_dtype: expected one of"):
+        Engine(model, page_size=4, num_pages=8, box_dtype="half")
+    transformers = pytest.importorskip("transformers")
+    TinyAttnCache = pytest.importorskip("tinyattn.integrations.hf").TinyAttnCache
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=32)
+    with pytest.raises(ValueError, match="box_dtype: expected one of"):
+        TinyAttnCache(cfg, box_dtype="int8")
+    assert TinyAttnCache(cfg, box_dtype="fp16").box_dtype == "fp16"

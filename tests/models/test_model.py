@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from tinyattn.models.llama import apply_rope
 
 from model_fixtures import model, tok  # noqa: F401  (fixtures)
 
-from paths import CKPT, KNOWN_GOOD, TOKENIZER, VALID  # noqa: E402  (the shipped model and texts)
+from paths import CKPT, KNOWN_GOOD, VALID  # noqa: E402  (the shipped model and texts)
 
 
 TORCH = "torch"  # conftest sets TRITON_INTERPRET=1, which would make backend=None pick the slow interpreter
@@ -384,3 +383,21 @@ def test_generation_can_stop_at_bos(model, tok):
     stopped = rt.generate(prompt, max_new_tokens=300, eos_id=None, stop_token_ids=(tok.bos_id,)).tokens[0]
     cut = free.index(tok.bos_id) + 1
     assert stopped == free[:cut]
+
+
+def test_runtime_decodes_with_bf16_boxes_and_counts_their_bytes(model, tok):
+    from tinyattn.models import LlamaRuntime
+
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to play", bos=True)
+    runs = {}
+    for box in ("auto", "bf16"):
+        rt = LlamaRuntime(model, page_size=4, page_budget=3, backend="torch", box_dtype=box)
+        runs[box] = rt.generate([prompt], max_new_tokens=12)
+    assert len(runs["bf16"].tokens[0]) == 12
+    cfg = model.config
+    # decode steps see lengths len(prompt) + 1 ... len(prompt) + 11 (the first token comes from the prefill);
+    # each sparse layer and KV head scores every page's two boxes: 2 bytes less per element with bf16
+    lens = range(len(prompt) + 1, len(prompt) + 12)
+    saved = sum(-(-n // 4) for n in lens) * 2 * cfg.head_dim * 2 * cfg.n_kv_heads * cfg.n_layers
+    got = runs["auto"].stats.kv_bytes_read - runs["bf16"].stats.kv_bytes_read
+    assert got == saved

@@ -299,7 +299,7 @@ def test_page_operations_keep_scales(fmt):
     b = c.fork(a, 6)                                   # ends inside page 1: its box refit from 2 keys
     assert torch.equal(_dequantized_keys(c, b)[:4], _dequantized_keys(c, a)[:4])
     # the cut page: its scale refit to the 2 kept keys (issue 28; int8 re-rounds them once, fp8 is exact), so
-    # equal to a's within half a step of a's scale (tests/test_quant_rollback.py checks the exact values)
+    # equal to a's within half a step of a's scale (tests/test_cache.py checks the exact values)
     half_step = c.k_scale[0][c.pages(a)[1]] * (0.5 if fmt == "int8" else 0.0)
     torch.testing.assert_close(_dequantized_keys(c, b)[4:], _dequantized_keys(c, a)[4:6], rtol=0,
                                atol=float(half_step.max()) * 1.0001)

@@ -24,7 +24,7 @@ from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, brute_force_select, laid_out_problems, make_problem, relayout
+from paged_problems import BACKENDS, brute_force_select, laid_out_problems, make_problem, problems, relayout
 
 
 CHUNKS = (1, 2, 4, 8, 64)
@@ -374,3 +374,39 @@ def test_pages_wholly_before_the_window_are_never_read(backend, num_query_tokens
             v[int(p.block_table[b, j])] = float("nan")
     out = tinyattn.paged_attention(p.q, k, v, p.block_table, p.seq_lens, window_left=W, backend=backend)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+# ---- scores over half-precision boxes (rounded outward) still bound every logit (fp64 max over the page's keys) ----
+NARROW = [torch.bfloat16, torch.float16]
+INF = float("inf")
+
+def _max_logit(p, magnitude: bool = False):
+    """fp64 ``max_t q.k_t`` per (row, KV head, logical page), over the group's heads and the page's valid keys
+    (and, with ``magnitude``, ``max_t |q|.|k_t|``: the scale of the fp32 rounding error of a score)."""
+    B, Tq, Hq, D = p.q.shape
+    Hkv, S = p.num_kv_heads, p.page_size
+    out = torch.full((B, Hkv, p.block_table.shape[1]), -INF, dtype=torch.float64)
+    mag = torch.zeros_like(out)
+    for b in range(B):
+        n = int(p.seq_lens[b])
+        for j in range(-(-n // S)):
+            keys = p.k_cache[int(p.block_table[b, j]), : min(S, n - j * S)].double()    # [t, Hkv, D]
+            for h in range(Hkv):
+                qg = p.q[b, :, h * (Hq // Hkv):(h + 1) * (Hq // Hkv)].double().reshape(-1, D)
+                out[b, h, j] = (qg @ keys[:, h].T).max()
+                mag[b, h, j] = (qg.abs() @ keys[:, h].abs().T).max()
+    return (out, mag) if magnitude else out
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(dtypes=("fp32",)), st.sampled_from(NARROW), st.sampled_from(["torch", "triton"]))
+def test_scores_over_narrow_boxes_bound_every_logit(p, box, backend):
+    if backend == "triton" and p.page_size & (p.page_size - 1):
+        return
+    shape = (p.k_cache.shape[0], p.num_kv_heads, p.k_cache.shape[3])
+    lo, hi = torch.zeros(shape, dtype=box), torch.zeros(shape, dtype=box)
+    tinyattn.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, lo, hi, backend="torch")
+    ub = tinyattn.page_scores(p.q, lo, hi, p.block_table, p.seq_lens, page_size=p.page_size, backend=backend)
+    best, mag = _max_logit(p, magnitude=True)
+    valid = best > -INF
+    assert bool((ub.double()[valid] >= best[valid] - 1e-5 * mag[valid]).all())
