@@ -1,6 +1,6 @@
 """GPU-only checks of ``cuda_graphs=True`` (skipped without CUDA; run by ``bench/gpu.sh``).
 
-What the CPU suite (tests/test_cuda_graphs.py) cannot show: that the decode step of the shipped stories260K model
+What the CPU suite (tests/models/test_graphs.py) cannot show: that the decode step of the shipped stories260K model
 really captures as a CUDA graph (capture raises on a host sync or an illegal call), that its replays over many
 steps with changing tables (rows grow, new pages, Quest selecting) equal the eager step, and that neither the
 eager nor the graphed step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``). Written in a session

@@ -3,7 +3,7 @@
 What a CPU can prove: the option falls back to eager steps (one warning) with the same greedy tokens; the decode
 step's body, the part a CUDA graph captures (:meth:`tinyattn.models.graphs.DecodeGraphs.body`), run on the Triton
 backend under the interpreter after a warm-up step, makes no host sync and no allocation from tinyattn's code
-(the watcher of tests/test_plan_contract.py) and equals the eager step of the torch backend; padding rows give
+(the watcher of tests/host_calls.py) and equals the eager step of the torch backend; padding rows give
 finite logits and change nothing in the real rows' logits, K/V or page boxes. The capture and replay themselves
 need a GPU: tests/gpu/test_gpu_graphs.py.
 """

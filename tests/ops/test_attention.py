@@ -1,11 +1,22 @@
-"""The Triton kernels (``tinyattn.kernels``) in the interpreter against the PyTorch reference.
+"""Attention (``tinyattn.ops.attention``: dense and sparse paged attention) on both backends against the reference.
 
-Property tests (hypothesis) over ragged batches, page sizes 1..32, odd head dims, GQA/MQA, Tq > 1,
-shuffled and poisoned page pools (CASES.md kinds 1-7), non-contiguous q / out / caches, split-K,
-and a pool whose used pages sit past 2**31 elements (64-bit offsets).
+Proven here, for the Triton kernels in the interpreter and the torch backend, with expected values from
+``tinyattn.reference`` (fp32 loops), fp64 math or plain masked softmax written in the test:
 
-Tolerance (STYLE.md, flash-attention's rule): the kernel's max error against the fp32 reference is at
-most 2x that of the same attention computed by PyTorch in the input dtype, plus a small floor.
+- dense / sparse outputs and lse over drawn problems (:func:`paged_problems.laid_out_problems`: ragged rows around
+  page boundaries, page sizes 1..32, head dims that are not powers of two, GQA / MQA, Tq > 1, shuffled and in-order
+  tables, poisoned slots, non-contiguous q / out / interleaved K and V); selecting every page equals dense; physical
+  page order does not matter;
+- CASES.md kinds 1-7 on the public ops: ragged tails, poisoned slots and spare table columns, empty rows (zeros and
+  lse = -inf), very negative logits, large page ids and offsets past 2**31 elements, odd head dims, strided q, int64
+  tables, fp16 / bf16 within twice torch's own error, the natural-log lse, listed pages with duplicates;
+- empty inputs (B = 0, width-0 tables, an empty pool, Tq = 0, a budget of 0);
+- split-K: the Triton split (``num_splits``) and the torch backend's cache-sized key chunks merge to the same answer;
+- the torch plan's routes (fresh / chunked prefill with SDPA, dense decode, views of an in-order pool);
+- sliding windows (``window_left``) and long windowed prefills in query blocks.
+
+Tolerance (STYLE.md, flash-attention's rule): a kernel's max error against the fp32 reference is at most 2x that of
+the same attention computed by PyTorch in the input dtype, plus a small floor.
 """
 
 import math

@@ -1,8 +1,11 @@
 """Backward of paged / sparse attention (CASES.md §9), both backends, against float64 reference autograd.
 
-The reference (``tinyattn.reference``, per-row loops of differentiable torch ops, run in float64) gives
-the right gradients; the Triton kernels run in the interpreter (tests/conftest.py), the torch backend
-directly. Gradients are checked for q, k_cache and v_cache, through ``out`` and ``lse`` together.
+The reference (``tinyattn.reference``, per-row loops of differentiable torch ops, run in float64) gives the right
+gradients; the Triton kernels run in the interpreter (tests/conftest.py), the torch backend directly. Gradients are
+checked for q, k_cache and v_cache, through ``out`` and ``lse`` together, with sliding windows too; gradcheck in fp64,
+``torch.library.opcheck`` of the custom ops, ``torch.compile(fullgraph=True)`` (aot_eager and inductor, with the
+default value checks) equal to eager; rows that see nothing give zero gradients, unread slots exactly zero; the
+per-page gradient norms.
 """
 
 import pytest

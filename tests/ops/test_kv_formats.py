@@ -1,4 +1,5 @@
-"""KV formats (issue 13): int8 / fp8 e4m3 pools with per-(page, KV head) scales, fp16 / bf16 pools.
+"""KV formats (``kv_cache_dtype``) through every op: int8 / fp8 e4m3 pools with per-(page, KV head) scales,
+fp16 / bf16 pools.
 
 The quantized ops are checked against dequantize-then-reference on ragged, poisoned problems (hypothesis),
 the cache's scale upkeep against its worst case (a page whose first token is tiny and a later one huge), and

@@ -1,7 +1,14 @@
-"""PagedAttentionPlan (plan once per step, run per layer) and the one attention layer, against the reference.
+"""The per-step plan (``tinyattn.ops.plan``: ``PagedAttentionPlan.plan`` once per step, ``run`` per layer) and
+the one attention layer, on both backends, against the reference.
 
-Expected values come from ``tinyattn.reference`` (independent loop twins). The plan's torch fast path has
-its own selection (a stable sort) and its own gather tables, so every property is checked on it directly.
+Proven here: plan / run equals the reference (dense, sparse, listed pages, windows, Tq > 1, packed and sorted
+selection keys, the one- and two-stage Triton selections); ``plan()`` copies its tables (changing them in place
+afterwards leaves every ``run()`` computing the planned step, identically on both backends); int64 page ids past
+int32 are ignored like any id past the row's end; a plan is reused across layers and across steps of other sizes;
+a layer's scale is passed down, not stored; graph mode allocates nothing and never syncs on the host (watched with
+:mod:`host_calls`) and keeps its buffers; ``run`` dispatches once and checks its own arguments; the autograd route
+gives the reference's gradients. Expected values come from ``tinyattn.reference`` (independent loop twins) on the
+tables as planned.
 """
 
 import math

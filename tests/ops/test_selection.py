@@ -1,12 +1,21 @@
-"""The two-stage selection (``tinyattn.kernels.chunk_topk``) in the interpreter, against the reference and the
-one-stage kernels (``page_scores`` + ``select_pages``).
+"""Selection (``tinyattn.ops.selection``): the Quest bound and the page choice, on both backends, against the
+reference and brute force.
 
-Two families of boxes: integer-valued queries and boxes, whose bounds are exact in fp32 whatever the order
-of the channel sum (so the kernel's bounds equal the reference's bit for bit, and equal bounds, i.e. ties,
-are frequent), compared with ``reference.select_pages(reference.page_scores(...))``; and Gaussian boxes,
-compared with the one-stage kernels bit for bit. Both over ragged batches (B >= 2), GQA 1-4, Tq > 1,
-budgets above and below the page count (argmax loops and radix select), sinks / recent pages, NaN boxes,
-poisoned pages past the end and forced chunk sizes 1 .. 64 (several chunks per row, one chunk per row).
+Proven here:
+
+- the bound: ``page_scores`` equals the reference and is an upper bound of ``q.k`` for every valid key of the page
+  (fp64 max over the page's keys), also over half-precision boxes rounded outward;
+- ``select_pages`` equals the reference and a brute-force ranking written in the test: forced recent / sink pages,
+  NaN read as -inf, ties to the lower page index (NaN vs -inf too), padding never outranking a real -inf, budgets
+  below and above the radix-select threshold, the query pages of a prefill chunk;
+- pages wholly before a sliding window are never selected nor read;
+- the two-stage selection (``tinyattn.kernels.chunk_topk``) against the reference and the one-stage kernels: integer
+  boxes (exact fp32 bounds, many ties) compared with ``reference.select_pages(reference.page_scores(...))``, Gaussian
+  boxes bit for bit with the one-stage kernels, over ragged batches, GQA 1-4, Tq > 1, sinks / recent pages, NaN
+  boxes, poisoned pages past the end and forced chunk sizes 1..64.
+
+The policies built on these rules (``tinyattn.selection``: quest, questmass, h2o, ...) are tested in
+tests/test_selection.py.
 """
 
 import math

@@ -269,7 +269,7 @@ class _HostReads(TorchDispatchMode):
 
 @contextlib.contextmanager
 def no_host_sync(monkeypatch):
-    """Patch the Tensor methods that read values on the host (as tests/test_plan.py does) and record the aten ops
+    """Patch the Tensor methods that read values on the host (as tests/ops/test_plan.py does) and record the aten ops
     that do; yields the list of what was called (empty = no host sync, no value-dependent shape)."""
     found = []
 
@@ -327,7 +327,7 @@ def test_per_layer_calls_make_no_host_sync(monkeypatch, page_budget, window_left
     """write_kv and attend_groups (each group's plan.run: decode, chunked and fresh prefill, sliding window) read no
     tensor value on the host and make no value-dependent shape: the builder (plan_groups) reads them once per step.
     The first layer's attention runs unwatched: a plan may build per-step tables lazily at its first run (the plan's
-    own contract, tests/test_plan.py); every write and every later layer is watched."""
+    own contract, tests/ops/test_plan.py); every write and every later layer is watched."""
     kv, k_cache, v_cache, boxes, qsl, bt, sl, query, step_k, step_v, slots = mixed_step()
     H, D = k_cache.shape[-2:]
     made = {}
