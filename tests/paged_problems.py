@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 BACKENDS = ["torch", "triton"]          # triton runs in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+# for tests whose Triton case takes over ~3 s in the interpreter: the torch case stays in the fast tier
+SLOW_TRITON = ["torch", pytest.param("triton", marks=pytest.mark.slow)]
 QUANTIZED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 

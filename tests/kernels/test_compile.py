@@ -4,7 +4,8 @@ The interpreter accepts code that the GPU compiler rejects, so the kernels are a
 targets (TRITON_ON_CPU.md). TRITON_INTERPRET is read when triton is imported, and this test session
 has it set, so the compiler runs in a subprocess with it unset. The specialisations are the recorded launches
 of the ops over the default rows of ``tinyattn.kernels.launches.SHAPES``, replayed through Triton's own JIT
-specialisation (``tinyattn.kernels.compile``); the whole table is the ``slow`` test.
+specialisation (``tinyattn.kernels.compile``). Every test here runs the compiler in a subprocess (seconds to minutes),
+so all are marked ``slow``.
 """
 import os
 import sys
@@ -22,6 +23,7 @@ def _run(*args, quiet_seconds=120):
                           cwd=ROOT, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90])
 def test_every_recorded_specialisation_compiles(arch):
     result = _run("--arch", str(arch), "--table")
@@ -36,6 +38,7 @@ def test_the_whole_shape_table_compiles_for_sm_90():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
 
 
+@pytest.mark.slow
 def test_recorded_list_covers_every_inference_kernel_with_gpu_specialisations():
     """The recorded launches hold every kernel of a decode / prefill step, with the GPU JIT's specialisations
     (unit strides as constexpr 1, 16-divisible strides and aligned pointers) and the GPU's host choices."""
@@ -55,6 +58,7 @@ def test_recorded_list_covers_every_inference_kernel_with_gpu_specialisations():
     assert "'CHUNK': 256" in names                            # the GPU chunk at B = 1, 32K (2 x budget)
 
 
+@pytest.mark.slow
 def test_cross_product_list_still_builds():
     result = _run("--cross", "--list", quiet_seconds=12)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -62,6 +66,7 @@ def test_cross_product_list_still_builds():
         assert kernel in result.stdout
 
 
+@pytest.mark.slow
 def test_refuses_to_run_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = run_subprocess([sys.executable, "-m", "tinyattn.kernels.compile", "--arch", "90"], quiet_seconds=10,

@@ -102,6 +102,7 @@ def _row_pages(cache, ids):
     return sorted(p for s in ids for p in cache.pages(s))
 
 
+@pytest.mark.slow
 def test_graph_body_makes_no_sync_no_allocation_and_padding_changes_nothing(model, tok, monkeypatch):
     """Three rows in bucket 4 (one padding row), Triton backend under the interpreter, graph-mode plan. After a
     warm-up step, the body of a later step (what a CUDA graph captures) calls no host-sync method and no tensor
@@ -164,6 +165,7 @@ def _graphable_on_cpu(monkeypatch):
     monkeypatch.setattr(graphs_module, "why_not_graphed", lambda *a, **k: None)
 
 
+@pytest.mark.slow
 def test_engine_routes_decode_through_the_graph_body_across_buckets(model, tok, monkeypatch):
     """Engine(cuda_graphs=True) with three requests of different lengths: the decode batch shrinks 3 -> 2 -> 1
     (buckets 4, 2, 1), every decode forward goes through DecodeGraphs (Triton interpreter), and the tokens and
@@ -181,6 +183,7 @@ def test_engine_routes_decode_through_the_graph_body_across_buckets(model, tok, 
     assert engine.stats.peak_pages == plain.stats.peak_pages
 
 
+@pytest.mark.slow
 def test_runtime_routes_decode_through_the_graph_body(model, tok, monkeypatch):
     _graphable_on_cpu(monkeypatch)
     prompts = [tok.encode(t, bos=True) for t in TEXTS[1:]]

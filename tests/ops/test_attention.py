@@ -35,8 +35,14 @@ from tinyattn.ops.plan import PagedAttentionPlan
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import (BACKENDS, empty_batch, interleave_kv, laid_out_problems, make_problem, problems,
-    relayout, relocate, windows)
+from paged_problems import (BACKENDS, SLOW_TRITON, empty_batch, interleave_kv, laid_out_problems, make_problem,
+    problems, relayout, relocate, tiers, windows)
+
+
+
+
+
+
 
 
 
@@ -58,7 +64,6 @@ from paged_problems import (BACKENDS, empty_batch, interleave_kv, laid_out_probl
 
 
 ATOL_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
-FAST = settings(max_examples=20, deadline=None)
 
 
 def empty_out(q: torch.Tensor, layout: str):
@@ -153,26 +158,34 @@ def check_attention(p, out, lse, page_indices, scale, q, k, v):
 # ----------------------------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------------------------
-@FAST
-@given(laid_out_problems(), st.sampled_from([None, 1, 2, 3, 7]), st.booleans())
-def test_dense_attention_matches_reference(case, num_splits, interleaved):
-    p, layout = case
-    q = relayout(p.q, layout)
-    k, v = interleave_kv(p.k_cache, p.v_cache) if interleaved else (p.k_cache, p.v_cache)
-    scale = p.q.shape[-1] ** -0.5
-    out, lse = run_attention(p, q, k, v, None, scale, layout, num_splits)
-    check_attention(p, out, lse, None, scale, q, k, v)
+@tiers(4, 20)
+def test_dense_attention_matches_reference(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(), st.sampled_from([None, 1, 2, 3, 7]), st.booleans())
+    def check(case, num_splits, interleaved):
+        p, layout = case
+        q = relayout(p.q, layout)
+        k, v = interleave_kv(p.k_cache, p.v_cache) if interleaved else (p.k_cache, p.v_cache)
+        scale = p.q.shape[-1] ** -0.5
+        out, lse = run_attention(p, q, k, v, None, scale, layout, num_splits)
+        check_attention(p, out, lse, None, scale, q, k, v)
+
+    check()
 
 
-@FAST
-@given(laid_out_problems(), st.integers(1, 6), st.sampled_from([None, 1, 3]), st.integers(0, 2**31 - 1))
-def test_sparse_attention_matches_reference(case, budget, num_splits, seed):
-    p, layout = case
-    q = relayout(p.q, layout)
-    idx = random_selection(p, budget, seed)
-    scale = 0.7 * p.q.shape[-1] ** -0.5
-    out, lse = run_attention(p, q, p.k_cache, p.v_cache, idx, scale, layout, num_splits)
-    check_attention(p, out, lse, idx, scale, q, p.k_cache, p.v_cache)
+@tiers(4, 20)
+def test_sparse_attention_matches_reference(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(), st.integers(1, 6), st.sampled_from([None, 1, 3]), st.integers(0, 2**31 - 1))
+    def check(case, budget, num_splits, seed):
+        p, layout = case
+        q = relayout(p.q, layout)
+        idx = random_selection(p, budget, seed)
+        scale = 0.7 * p.q.shape[-1] ** -0.5
+        out, lse = run_attention(p, q, p.k_cache, p.v_cache, idx, scale, layout, num_splits)
+        check_attention(p, out, lse, idx, scale, q, p.k_cache, p.v_cache)
+
+    check()
 
 
 @settings(max_examples=5, deadline=None)
@@ -184,43 +197,52 @@ def test_bf16_attention_matches_reference(case, num_splits):
     check_attention(p, out, lse, None, scale, p.q, p.k_cache, p.v_cache)
 
 
-@settings(max_examples=10, deadline=None)
-@given(laid_out_problems(dtypes=("fp32", "fp16")), st.integers(0, 3))
-def test_selecting_every_page_equals_dense(case, extra):
-    p, _ = case
-    B, Hkv, S = p.q.shape[0], p.num_kv_heads, p.page_size
-    idx = torch.full((B, Hkv, p.block_table.shape[1] + extra), -1, dtype=torch.int32)
-    for b in range(B):
-        n = n_pages(p.seq_lens[b], S)
-        idx[b, :, :n] = torch.arange(n, dtype=torch.int32)
-    scale = p.q.shape[-1] ** -0.5
-    dense = run_attention(p, p.q, p.k_cache, p.v_cache, None, scale, num_splits=1)
-    sparse = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale, num_splits=1)
-    # the same token stream, only extra fully-masked tiles (alpha = 1, p = 0): bitwise equal
-    assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])
+@tiers(3, 10)
+def test_selecting_every_page_equals_dense(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(dtypes=("fp32", "fp16")), st.integers(0, 3))
+    def check(case, extra):
+        p, _ = case
+        B, Hkv, S = p.q.shape[0], p.num_kv_heads, p.page_size
+        idx = torch.full((B, Hkv, p.block_table.shape[1] + extra), -1, dtype=torch.int32)
+        for b in range(B):
+            n = n_pages(p.seq_lens[b], S)
+            idx[b, :, :n] = torch.arange(n, dtype=torch.int32)
+        scale = p.q.shape[-1] ** -0.5
+        dense = run_attention(p, p.q, p.k_cache, p.v_cache, None, scale, num_splits=1)
+        sparse = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale, num_splits=1)
+        # the same token stream, only extra fully-masked tiles (alpha = 1, p = 0): bitwise equal
+        assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])
+
+    check()
 
 
-@settings(max_examples=10, deadline=None)
-@given(laid_out_problems(dtypes=("fp32", "fp16")), st.booleans(), st.integers(0, 2**31 - 1))
-def test_permuting_physical_pages_leaves_output_unchanged(case, sparse, seed):
-    p, _ = case
-    g = torch.Generator().manual_seed(seed)
-    P = p.k_cache.shape[0]
-    perm = torch.randperm(P, generator=g)  # page i moves to perm[i]
-    k2, v2 = torch.empty_like(p.k_cache), torch.empty_like(p.v_cache)
-    k2[perm], v2[perm] = p.k_cache, p.v_cache
-    bt2 = p.block_table.clone()
-    for b in range(bt2.shape[0]):
-        n = n_pages(p.seq_lens[b], p.page_size)
-        bt2[b, :n] = perm[p.block_table[b, :n].long()].to(torch.int32)
-    idx = random_selection(p, 4, seed) if sparse else None
-    scale = p.q.shape[-1] ** -0.5
-    a = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale)
-    out, lse = empty_out(p.q, "contiguous")
-    attention_triton.paged_attention(p.q, k2, v2, bt2, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
-    assert torch.equal(a[0], out) and torch.equal(a[1], lse)
+@tiers(3, 10)
+def test_permuting_physical_pages_leaves_output_unchanged(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(dtypes=("fp32", "fp16")), st.booleans(), st.integers(0, 2**31 - 1))
+    def check(case, sparse, seed):
+        p, _ = case
+        g = torch.Generator().manual_seed(seed)
+        P = p.k_cache.shape[0]
+        perm = torch.randperm(P, generator=g)  # page i moves to perm[i]
+        k2, v2 = torch.empty_like(p.k_cache), torch.empty_like(p.v_cache)
+        k2[perm], v2[perm] = p.k_cache, p.v_cache
+        bt2 = p.block_table.clone()
+        for b in range(bt2.shape[0]):
+            n = n_pages(p.seq_lens[b], p.page_size)
+            bt2[b, :n] = perm[p.block_table[b, :n].long()].to(torch.int32)
+        idx = random_selection(p, 4, seed) if sparse else None
+        scale = p.q.shape[-1] ** -0.5
+        a = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale)
+        out, lse = empty_out(p.q, "contiguous")
+        attention_triton.paged_attention(p.q, k2, v2, bt2, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
+        assert torch.equal(a[0], out) and torch.equal(a[1], lse)
+
+    check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,sparse", [(torch.float32, False), (torch.float32, True), (torch.float16, False)])
 def test_split_k_gives_the_same_answer(dtype, sparse):
     # rows of 5 and 4 iterations of BLOCK_N = 64 tokens, a short one and an empty one: with 7 splits
@@ -817,7 +839,7 @@ def assert_close_to_reference(out, lse, ref_out, ref_lse, atol=2e-5):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_dense_window_matches_reference(backend):
     """Ragged rows, empty rows, prefill (Tq > 1), GQA, windows below a page, at a page and past the context."""
     @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)
@@ -856,7 +878,7 @@ def test_sparse_window_with_listed_pages_matches_reference(backend):
     check()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_sparse_window_selected_by_boxes_matches_reference(backend):
     """Selection by the Quest bound with a window: pages before the earliest query's window rank last."""
     @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)

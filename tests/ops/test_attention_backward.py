@@ -19,7 +19,7 @@ from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops import custom_ops
 from tinyattn import reference
 
-from paged_problems import BACKENDS, empty_batch, make_problem, problems, windows
+from paged_problems import BACKENDS, SLOW_TRITON, empty_batch, make_problem, problems, tiers, windows
 
 
 OPS = ["dense", "sparse"]
@@ -112,17 +112,21 @@ def training_problems(draw, max_batch=3, max_pages_per_row=5):
 
 
 # ---- forward + three gradients against float64 (hypothesis) -------------------------------------------
+@tiers(4, 12)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", OPS)
-@settings(max_examples=12, deadline=None)
-@given(p=training_problems(), seed=st.integers(0, 2**31 - 1))
-def test_gradients_match_float64_reference(backend, op, p, seed):
+def test_gradients_match_float64_reference(backend, op, examples):
     """GQA, head_dims 8/12/40, Tq 1..2*page_size, ragged rows (0 included), poisoned padding, lse gradient."""
-    pi = random_page_indices(seed, p, width=3) if op == "sparse" else None
-    got = run_with_grads(p, torch.float32, op=op, page_indices=pi, seed=seed, backend=backend)
-    want = reference_grads(p, op, pi, seed=seed)
-    assert_grads_match(got, want, rel=2e-5)
-    assert_unread_slots_are_exactly_zero(got, p, pi)
+    @settings(max_examples=examples, deadline=None)
+    @given(p=training_problems(), seed=st.integers(0, 2**31 - 1))
+    def check(p, seed):
+        pi = random_page_indices(seed, p, width=3) if op == "sparse" else None
+        got = run_with_grads(p, torch.float32, op=op, page_indices=pi, seed=seed, backend=backend)
+        want = reference_grads(p, op, pi, seed=seed)
+        assert_grads_match(got, want, rel=2e-5)
+        assert_unread_slots_are_exactly_zero(got, p, pi)
+
+    check()
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -313,6 +317,7 @@ def opcheck_args(backend, dtype=torch.float32):
     return q, k, v, bt, sl, pi
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
 def test_opcheck_forward_and_backward_ops(backend, dtype):
     q, k, v, bt, sl, pi = opcheck_args(backend, dtype)
@@ -417,6 +422,7 @@ def test_fullgraph_compile_aot_eager_equals_eager(backend, kind, grad):
     _check_compiled(kind, backend, "aot_eager", grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, kind, grad", [("torch", "dense", True), ("triton", "sparse", False)])
 def test_fullgraph_compile_inductor_equals_eager(backend, kind, grad):
     """Inductor on the CPU compiles C++ (a few seconds a graph here): two cases only."""
@@ -501,7 +507,7 @@ def test_backward_with_a_window_matches_reference_autograd(backend, sparse):
             assert (got[1][page] == 0).all() and (got[2][page] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_backward_property_with_windows(backend):
     """Random ragged problems and windows (dense): gradients equal float64 reference autograd, never NaN."""
     @settings(max_examples={"torch": 15, "triton": 5}[backend], deadline=None)
@@ -529,6 +535,7 @@ def test_gradcheck_torch_backend_with_a_window():
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
 def test_opcheck_custom_ops_with_a_window(backend, dtype):
     """The custom ops' schema, fake kernels and autograd registration with the ``window_left`` argument."""

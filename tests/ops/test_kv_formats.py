@@ -18,48 +18,11 @@ from tinyattn.ops import quant
 from tinyattn import reference
 
 from model_fixtures import model, tok  # noqa: F401  (module-scoped fixtures)
-from paged_problems import Problem, make_problem, problems
+from paged_problems import QUANTIZED, dequantize, dequantized_args, make_problem, problems, quantize_problem
 
 
-FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+FORMATS = QUANTIZED                       # int8 / fp8 e4m3 pools, quantized and dequantized without tinyattn
 TOL = dict(atol=3e-5, rtol=3e-5)
-
-
-def owned_slots(p: Problem) -> torch.Tensor:
-    """[num_pages, page_size] bool: slots some row holds."""
-    owned = torch.zeros(p.k_cache.shape[:2], dtype=torch.bool)
-    for b in range(p.block_table.shape[0]):
-        n = int(p.seq_lens[b])
-        for j in range(-(-n // p.page_size)):
-            owned[int(p.block_table[b, j]), : min(p.page_size, n - j * p.page_size)] = True
-    return owned
-
-
-def quantize_problem(p: Problem, fmt: str, *, poison_scales: bool = True):
-    """p's pools quantized per (page, KV head) over the owned slots; unowned slots hold garbage codes (NaN for
-    fp8, 127 for int8) and the scales of pages no row holds are NaN. Returns (k_q, v_q, k_scale, v_scale)."""
-    dtype = FORMATS[fmt]
-    owned = owned_slots(p)
-    mask = owned[:, :, None, None]
-    out = []
-    for pool in (p.k_cache, p.v_cache):
-        x = torch.where(mask, pool.float(), 0.0)
-        scale = x.abs().amax(dim=(1, 3)) / quant.qmax(dtype)                        # [num_pages, Hkv]
-        xq = quant.quantize(x, scale[:, None, :, None], dtype)
-        garbage = torch.full_like(xq.view(torch.uint8), 0x7F)                       # fp8: NaN, int8: 127
-        xq = torch.where(mask, xq.view(torch.uint8), garbage).view(dtype)
-        if poison_scales:
-            scale = torch.where(owned.any(1)[:, None], scale, float("nan"))
-        out.append((xq, scale))
-    (kq, ks), (vq, vs) = out
-    return kq, vq, ks, vs
-
-
-def dequantized_args(p, kq, vq, ks, vs):
-    """The same problem as float pools (dequantized), with the poison kept out of owned slots."""
-    k = torch.nan_to_num(quant.dequantize(kq, ks), nan=0.0).to(p.q.dtype)
-    v = torch.nan_to_num(quant.dequantize(vq, vs), nan=0.0).to(p.q.dtype)
-    return (p.q, k, v, p.block_table, p.seq_lens)
 
 
 @settings(max_examples=30, deadline=None)
@@ -252,7 +215,7 @@ def test_formats_store_their_dtype_and_count_their_bytes(fmt, dtype):
 
 def _dequantized_keys(c, seq, layer=0):
     n = c.length(seq)
-    rows = [quant.dequantize(c.k_cache[layer][p][None], c.k_scale[layer][p][None])[0] for p in c.pages(seq)]
+    rows = [dequantize(c.k_cache[layer][p][None], c.k_scale[layer][p][None])[0] for p in c.pages(seq)]
     return torch.cat(rows)[:n]                                                          # [n, Hkv, D]
 
 
@@ -386,6 +349,7 @@ def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
     assert cache.k_scale[0].shape == (2, model.config.n_kv_heads)
 
 
+@pytest.mark.slow
 def test_cli_kv_cache_dtype():
     from commands import assert_clean_error, model_args, run_cli
 

@@ -26,7 +26,7 @@ from tinyattn.ops import plan as plan_module
 from tinyattn import reference
 
 from host_calls import watch_host_calls
-from paged_problems import make_problem, relocate
+from paged_problems import SLOW_TRITON, make_problem, relocate
 
 
 BACKENDS = ["torch", "triton"]
@@ -113,7 +113,7 @@ def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties)
     assert torch.equal(got.to(torch.int32), want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_plan_reused_across_layers_and_steps(backend):
     """One plan, several layers (different pools), then a re-plan with other shapes: same as the public ops."""
     plan = PagedAttentionPlan(backend=backend)
@@ -451,6 +451,7 @@ def test_no_compiled_code_in_the_package():
     assert offenders == []
 
 
+@pytest.mark.slow
 def test_graph_mode_steps_allocate_nothing_and_never_sync(monkeypatch):
     """Issue 26 (graph mode, Triton path under the interpreter): after one warm-up step, plan() + run() of later
     steps with new tables (other lengths, other pages) within the capacity allocate no tensor and read no value
@@ -577,8 +578,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("backend, name", [                  # the packed keys (P > 64) are slow in the interpreter
+    pytest.param(backend, name, marks=[pytest.mark.slow] if backend == "triton" and name.startswith("packed") else [])
+    for name in CASES for backend in BACKENDS])
 def test_planned_step_matches_the_reference(backend, name):
     lens, prob, plan_kw, run_kw = CASES[name]
     p = _case_problem(len(name), lens, **prob)
@@ -593,7 +595,7 @@ def test_planned_step_matches_the_reference(backend, name):
     _close(got, want, dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 @pytest.mark.parametrize("fill", [0.0, float("nan"), float("inf"), float("-inf")])
 def test_boxes_with_ties_nan_and_infinite_bounds(backend, fill):
     """Kind 7: three pages of row 0 share one box (ties, NaN = -inf, +-inf bounds); with and without a sink."""
@@ -627,7 +629,7 @@ def test_listed_pages_with_duplicates_minus_one_and_int64_past_int32(backend, wi
     _close(got, _want(p, q, page_indices=dedup, window_left=window_left, return_lse=True))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_one_stage_triton_selection_with_windows_and_nan_boxes(backend):
     """``B * Hkv >= 132``: the Triton plan selects in one stage (bound kernel, window mask, top-k kernel), the path
     the interpreter's small problems never take otherwise (they select in two stages)."""
@@ -662,7 +664,7 @@ def test_rows_at_high_page_ids(backend, int64):
     _close(plan.run(q, p.k_cache, p.v_cache), _want(p, q))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_non_contiguous_q_pools_boxes_and_out(backend):
     p = _case_problem(1, [29, 30, 13])
     k_min, k_max = p.bounds()
@@ -697,7 +699,7 @@ def test_a_float_pool_of_another_dtype_than_q_raises(backend):
             plan.run(p.q[:, 0], p.k_cache.half(), p.v_cache.half(), **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_one_plan_reused_across_steps_of_other_sizes(backend):
     plan = tinyattn.PagedAttentionPlan(backend=backend)
     for seed, lens, Tq, budget in [(5, [29, 30, 13], 1, 3), (6, [9], 1, 2), (7, [40, 3, 0, 17, 22], 2, 4),
@@ -713,7 +715,7 @@ def test_one_plan_reused_across_steps_of_other_sizes(backend):
         _close(plan.run(q, p.k_cache, p.v_cache, window_left=5), _want(p, q, window_left=5))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_graph_mode_steps_that_shrink_the_batch_and_the_rows(backend):
     """Graph mode: capacity 6 rows x 20 pages; later steps have fewer rows, shorter tables, empty rows; fp64 runs
     the torch plan over the Triton plan's capacity-wide tables."""

@@ -33,7 +33,11 @@ from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops.selection import triton_impl as selection_triton
 from tinyattn import reference
 
-from paged_problems import BACKENDS, brute_force_select, laid_out_problems, make_problem, problems, relayout
+from paged_problems import (BACKENDS, SLOW_TRITON, brute_force_select, laid_out_problems, make_problem, problems,
+    relayout, tiers)
+
+
+
 
 
 CHUNKS = (1, 2, 4, 8, 64)
@@ -100,31 +104,40 @@ def one_stage(q, k_min, k_max, block_table, seq_lens, opts, window_left=-1):
     return out, scores
 
 
-@settings(max_examples=150, deadline=None)
-@given(selection_problems(integer=True))
-def test_two_stage_matches_reference(case):
-    q, k_min, k_max, table, seq_lens, opts, chunk = case
-    ref_scores = reference.page_scores(q, k_min, k_max, table, seq_lens, page_size=opts["page_size"])
-    try:
-        ref = reference.select_pages(ref_scores, seq_lens, **opts, num_query_tokens=q.shape[1])
-    except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
-        assume(False)
-    assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk), ref)
+@tiers(4, 150)
+def test_two_stage_matches_reference(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(selection_problems(integer=True))
+    def check(case):
+        q, k_min, k_max, table, seq_lens, opts, chunk = case
+        ref_scores = reference.page_scores(q, k_min, k_max, table, seq_lens, page_size=opts["page_size"])
+        try:
+            ref = reference.select_pages(ref_scores, seq_lens, **opts, num_query_tokens=q.shape[1])
+        except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
+            assume(False)
+        assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk), ref)
+
+    check()
 
 
-@settings(max_examples=100, deadline=None)
-@given(selection_problems(integer=False), st.sampled_from([-1, 0, 3, 9]))
-def test_two_stage_equals_one_stage(case, window_left):
-    q, k_min, k_max, table, seq_lens, opts, chunk = case
-    try:
-        reference.select_pages(torch.zeros(q.shape[0], 1, table.shape[1]), seq_lens, **opts,
-                               num_query_tokens=q.shape[1])
-    except ValueError:
-        assume(False)
-    one, _ = one_stage(q, k_min, k_max, table, seq_lens, opts, window_left)
-    assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk, window_left), one)
+@tiers(3, 100)
+def test_two_stage_equals_one_stage(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(selection_problems(integer=False), st.sampled_from([-1, 0, 3, 9]))
+    def check(case, window_left):
+        q, k_min, k_max, table, seq_lens, opts, chunk = case
+        try:
+            reference.select_pages(torch.zeros(q.shape[0], 1, table.shape[1]), seq_lens, **opts,
+                                   num_query_tokens=q.shape[1])
+        except ValueError:
+            assume(False)
+        one, _ = one_stage(q, k_min, k_max, table, seq_lens, opts, window_left)
+        assert torch.equal(two_stage(q, k_min, k_max, table, seq_lens, opts, chunk, window_left), one)
+
+    check()
 
 
+@pytest.mark.slow
 def test_all_ties_radix_and_short_rows():
     """Every page scores the same (the lowest pages win), a row of 0 tokens, a short row kept whole."""
     p = make_problem(0, batch=3, seq_lens=[40, 0, 7], page_size=1, num_kv_heads=2, group=2, head_dim=8)
@@ -140,7 +153,7 @@ def test_all_ties_radix_and_short_rows():
     assert (ref[1] == -1).all() and ref[2, 0].tolist() == list(range(7)) + [-1] * 13
 
 
-@pytest.mark.parametrize("chunk", [8, 32, 128])
+@pytest.mark.parametrize("chunk", [pytest.param(8, marks=pytest.mark.slow), pytest.param(32, marks=pytest.mark.slow), 128])
 def test_radix_select_over_long_rows(chunk):
     """Budgets above ``RADIX_MIN_BUDGET`` (radix select in both stages) on rows of 70-100 pages, Tq = 3."""
     p = make_problem(7, batch=2, seq_lens=[100, 70], page_size=1, num_kv_heads=2, group=3, head_dim=16,
@@ -249,7 +262,7 @@ def test_selection_properties(backend, data):
                 assert int(n_valid[b]) - 1 in kept                          # the partial last page
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
 def test_large_budgets_with_ties_match_reference(backend, data):
@@ -273,27 +286,31 @@ def num_valid_pages(seq_len, page_size: int) -> int:
 
 
 # ---- the Triton scoring and selection kernels against the reference; the bound holds for every key ---------------
-@settings(max_examples=20, deadline=None)
-@given(laid_out_problems(dtypes=("fp32", "fp16", "bf16")))
-def test_page_scores_match_reference_and_bound_every_key(case):
-    p, layout = case
-    P, S, Hkv, D = p.k_cache.shape
-    q = relayout(p.q, layout)
-    k_min, k_max = torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype), torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype)
-    kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
-    scores = torch.full((p.q.shape[0], Hkv, p.block_table.shape[1]), math.nan)
-    selection_triton.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, out=scores)
-    ref = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=S)
-    torch.testing.assert_close(scores, ref, atol=1e-4, rtol=1e-5)
-    # the bound: score >= q.k for every valid key of the page, every query token and head of the group
-    G, Tq = p.q.shape[2] // Hkv, p.q.shape[1]
-    for b in range(p.q.shape[0]):
-        n_tok = int(p.seq_lens[b])
-        for j in range(num_valid_pages(n_tok, S)):
-            keys = p.k_cache[p.block_table[b, j].long(), : min(S, n_tok - j * S)].double()  # [s, Hkv, D]
-            qg = p.q[b].double().view(Tq, Hkv, G, D)
-            logits = torch.einsum("thgd,shd->hstg", qg, keys).reshape(Hkv, -1).amax(1)  # [Hkv]
-            assert (scores[b, :, j].double() >= logits - 1e-4 * (1 + logits.abs())).all()
+@tiers(4, 20)
+def test_page_scores_match_reference_and_bound_every_key(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(dtypes=("fp32", "fp16", "bf16")))
+    def check(case):
+        p, layout = case
+        P, S, Hkv, D = p.k_cache.shape
+        q = relayout(p.q, layout)
+        k_min, k_max = torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype), torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype)
+        kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+        scores = torch.full((p.q.shape[0], Hkv, p.block_table.shape[1]), math.nan)
+        selection_triton.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, out=scores)
+        ref = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=S)
+        torch.testing.assert_close(scores, ref, atol=1e-4, rtol=1e-5)
+        # the bound: score >= q.k for every valid key of the page, every query token and head of the group
+        G, Tq = p.q.shape[2] // Hkv, p.q.shape[1]
+        for b in range(p.q.shape[0]):
+            n_tok = int(p.seq_lens[b])
+            for j in range(num_valid_pages(n_tok, S)):
+                keys = p.k_cache[p.block_table[b, j].long(), : min(S, n_tok - j * S)].double()  # [s, Hkv, D]
+                qg = p.q[b].double().view(Tq, Hkv, G, D)
+                logits = torch.einsum("thgd,shd->hstg", qg, keys).reshape(Hkv, -1).amax(1)  # [Hkv]
+                assert (scores[b, :, j].double() >= logits - 1e-4 * (1 + logits.abs())).all()
+
+    check()
 
 
 @st.composite
@@ -312,17 +329,21 @@ def selection_cases(draw):
     return scores, seq_lens, opts
 
 
-@settings(max_examples=40, deadline=None)
-@given(selection_cases())
-def test_select_pages_matches_reference(case):
-    scores, seq_lens, opts = case
-    try:
-        ref = reference.select_pages(scores, seq_lens, **opts)
-    except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
-        assume(False)
-    out = torch.full(ref.shape, -7, dtype=torch.int32)
-    selection_triton.select_pages(scores, seq_lens, **opts, out=out)
-    assert torch.equal(out, ref)
+@tiers(10, 40)
+def test_select_pages_matches_reference(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(selection_cases())
+    def check(case):
+        scores, seq_lens, opts = case
+        try:
+            ref = reference.select_pages(scores, seq_lens, **opts)
+        except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
+            assume(False)
+        out = torch.full(ref.shape, -7, dtype=torch.int32)
+        selection_triton.select_pages(scores, seq_lens, **opts, out=out)
+        assert torch.equal(out, ref)
+
+    check()
 
 
 # ---- NaN scores count as -inf, ties go to the lower page (NaN vs -inf too), against a brute-force ranking ---------
