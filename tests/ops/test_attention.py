@@ -188,13 +188,17 @@ def test_sparse_attention_matches_reference(examples):
     check()
 
 
-@settings(max_examples=5, deadline=None)
-@given(laid_out_problems(dtypes=("bf16",), max_pages_per_row=3), st.sampled_from([None, 2]))
-def test_bf16_attention_matches_reference(case, num_splits):
-    p, layout = case
-    scale = p.q.shape[-1] ** -0.5
-    out, lse = run_attention(p, p.q, p.k_cache, p.v_cache, None, scale, layout, num_splits)
-    check_attention(p, out, lse, None, scale, p.q, p.k_cache, p.v_cache)
+@tiers(2, 5)
+def test_bf16_attention_matches_reference(examples):
+    @settings(max_examples=examples, deadline=None)
+    @given(laid_out_problems(dtypes=("bf16",), max_pages_per_row=3), st.sampled_from([None, 2]))
+    def check(case, num_splits):
+        p, layout = case
+        scale = p.q.shape[-1] ** -0.5
+        out, lse = run_attention(p, p.q, p.k_cache, p.v_cache, None, scale, layout, num_splits)
+        check_attention(p, out, lse, None, scale, p.q, p.k_cache, p.v_cache)
+
+    check()
 
 
 @tiers(3, 10)
@@ -856,7 +860,7 @@ def test_dense_window_matches_reference(backend):
     check()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_sparse_window_with_listed_pages_matches_reference(backend):
     """Listed pages attended within the window: the window is a mask on top of the selection."""
     @settings(max_examples=WINDOW_EXAMPLES[backend], deadline=None)

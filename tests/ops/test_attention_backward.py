@@ -112,7 +112,7 @@ def training_problems(draw, max_batch=3, max_pages_per_row=5):
 
 
 # ---- forward + three gradients against float64 (hypothesis) -------------------------------------------
-@tiers(4, 12)
+@tiers(2, 12)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", OPS)
 def test_gradients_match_float64_reference(backend, op, examples):

@@ -121,7 +121,8 @@ def test_quantized_pool_errors_name_the_argument(op):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("qdtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qdtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow),
+                                    pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_triton_kernel_dequantizes_in_registers(fmt, qdtype):
     """The Triton attention kernel (interpreter) on int8 / fp8 pools: dense, sparse and split-K against the
     reference's dequantize-then-attend."""
@@ -309,6 +310,7 @@ def _teacher_forced_logits(rt, tokens):
     return torch.stack([rt.decode(cache, [sid], [t])[0] for t in tokens[20:]]), cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "int8", "fp8_e4m3"])
 def test_runtime_formats_track_the_fp32_cache(model, tok, fmt):  # noqa: F811
     """Teacher-forced decode: each format's next-token distribution stays near the fp32 cache's (dense decode:

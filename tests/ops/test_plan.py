@@ -408,7 +408,7 @@ def test_int64_page_index_past_int32_is_ignored(backend):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_run_dispatches_once(backend, monkeypatch):
     """run() makes one call into the implementation chosen at plan() time, with or without a gradient (the
     implementation routes autograd itself: the torch forms are differentiable, the Triton backend goes through
@@ -771,7 +771,7 @@ def test_gradients_with_selection_shared_pages_and_poisoned_slots(backend, Tq, l
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 @pytest.mark.parametrize("policy", ["quest", "oracle", "streaming"])
 def test_layer_keeps_the_planned_tables(backend, policy):
     p = _case_problem(7, [29, 0, 30, 13])

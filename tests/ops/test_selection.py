@@ -104,7 +104,7 @@ def one_stage(q, k_min, k_max, block_table, seq_lens, opts, window_left=-1):
     return out, scores
 
 
-@tiers(4, 150)
+@tiers(2, 150)
 def test_two_stage_matches_reference(examples):
     @settings(max_examples=examples, deadline=None)
     @given(selection_problems(integer=True))
@@ -120,7 +120,7 @@ def test_two_stage_matches_reference(examples):
     check()
 
 
-@tiers(3, 100)
+@tiers(2, 100)
 def test_two_stage_equals_one_stage(examples):
     @settings(max_examples=examples, deadline=None)
     @given(selection_problems(integer=False), st.sampled_from([-1, 0, 3, 9]))
