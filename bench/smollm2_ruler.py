@@ -7,7 +7,7 @@ with the shipped public-domain Book of Mormon excerpt as the haystack). Per (tas
 samples are stored in ``OUT/samples/<task>_<context>.jsonl.xz`` on first use and read back by every later run.
 
 Per batch of samples: each prompt is prefilled densely once (:func:`tinyattn.retrieval.evaluate.prefill`; H2O's
-observer watches the question's tokens, ``--h2o-prefill``), then every policy x budget missing from the results
+observer watches the whole prompt, as in H2O, ``--h2o-prefill``), then every policy x budget missing from the results
 decodes greedily from that cache (:func:`tinyattn.retrieval.evaluate.greedy_decode`; the first answer token comes
 from the dense prefill, as in Quest) through ``tinyattn.layer.PagedAttention(SparsityConfig(page_budget=...,
 policy=...))`` with the library's default recipe (one sink page from 16 pages, one recent page, no dense layer),
@@ -84,9 +84,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--seed", type=int, default=0,
                    help="random.seed before lm-eval generates a task's samples (default: 0, simple_evaluate's)")
-    p.add_argument("--h2o-prefill", choices=["question", "observe", "skip"], default="question",
-                   help="what H2O's statistics observe of the dense prefill: the question (after the prompt's last "
-                        "newline; default), the whole prompt (~3x the prefill's cost), or nothing")
+    p.add_argument("--h2o-prefill", choices=["observe", "question", "skip"], default="observe",
+                   help="what the statistics of stateful policies (H2O) observe of the dense prefill: the whole prompt "
+                        "(default; H2O's accumulated attention; ~3-4x the prefill's cost on the CPU), the question "
+                        "only (the tokens after the prompt's last newline: a query-aware window, not H2O's rule), or "
+                        "nothing")
+    p.add_argument("--stateful-samples", type=int, default=0, metavar="N",
+                   help="run the stateful policies' cells (H2O) on the first N samples of each (task, context) only "
+                        "(their observed prefill is the costly part); 0 (default): all")
     p.add_argument("--report", action="store_true", help="only rebuild summary.md, cells.csv and ruler.png from OUT")
     p.add_argument("--diagnose", type=int, default=0, metavar="N",
                    help="replay up to N of quest's misses (and N hits) per (task, context, budget) of the results "
@@ -285,10 +290,14 @@ def run(args) -> None:
                     for r in read_results(path)}
             cells = cells_for(args, task, context)
             n_stock = len(samples) if args.stock == "all" else (0 if args.stock == "none" else int(args.stock))
+            n_stateful = args.stateful_samples or len(samples)
+            stateful = {c["policy"] for c in cells if c["policy"] not in (DENSE, STOCK)
+                        and policy_from_label(c["policy"]).stateful}
             todo = []
             for i, s in enumerate(samples):
                 missing = [c for c in cells if cell_key(s["index"], c["policy"], c["budget"], args.page_size, max_new)
-                           not in done and (c["policy"] != STOCK or i < n_stock)]
+                           not in done and (c["policy"] != STOCK or i < n_stock)
+                           and (c["policy"] not in stateful or i < n_stateful)]
                 if missing:
                     todo.append((s, missing))
             total = sum(len(m) for _, m in todo)
@@ -303,8 +312,8 @@ def run(args) -> None:
             bar = tqdm(total=total, desc=f"{task} {context}", unit="cell")
             for start in range(0, len(todo), args.batch):
                 batch = todo[start:start + args.batch]
-                rows, log = run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar)
-                append_rows(path, rows)
+                log = run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar,
+                                emit=lambda rows, path=path: append_rows(path, rows))
                 append_rows(args.out / "results" / "log.jsonl", [log])
             bar.close()
 
@@ -313,6 +322,24 @@ def load_stock(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+class Tee(SelectionPolicy):
+    """A stateful policy that hands what it observes to each of ``policies`` (one observed prefill feeds them all);
+    it never selects (the prefill is dense)."""
+
+    name = "tee"
+    stateful = True
+
+    def __init__(self, policies: list):
+        self.policies = policies
+
+    def observe(self, ctx, page_indices, page_mass):
+        for p in self.policies:
+            p.observe(ctx, page_indices, page_mass)
+
+    def select(self, ctx):
+        raise RuntimeError("Tee only observes a dense prefill")
 
 
 def question_start(tok, prompt: str, ids: list[int]) -> int:
@@ -324,11 +351,12 @@ def question_start(tok, prompt: str, ids: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(offsets) if a > cut and b > a), len(ids))
 
 
-def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar):
-    """Prefill the batch's prompts once, run each missing cell from that cache; returns (result rows, log)."""
+def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, emit):
+    """Prefill the batch's prompts once, run each missing cell from that cache; ``emit(rows)`` gets the result rows
+    of each stock sample and each cell as soon as they are done (a killed run loses at most one cell). Returns the
+    batch's timing log."""
     from tinyattn.layer import PagedAttention, SparsityConfig
     from tinyattn.retrieval.evaluate import greedy_decode, prefill
-    from tinyattn.selection import H2OPolicy
 
     ps = args.page_size
     t0 = time.perf_counter()
@@ -353,6 +381,8 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar):
                         out = hf.generate(torch.tensor([q]), attention_mask=torch.ones(1, len(q), dtype=torch.long),
                                           max_new_tokens=max_new, do_sample=False, num_beams=1)
                     record(s, cell, len(q), out[0, len(q):].tolist())
+                    emit(rows)
+                    rows.clear()
                     bar.update(1)
     log["stock_s"] = round(time.perf_counter() - t0, 1)
     sparse_cells = {}
@@ -361,14 +391,16 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar):
             if cell["policy"] != STOCK:
                 sparse_cells.setdefault((cell["policy"], cell["budget"]), (cell, []))[1].append(j)
     if not sparse_cells:
-        return rows, log
+        return log
     t1 = time.perf_counter()
     cache = model.new_cache(page_size=ps, num_pages=sum(-(-(len(q) + max_new) // ps) + 1 for q in ids))
     sids = [cache.add_sequence() for _ in batch]
-    observer = H2OPolicy()
-    watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=observer))
+    # stateful policies (H2O) observe the dense prefill: one fresh instance per label, all fed by one pass
+    observers = {label: policy_from_label(label) for label, _ in sparse_cells if label != DENSE
+                 and policy_from_label(label).stateful}
+    observe = bool(observers) and args.h2o_prefill != "skip"
+    watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=Tee(list(observers.values()))))
     plain = PagedAttention(None)
-    observe = any(c["policy"].split(":")[0] == "h2o" for c, _ in sparse_cells.values()) and args.h2o_prefill != "skip"
     first = []
     for (s, _), sid, q in zip(batch, sids, ids):
         n_q = question_start(tok, s["prompt"], q)
@@ -386,8 +418,7 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar):
         if label == DENSE:
             att = PagedAttention(None)
         else:
-            base = label.split(":")[0]
-            policy = copy.deepcopy(observer) if base == "h2o" and ":" not in label else policy_from_label(label)
+            policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
             if not policy.fused:
                 counter.wrap(policy)
             att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy))
@@ -404,10 +435,12 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar):
             sink = None if label == DENSE else att.sparsity.num_sink_pages
             record(s, cell, len(q), g, pages, ntok, sink)
             cache.truncate(sids[j], len(q))
+        emit(rows)
+        rows.clear()
         bar.update(len(rows_j))
         log["cells_s"][f"{label} {budget}"] = round(time.perf_counter() - t2, 1)
     log["total_s"] = round(time.perf_counter() - t0, 1)
-    return rows, log
+    return log
 
 
 
