@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=4, help="samples prefilled and decoded together (default: 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                   help="tinyattn's attention backend (default: torch; triton needs CUDA tensors or TRITON_INTERPRET=1, "
+                        "where a 30-layer model is very slow)")
     p.add_argument("--seed", type=int, default=0,
                    help="random.seed before lm-eval generates a task's samples (default: 0, simple_evaluate's)")
     p.add_argument("--h2o-prefill", choices=["observe", "question", "skip"], default="observe",
@@ -172,7 +175,7 @@ def policy_from_label(label: str):
 
 
 def budget_label(f: Fraction | None) -> str | None:
-    return None if f is None else (f"1/{f.denominator}" if f.numerator == 1 else str(f))
+    return None if f is None else str(f)            # "1/8", "3/16", "1"
 
 
 def cells_for(args, task: str, context: int) -> list[dict]:
@@ -399,8 +402,9 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, e
     observers = {label: policy_from_label(label) for label, _ in sparse_cells if label != DENSE
                  and policy_from_label(label).stateful}
     observe = bool(observers) and args.h2o_prefill != "skip"
-    watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=Tee(list(observers.values()))))
-    plain = PagedAttention(None)
+    watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=Tee(list(observers.values()))),
+                           backend=args.backend)
+    plain = PagedAttention(None, backend=args.backend)
     first = []
     for (s, _), sid, q in zip(batch, sids, ids):
         n_q = question_start(tok, s["prompt"], q)
@@ -416,12 +420,12 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, e
         t2 = time.perf_counter()
         counter = AttendedCounter(ps)
         if label == DENSE:
-            att = PagedAttention(None)
+            att = PagedAttention(None, backend=args.backend)
         else:
             policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
             if not policy.fused:
                 counter.wrap(policy)
-            att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy))
+            att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy), backend=args.backend)
         sub = [sids[j] for j in rows_j]
         got = greedy_decode(model, cache, sub, [[] for _ in sub], [max_new] * len(sub), attention=att,
                             first_logits=first[rows_j])
@@ -787,12 +791,12 @@ def diagnose(args) -> int:
                 value_pages = sorted({t // ps for sp in spans for t in range(*sp["value"])})
                 cache = model.new_cache(page_size=ps, num_pages=-(-(len(q) + 64) // ps) + 1)
                 sid = cache.add_sequence()
-                prefill(model, cache, sid, q, attention=PagedAttention(None))
+                prefill(model, cache, sid, q, attention=PagedAttention(None, backend=args.backend))
                 target = dense[i]["tokens"]
                 for b, outcome, quest_row in todo:
                     pol = NeedleRanks(value_pages)
                     att = PagedAttention(SparsityConfig(page_budget=page_budget_for(context, ps, Fraction(b)),
-                                                        policy=pol))
+                                                        policy=pol), backend=args.backend)
                     agree = []
                     for t, token in enumerate(target[:-1]):
                         pol.step = t + 1
