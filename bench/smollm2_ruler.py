@@ -685,6 +685,8 @@ class NeedleRanks(SelectionPolicy):
     - ``exact_rank``: the page's true largest logit ``max_j q·k_j`` (max over the group): what the bound bounds
       (is the box loose?);
     - ``questmass_rank``: questmass's estimate; ``oracle_rank``: the true attention mass (the oracle's ranking);
+    - ``gamma_ranks``: the box estimate ``q·c + gamma·|q|·r`` (centre ``c``, half-width ``r``; max over the group)
+      for gamma = 0, 0.25, 0.5, 0.75 (gamma = 1 is Quest's bound): how much of the bound's slack costs the needle;
 
     and ``mass`` (the needle page's share of the group's true attention), ``quest_captured`` /
     ``oracle_captured`` (share of the true attention on quest's / the oracle's selected pages). ``step`` is set by
@@ -715,6 +717,7 @@ class NeedleRanks(SelectionPolicy):
         heads = [tinyattn.page_scores(q[:, :, g].contiguous(), ctx.k_min, ctx.k_max, ctx.block_table, ctx.seq_lens,
                                       page_size=ctx.page_size, backend=ctx.backend) for g in range(G)]
         exact = self._exact_max_logit(ctx, q)                                                    # [Hkv, P]
+        gammas = self._gamma_estimates(ctx, q)                                                   # [4, Hkv, P]
         valid = int(ctx.valid_pages()[0])
         pages = torch.tensor(self.value_pages)
 
@@ -731,11 +734,27 @@ class NeedleRanks(SelectionPolicy):
                 "step": self.step, "layer": ctx.layer, "head": h,
                 "quest_rank": rank(scores[0, h]), "head_ranks": [rank(x[0, h]) for x in heads],
                 "exact_rank": rank(exact[h]), "questmass_rank": rank(qm[0, h]), "oracle_rank": rank(mass[0, h]),
+                "gamma_ranks": [rank(g[h]) for g in gammas],
                 "mass": round(float(mass[0, h, pages].sum()), 5),
                 "quest_selected": bool(torch.isin(pages, idx[0, h].long()).any()),
                 "oracle_selected": bool(torch.isin(pages, oracle[0, h].long()).any()),
                 "quest_captured": captured(idx, h), "oracle_captured": captured(oracle, h), "valid_pages": valid})
         return idx
+
+    GAMMAS = (0.0, 0.25, 0.5, 0.75)
+
+    @classmethod
+    def _gamma_estimates(cls, ctx, q) -> torch.Tensor:
+        """``[len(GAMMAS), Hkv, valid pages]``: ``max over the group of q·c + gamma·|q|·r`` per page."""
+        n = int(ctx.seq_lens[0])
+        valid = -(-n // ctx.page_size)
+        pages = ctx.block_table[0, :valid].long()
+        lo, hi = ctx.k_min[pages].float(), ctx.k_max[pages].float()                     # [valid, Hkv, D]
+        c, r = (hi + lo) / 2, (hi - lo) / 2
+        qf = q[0].float()                                                               # [Hkv, G, D]
+        centre = torch.einsum("hgd,phd->hgp", qf, c)
+        spread = torch.einsum("hgd,phd->hgp", qf.abs(), r)
+        return torch.stack([(centre + g * spread).amax(1) for g in cls.GAMMAS])
 
     @staticmethod
     def _exact_max_logit(ctx, q) -> torch.Tensor:
@@ -830,8 +849,8 @@ def diagnosis_report(out: Path) -> int:
     lines = ["# Where quest loses the needle: page ranks per layer and KV head", "",
              "Made by `python bench/smollm2_ruler.py --diagnose N` (teacher-forced along dense's answer; quest's "
              "selection at the budget; ranks among the valid pages, 1 = first; `mass` = the needle value page's "
-             "share of the true attention of that KV head's group). `kept` = share of (layer, KV head) pairs whose "
-             "selection holds the needle's value page.", ""]
+             "share of the true attention of that KV head's group; `c`, `r`: the page box's centre and "
+             "half-width, γ = 1 being Quest's bound).", ""]
     for path in sorted((out / "diagnosis").glob("*.json.xz")):
         with lzma.open(path, "rt") as f:
             items = json.load(f)
@@ -843,22 +862,27 @@ def diagnosis_report(out: Path) -> int:
             lines.append(f"## {task} {context} {budget} ({its[0]['page_budget']} pages): quest {outcome}, "
                          f"{len(its)} samples")
             lines.append("")
-            lines.append("| step | quest kept | oracle kept | median quest rank | median questmass rank | "
-                         "median oracle rank | median rank of quest where oracle ranks it 1st | mean needle mass |")
-            lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+            lines += ["Over the (layer, KV head) pairs that put at least 10% of their true attention on the needle's "
+                      "page (the heads that read it): how many, the share whose selection keeps the page (quest, "
+                      "oracle), the median rank of the page (1 = first) under each estimate, and the mean share of "
+                      "the true attention the selections capture (all pairs).", "",
+                      "| step | pairs | quest keeps | oracle keeps | quest bound | questmass | exact max logit | "
+                      "q·c + γ·abs(q)·r, γ = 0 / 0.25 / 0.5 / 0.75 | oracle | captured, quest / oracle |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for label, pick in (("1 (first sparse)", lambda r: r["step"] == 1), ("all", lambda r: True)):
-                rs = [r for it in its for r in it["records"] if pick(r)]
+                every = [r for it in its for r in it["records"] if pick(r)]
+                rs = [r for r in every if r["mass"] >= 0.1]
                 if not rs:
                     continue
-                top = [r["quest_rank"] for r in rs if r["oracle_rank"] == 1]
+                med = lambda key: statistics.median(r[key] for r in rs)                  # noqa: E731
                 lines.append(
-                    f"| {label} | {sum(r['quest_selected'] for r in rs) / len(rs):.0%} | "
-                    f"{sum(r['oracle_selected'] for r in rs) / len(rs):.0%} | "
-                    f"{statistics.median(r['quest_rank'] for r in rs):.0f} | "
-                    f"{statistics.median(r['questmass_rank'] for r in rs):.0f} | "
-                    f"{statistics.median(r['oracle_rank'] for r in rs):.0f} | "
-                    f"{statistics.median(top) if top else float('nan'):.0f} (of {len(top)}) | "
-                    f"{statistics.mean(r['mass'] for r in rs):.3f} |")
+                    f"| {label} | {len(rs)} | {sum(r['quest_selected'] for r in rs) / len(rs):.0%} | "
+                    f"{sum(r['oracle_selected'] for r in rs) / len(rs):.0%} | {med('quest_rank'):.0f} | "
+                    f"{med('questmass_rank'):.0f} | {med('exact_rank'):.0f} | "
+                    + " / ".join(f"{statistics.median(r['gamma_ranks'][k] for r in rs):.0f}"
+                                 for k in range(len(rs[0]["gamma_ranks"])))
+                    + f" | {med('oracle_rank'):.0f} | {statistics.mean(r['quest_captured'] for r in every):.3f} / "
+                      f"{statistics.mean(r['oracle_captured'] for r in every):.3f} |")
             first_bad = [next((t + 1 for t, a in enumerate(it["teacher_forced_agree"]) if not a), None) for it in its]
             depths = [f"{it['depth']:.2f}" for it in its if it["depth"] is not None]
             lines += ["", f"needle depths: {', '.join(depths)}; first teacher-forced step where quest's argmax "
@@ -873,11 +897,13 @@ def diagnosis_report(out: Path) -> int:
                             key=lambda kv: -statistics.mean(x["mass"] for x in kv[1]))
             if strong:
                 lines.append("KV heads holding >= 20% of their attention on the needle at step 1 (layer.head: mean "
-                             "mass, quest ranks, oracle ranks):")
+                             "mass, then the needle page's ranks per sample: quest, exact max logit, q·c (γ = 0), "
+                             "oracle):")
                 lines.append("")
                 for (layer, head), v in strong[:12]:
                     lines.append(f"- {layer}.{head}: {statistics.mean(x['mass'] for x in v):.2f}, quest "
-                                 f"{[x['quest_rank'] for x in v]}, oracle {[x['oracle_rank'] for x in v]}")
+                                 f"{[x['quest_rank'] for x in v]}, exact {[x['exact_rank'] for x in v]}, γ=0 "
+                                 f"{[x['gamma_ranks'][0] for x in v]}, oracle {[x['oracle_rank'] for x in v]}")
                 lines.append("")
     (out / "diagnosis" / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'diagnosis' / 'summary.md'}")
