@@ -537,6 +537,7 @@ def report(out: Path) -> int:
              "default recipe (`SparsityConfig(page_budget, policy)`: one sink page from 16 pages, one recent page).",
              ""]
     lines += _stock_section(rows)
+    lines += _gap_section(cells)
     tasks = sorted({c["task"] for c in cells})
     for task in tasks:
         for context in sorted({c["context"] for c in cells if c["task"] == task}):
@@ -565,6 +566,26 @@ def _stock_section(rows) -> list[str]:
         lines.append(f"| {task} | {context} | {len(common)} | {same} | {same_score} | "
                      f"{sum(d[i]['score'] for i in common) / len(common):.3f} | "
                      f"{sum(s[i]['score'] for i in common) / len(common):.3f} |")
+    return lines + [""]
+
+
+def _gap_section(cells) -> list[str]:
+    """Oracle minus quest, per task, context and budget: the room a better selection (or the adaptive budget)
+    has at the same number of pages."""
+    get = {(c["task"], c["context"], c["policy"], c["budget"]): c for c in cells}
+    keys = sorted({(c["task"], c["context"]) for c in cells if c["policy"] == "quest"})
+    budgets = sorted({c["budget"] for c in cells if c["policy"] == "quest"}, key=lambda b: -_budget_value(b))
+    if not keys:
+        return []
+    lines = ["## Oracle minus quest (points; the room at the same page budget)", "",
+             "| task | context | " + " | ".join(budgets) + " |", "|---|---:|" + "---:|" * len(budgets)]
+    for task, context in keys:
+        parts = []
+        for b in budgets:
+            q, o = get.get((task, context, "quest", b)), get.get((task, context, "oracle", b))
+            parts.append(f"{100 * (o['score'] - q['score']):+.0f} (n={min(o['samples'], q['samples'])})"
+                         if q and o else "")
+        lines.append(f"| {task} | {context} | " + " | ".join(parts) + " |")
     return lines + [""]
 
 
