@@ -20,6 +20,7 @@ CEIL="niah_multikey_2,niah_multikey_3,vt,cwe,fwe"
 case "${1:-}" in
 A)
   R --tasks niah_single_1 --contexts 2048 --samples 50 --batch 8 --policies $SEL --stock 20
+  R --tasks niah_single_1 --contexts 2048 --samples 50 --diagnose 8 --budgets 1/8,1/16
   R --tasks niah_single_1 --contexts 2048 --samples 20 --lm-eval 20
   R --tasks niah_single_1 --contexts 2048 --samples 50 --batch 8 --policies h2o --stock none
   R --tasks niah_single_1 --contexts 2048 --samples 50 --batch 8 --policies dense --stock all
@@ -31,6 +32,7 @@ A)
   ;;
 B)
   R --tasks niah_single_1 --contexts 4096 --samples 50 --batch 8 --policies $SEL --stock 20
+  R --tasks niah_single_1 --contexts 4096 --samples 50 --diagnose 6 --budgets 1/8,1/16
   R --tasks niah_single_1 --contexts 4096 --samples 50 --batch 8 --policies h2o --stock none
   R --tasks niah_single_1 --contexts 4096 --samples 50 --batch 8 --policies dense --stock all
   R --tasks niah_single_2,niah_single_3 --contexts 4096 --samples 50 --batch 8 --policies $SEL --stock 10

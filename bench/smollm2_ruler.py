@@ -932,43 +932,55 @@ def diagnosis_report(out: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- lm-eval itself
-def lm_eval_reference(args) -> int:
-    """lm-eval's ``simple_evaluate`` with its Hugging Face model (stock transformers, lm-eval's own generation
-    settings: greedy, up to the task's ``max_gen_toks``) on the first ``--lm-eval`` stored samples; per sample its
-    response and score beside the runner's dense and stock cells (``OUT/lm_eval/``)."""
+def _lm_eval_samples(args, task, context, folder, stored) -> tuple[list[dict], float]:
+    """lm-eval's per-sample responses and scores on the first ``--lm-eval`` samples: read back from
+    ``OUT/lm_eval/<task>_<context>.jsonl`` when a run already made them, else from ``simple_evaluate``."""
     import lm_eval
 
     from tinyattn.retrieval import ruler
 
+    path = args.out / "lm_eval" / f"{task}_{context}.jsonl"
+    meta = path.with_suffix(".meta.json")
+    if path.is_file() and meta.is_file():
+        per = read_results(path)
+        if len(per) >= args.lm_eval:
+            return per[:args.lm_eval], json.loads(meta.read_text())["seconds"]
+    lm_task, _ = ruler.load_task(task, context, folder, seed=args.seed)
+    t0 = time.perf_counter()
+    res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32",
+                                                          "device": "cpu"},
+                                  tasks=[lm_task], limit=args.lm_eval, batch_size=1, log_samples=True)
+    seconds = time.perf_counter() - t0
+    prompts = {s["index"]: s["prompt"] for s in stored}
+    per = [{"index": x["doc_id"], "same_prompt": prompts.get(x["doc_id"]) == x["arguments"][0][0],
+            "response": x["filtered_resps"][0], "score": float(x[str(context)])}
+           for x in sorted(res["samples"][ruler.TASKS[task]], key=lambda x: x["doc_id"])]
+    path.write_text("".join(json.dumps(p) + "\n" for p in per))
+    meta.write_text(json.dumps({"seconds": round(seconds, 1), "lm_eval": lm_eval.__version__,
+                                "model_args": {"pretrained": str(folder), "dtype": "float32"},
+                                "results": res["results"][ruler.TASKS[task]]}, default=str, indent=1) + "\n")
+    return per, seconds
+
+
+def lm_eval_reference(args) -> int:
+    """lm-eval's ``simple_evaluate`` with its Hugging Face model (stock transformers, lm-eval's own generation
+    settings: greedy, up to the task's ``max_gen_toks``) on the first ``--lm-eval`` stored samples; per sample its
+    response and score beside the runner's dense and stock cells (``OUT/lm_eval/``)."""
     folder = hf_folder(args.model)
     (args.out / "lm_eval").mkdir(parents=True, exist_ok=True)
     lines = ["# lm-eval's own evaluation beside the runner", "",
              "`lm_eval.simple_evaluate(model='hf', ...)` (stock transformers through lm-eval's Hugging Face model, "
              "fp32, batch 1, lm-eval's generation settings) on the task object whose samples the runner stored "
-             "(same seed; checked equal below). `prefix` = the runner's dense text is the start of lm-eval's "
-             "response (the runner generates fewer tokens).", "",
+             "(same seed). `same prompts` = lm-eval's request context equals the runner's stored prompt; "
+             "`prefix` = the runner's dense text is the start of lm-eval's response (the runner generates fewer "
+             "tokens).", "",
              "| task | context | samples | same prompts | lm-eval score | runner dense score | same score per sample | "
              "dense text a prefix of lm-eval's | stock score | seconds |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for task in args.task_list:
         for context in args.context_list:
             stored, _ = get_samples(args.out, task, context, args.lm_eval, folder, args.seed)
-            lm_task, _ = ruler.load_task(task, context, folder, seed=args.seed)
-            t0 = time.perf_counter()
-            res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(folder), "dtype": "float32",
-                                                                  "device": "cpu"},
-                                          tasks=[lm_task], limit=args.lm_eval, batch_size=1, log_samples=True)
-            seconds = time.perf_counter() - t0
-            name = ruler.TASKS[task]
-            logged = sorted(res["samples"][name], key=lambda x: x["doc_id"])
-            per = []
-            for x in logged:
-                per.append({"index": x["doc_id"], "input": x["doc"]["input"], "response": x["filtered_resps"][0],
-                            "score": float(x[str(context)])})
-            (args.out / "lm_eval" / f"{task}_{context}.jsonl").write_text(
-                "".join(json.dumps({k: v for k, v in p.items() if k != "input"}) + "\n" for p in per))
-            by_index = {s["index"]: s for s in stored}
-            same_prompt = sum(by_index.get(p["index"], {}).get("doc", {}).get("input") == p["input"] for p in per)
+            per, seconds = _lm_eval_samples(args, task, context, folder, stored)
             rows = read_results(args.out / "results" / f"{task}_{context}.jsonl")
             dense = _by_sample(rows, task, context, DENSE, None)
             stock = _by_sample(rows, task, context, STOCK, None)
@@ -976,11 +988,11 @@ def lm_eval_reference(args) -> int:
             same = sum(dense[p["index"]]["score"] == p["score"] for p in both)
             prefix = sum(p["response"].strip().startswith(dense[p["index"]]["text"].strip()) for p in both)
             st = [stock[p["index"]]["score"] for p in per if p["index"] in stock]
-            lines.append(f"| {task} | {context} | {len(per)} | {same_prompt} | "
+            lines.append(f"| {task} | {context} | {len(per)} | {sum(p['same_prompt'] for p in per)} | "
                          f"{sum(p['score'] for p in per) / len(per):.3f} | "
                          f"{sum(dense[p['index']]['score'] for p in both) / max(1, len(both)):.3f} ({len(both)}) | "
                          f"{same}/{len(both)} | {prefix}/{len(both)} | "
-                         f"{(sum(st) / len(st)) if st else float('nan'):.3f} | {seconds:.0f} |")
+                         f"{(sum(st) / len(st)) if st else float('nan'):.3f} ({len(st)}) | {seconds:.0f} |")
     (args.out / "lm_eval" / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
