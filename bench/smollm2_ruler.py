@@ -860,6 +860,23 @@ def diagnose(args) -> int:
     return diagnosis_report(args.out)
 
 
+def _dropped_heads(items, first_bad) -> tuple[list[float], dict]:
+    """Per item, the largest needle mass of a (layer, KV head) whose quest selection drops the needle page, over
+    the steps up to the first wrong token; and how often each head drops a page holding >= 30% of its attention."""
+    from collections import Counter
+
+    worst, heads = [], Counter()
+    for it, bad in zip(items, first_bad):
+        top = 0.0
+        for r in it["records"]:
+            if (bad is None or r["step"] <= bad) and not r["quest_selected"]:
+                top = max(top, r["mass"])
+                if r["mass"] >= 0.3:
+                    heads[(r["layer"], r["head"])] += 1
+        worst.append(top)
+    return worst, heads
+
+
 def diagnosis_report(out: Path) -> int:
     """``OUT/diagnosis/summary.md`` from the ``.json.xz`` files: per (task, context, budget, outcome), at the first
     sparse step (the answer's second token) and over all steps, the share of (layer, KV head) pairs that keep the
@@ -908,6 +925,12 @@ def diagnosis_report(out: Path) -> int:
             depths = [f"{it['depth']:.2f}" for it in its if it["depth"] is not None]
             lines += ["", f"needle depths: {', '.join(depths)}; first teacher-forced step where quest's argmax "
                           f"leaves dense's answer: {first_bad}", ""]
+            worst, heads = _dropped_heads(its, first_bad)
+            lines += [f"Per sample, the largest share of a head's attention on the needle page among the heads whose "
+                      f"quest selection drops that page (steps up to the first wrong token): "
+                      f"{[round(w, 2) for w in worst]}; heads dropping a needle page that holds >= 30% of their "
+                      f"attention (layer.head: steps): "
+                      + (", ".join(f"{l_}.{h}: {n}" for (l_, h), n in heads.most_common(6)) or "none"), ""]
             # retrieval heads: (layer, head) where the oracle ranks the needle first at step 1 in most samples
             heads = defaultdict(list)
             for it in its:
