@@ -686,10 +686,15 @@ def plot(cells: list[dict], path: Path) -> None:
                 ax.set_ylabel("RULER score (%)")
             if i == len(tasks) - 1:
                 ax.set_xlabel("page budget (fraction of the context)")
-    axes[0][0].legend(fontsize=7, loc="lower right")
+    handles = {}
+    for ax in axes.flat:                       # one legend for every panel's policies, below the panels
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
+               frameon=False)
     fig.suptitle("RULER on SmolLM2-135M-Instruct: accuracy vs page budget (95% intervals; dense: dashed, band)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
