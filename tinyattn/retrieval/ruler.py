@@ -137,7 +137,7 @@ def load_task(name: str, context: int, tokenizer: str | os.PathLike, *, seed: in
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(f"RULER needs lm-eval and wonderwords: pip install lm-eval wonderwords ({exc})") \
+        raise ModuleNotFoundError(f"RULER needs lm-eval and wonderwords: pip install 'tinyattn[ruler]' ({exc})") \
             from exc
     meta = {"max_seq_lengths": [int(context)], "pretrained": str(tokenizer)}
     info = {"task": name, "lm_eval_task": lm_name, "context": int(context), "seed": seed,
