@@ -12,7 +12,7 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 unset PYTHONPATH TRITON_INTERPRET
-# no compiler on this "machine": tinyattn builds nothing at install or run time (issue 25); a build step would fail
+# no compiler on this "machine": tinyattn builds nothing at install or run time; a build step would fail
 export CC=false CXX=false
 export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 git clone -q "$REPO" "$WORK/tinyattn"

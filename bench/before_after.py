@@ -7,7 +7,7 @@ two columns are comparable even when the machine's load moves between processes;
 the rounds. Extra arguments for one side only (e.g. the old checkout's ``--torch-ops``, which times its PyTorch path
 beside its compiled kernel) go in ``--before-args`` / ``--after-args``.
 
-Example (issue 25: the C++ CPU kernel of fc1b6be vs the PyTorch path of this checkout)::
+Example (the C++ CPU kernel of fc1b6be, since removed, vs the PyTorch path of this checkout)::
 
     git worktree add /tmp/before fc1b6be
     python bench/before_after.py --before /tmp/before --after . --rounds 3 --before-args=--torch-ops \\

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "out" / "bench"     # scratch (git-ignored); the committed figures: --out docs/bench
-#: sparse-decode recipes of the SmolLM2 benches (issue 27): name -> the SparsityConfig fields besides the budget
+#: sparse-decode recipes of the SmolLM2 benches (docs/smollm2.md): name -> the SparsityConfig fields besides the budget
 #: and the policy. Quest keeps its first two layers dense; StreamingLLM shows why the first tokens matter; recent
 #: pages guarantee the newest tokens (with one, the page being written may hold a single token)
 RECIPES = {name: dict(num_sink_pages=s, dense_layers=d, num_recent_pages=r) for name, (s, d, r) in {

@@ -2,7 +2,7 @@
 # One command on a CUDA machine (target: under 5 minutes on one H200): the GPU-only tests (kernels, the plan, the
 # fused KV write, the CUDA-graph replay of a whole decode step over 50 steps), then the decode benchmarks, eager and
 # CUDA-graphed, against SDPA / FlashAttention / FlashInfer (when importable), everything written to one folder with
-# a one-screen summary.md: issue 26's goals (PASS / FAIL), the graphed step table with efficiency vs the bytes
+# a one-screen summary.md: the CUDA-graph goals (PASS / FAIL), the graphed step table with efficiency vs the bytes
 # ideal (DESIGN.md §1), the tests' verdict; the other tables follow it.
 #
 #   bash bench/gpu.sh                  # writes out/gpu/  (or "$OUT" when set, e.g. by a CI / device runner)
@@ -104,7 +104,7 @@ step e2e_decode 35 python bench/e2e_decode.py --device cuda --out "$DEST" --cont
   echo "# tinyattn GPU run, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
   head -n 3 "$DEST/env.txt"
   echo
-  echo "## issue 26 goals (B = 1, 32K, budget 2048 tokens; graphed = CUDA-graph replay)"
+  echo "## CUDA-graph goals (B = 1, 32K, budget 2048 tokens; graphed = CUDA-graph replay)"
   grep -E '^goal:' "$DEST/gpu_graphs.log" 2>/dev/null || echo "(no goals: see gpu_graphs.log)"
   echo
   echo "## decode step, eager and graphed, vs SDPA gqa (efficiency = speedup / bytes-ideal speedup)"

@@ -12,7 +12,7 @@ FlashInfer (``BatchDecodeWithPagedKVCacheWrapper`` on the same pages) when they 
 Methods: ``sparse`` / ``dense_paged`` are the public ops (a plan per call); ``sparse_run`` is
 ``PagedAttentionPlan.run`` of a plan made once (what a model runs per layer); ``sparse_step`` adds the step's fused
 KV write (``tinyattn.ops.kv_write``, one launch) before it: the decode step as serving engines run it. The last
-lines, ``goal: ...``, check issue 26's figures (B = 1, 32K: sparse >= 4x SDPA graphed, eager step <= 60 µs,
+lines, ``goal: ...``, check the CUDA-graph targets (B = 1, 32K: sparse >= 4x SDPA graphed, eager step <= 60 µs,
 dense paged within 1.2x of SDPA).
 
     python bench/gpu_graphs.py --out docs/bench/gpu            # CUDA only
@@ -123,7 +123,7 @@ def stock_methods(p) -> dict:
 
 
 def goals(rows) -> list:
-    """Issue 26's figures at B = 1, 32K (graph replay = CUDA graph times): lines ``goal: ... PASS|FAIL|n/a``."""
+    """The CUDA-graph targets at B = 1, 32K (graph replay = CUDA graph times): lines ``goal: ... PASS|FAIL|n/a``."""
     at = {(r["batch"], r["context"], r["method"]): r for r in rows}
     lines = []
     sdpa, sparse = at.get((1, 32768, "sdpa_gqa")), at.get((1, 32768, "sparse_step")) or at.get((1, 32768, "sparse"))

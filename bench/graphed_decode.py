@@ -1,4 +1,4 @@
-"""Model decode step, eager vs replayed as a CUDA graph (``LlamaRuntime(cuda_graphs=True)``; issue 26 item 1).
+"""Model decode step, eager vs replayed as a CUDA graph (``LlamaRuntime(cuda_graphs=True)``).
 
 The LLaMA-shaped model of ``bench/e2e_decode.py`` (random weights; ``dim 1024``, 4 layers, GQA 8/2, ``head_dim``
 128), ``B`` sequences whose caches are filled to ``L`` tokens with random K/V, Quest at ``--budget`` tokens. For each

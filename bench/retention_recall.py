@@ -94,11 +94,10 @@ def table(summary: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Each seed's held-out accuracy per policy, and the mean; nothing without matplotlib (the plots extra)."""
+    plt = C.pyplot()
+    if plt is None:
+        return
     policies = list(dict.fromkeys(r["retention"] for r in rows))
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for i, policy in enumerate(policies):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import RECIPES
+from common import RECIPES, pyplot
 
 
 def main(argv=None) -> int:
@@ -165,12 +165,10 @@ def summary_table(rows) -> str:
 
 def _plot(args, rows) -> None:
     """NLL vs dense (%) by position bucket, one panel per budget, a line per (page size, recipe, policy); the
-    mean over the windows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    mean over the windows; nothing without matplotlib (the plots extra)."""
+    plt = pyplot()
+    if plt is None:
+        return
     budgets = sorted({r["budget_fraction"] for r in rows if r["policy"] != "dense"}, reverse=True)
     fig, axes = plt.subplots(1, len(budgets), figsize=(9 * len(budgets), 4.5), squeeze=False)
     colors = {pol: f"C{i}" for i, pol in enumerate(sorted({r["policy"] for r in rows}))}

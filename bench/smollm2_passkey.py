@@ -179,11 +179,21 @@ def _write(args, recipes, rows, contexts, depths, log, t_start, TaskResult, form
                                          contexts=contexts, seconds=round(time.perf_counter() - t_start, 1)))
         _save(result, args.out / f"passkey_{rname}")
         try:
-            plot_task_results(result, args.out, prefix=f"{rname}_")
+            _plot(plot_task_results, result, args.out, prefix=f"{rname}_")
         except Exception as exc:                    # a plot failure must not lose the numbers
             print(f"plot failed: {exc}")
         summary += [f"## recipe {rname}: {_fields(recipe)}\n", format_task_table(result), ""]
     (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")
+
+
+def _plot(plot_task_results, result, out: Path, prefix: str) -> None:
+    """The heat maps and budget curves; without matplotlib (the plots extra) a note instead."""
+    from tinyattn.results_io import have_matplotlib, no_plots_note
+
+    if not have_matplotlib():
+        print(no_plots_note("the JSON and the summary are written"))
+        return
+    plot_task_results(result, out, prefix=prefix)
 
 
 def _merge(args) -> int:
@@ -201,7 +211,7 @@ def _merge(args) -> int:
         options = dict(parts[0].options, depths=sorted({r.depth for r in rows}))
         result = TaskResult(rows=rows, options=options)
         _save(result, args.out / f"passkey_{rname}")
-        plot_task_results(result, args.out, prefix=f"{rname}_")
+        _plot(plot_task_results, result, args.out, prefix=f"{rname}_")
         summary += [f"## recipe {rname}: {_fields(RECIPES[rname])}\n",
                     format_task_table(result), "", format_task_table(result, "token_accuracy"), ""]
     (args.out / "passkey_summary.md").write_text("\n".join(summary) + "\n")

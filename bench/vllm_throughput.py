@@ -1,4 +1,4 @@
-"""Offline throughput inside vLLM: vLLM's own CPU backend vs tinyattn dense vs tinyattn sparse (issue 11).
+"""Offline throughput inside vLLM: vLLM's own CPU backend vs tinyattn dense vs tinyattn sparse.
 
 Several concurrent requests with long prompts on a random LLaMA-shaped model (float32), greedy, ``ignore_eos``;
 TTFT and TPOT as vLLM's per-request stats report them (engine-core timestamps) and the batch's wall time. The

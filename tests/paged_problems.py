@@ -40,7 +40,10 @@ class Problem:
 
 def make_problem(seed: int, *, batch: int, seq_lens: list[int], page_size: int, num_kv_heads: int, group: int,
                  head_dim: int, num_query_tokens: int = 1, dtype=torch.float32, extra_pages: int = 3,
-                 poison: float = float("nan"), spare_columns: int = 1, logit_scale: float = 1.0) -> Problem:
+                 poison: float = float("nan"), spare_columns: int = 1, logit_scale: float = 1.0,
+                 in_order: bool = False) -> Problem:
+    """``in_order``: each row's pages follow each other in the pool, from a random first page (as
+    :class:`tinyattn.PagedKVCache` allocates a sequence), instead of a random permutation."""
     g = torch.Generator().manual_seed(seed)
     n_pages = [-(-n // page_size) for n in seq_lens]
     max_pages = max(n_pages + [1]) + spare_columns
@@ -50,6 +53,8 @@ def make_problem(seed: int, *, batch: int, seq_lens: list[int], page_size: int, 
     v = torch.randn(shape, generator=g)
     # poison every slot no row owns; owned slots are re-filled below
     perm = torch.randperm(num_pages, generator=g)
+    if in_order:
+        perm = torch.roll(torch.arange(num_pages), -int(torch.randint(0, extra_pages + 1, (1,), generator=g)))
     block_table = torch.full((batch, max_pages), -1, dtype=torch.int32)
     owned = torch.zeros(num_pages, page_size, dtype=torch.bool)
     start = 0

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import tinyattn
 from tinyattn import reference
-from tinyattn.ops import autograd as A
-from tinyattn.ops import torch_backend as T
+from tinyattn.ops import custom_ops as A
+from tinyattn.ops.selection import torch_impl as T
 from tinyattn.ops.page_grad import page_grad_norms
 from paged_problems import make_problem
 
@@ -252,16 +252,20 @@ def test_non_contiguous_q_and_broadcast_output_gradient(backend):
         torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=2e-5)
 
 
-def test_no_grad_path_is_unchanged():
-    """Without requires_grad the ops do not touch the custom op (the inference path stays as it was)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_path_records_no_graph(backend):
+    """Without requires_grad (or under no_grad) nothing is recorded; with it, the torch backend's forms are
+    differentiable torch ops and the Triton backend goes through the custom op with its backward kernel."""
     p = make_problem(12, batch=1, seq_lens=[5], page_size=4, num_kv_heads=1, group=1, head_dim=8)
-    out = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
+    out = tinyattn.paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend=backend)
     assert out.grad_fn is None
     q = p.q.clone().requires_grad_()
     with torch.no_grad():
-        assert tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens).grad_fn is None
-    out = tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend="torch")
-    assert "tinyattn_paged_attention_fwd" in type(out.grad_fn).__name__
+        assert tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                        backend=backend).grad_fn is None
+    out = tinyattn.paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, backend=backend)
+    custom = "tinyattn_paged_attention_fwd" in type(out.grad_fn).__name__
+    assert out.grad_fn is not None and custom == (backend == "triton")
 
 
 # ---- gradcheck, opcheck, torch.compile -------------------------------------------------------------------

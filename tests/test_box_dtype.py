@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import tinyattn
 from tinyattn import reference
 from tinyattn.cache import PagedKVCache
-from tinyattn.ops import boxes
+from tinyattn.ops import quant
+from tinyattn.ops.kv_cache import torch_impl as boxes
 from model_fixtures import model, tok  # noqa: F401  (module fixtures)
 from paged_problems import make_problem, problems
 
@@ -64,7 +65,7 @@ def test_wider_dtype_is_a_plain_cast():
 def test_cache_boxes_contain_keys_and_are_tightest(box, kv):
     torch.manual_seed(0)
     cache = PagedKVCache(2, 2, 8, page_size=4, num_pages=12, box_dtype=box, kv_cache_dtype=kv)
-    dtype = boxes.BOX_DTYPES[box]
+    dtype = quant.BOX_DTYPES[box]
     seqs = [cache.add_sequence() for _ in range(3)]
     for step, n in enumerate([5, 1, 3, 1, 1]):      # prefill then small writes: incremental upkeep
         slots = cache.extend(seqs, n)

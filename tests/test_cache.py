@@ -110,6 +110,12 @@ def test_bad_sizes_raise(kwargs, match):
         PagedKVCache(1, 1, 4, **kwargs)
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_a_cuda_cache_without_cuda_is_a_clear_value_error():
+    with pytest.raises(ValueError, match=r"device: .*'cuda'.*no CUDA device.*device='cpu'"):
+        PagedKVCache(1, 2, 8, page_size=4, num_pages=2, device="cuda")
+
 def test_write_checks_shapes():
     cache = PagedKVCache(1, 2, 4, page_size=4, num_pages=4)
     a = cache.add_sequence()

@@ -410,7 +410,7 @@ def test_no_lse_path_with_empty_rows_and_very_negative_logits(backend, window_le
 def test_torch_plan_in_chunks_matches_the_reference(monkeypatch, Tq, budget):
     """The torch plan's split-K path (ops/chunked.py: chunks of keys merged by lse), forced on a small step: empty
     row, ragged tails, NaN in unused slots, selection, with and without lse."""
-    from tinyattn.ops import chunked
+    from tinyattn.ops.attention import torch_impl as chunked
     monkeypatch.setattr(chunked, "MIN_BYTES", 0)
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 4 * 2 * 16 * 4)       # 16 keys per chunk here
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

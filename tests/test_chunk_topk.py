@@ -20,9 +20,10 @@ import torch  # noqa: E402
 from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tinyattn import kernels as K  # noqa: E402
+from tinyattn.ops.selection import triton_impl as selection_triton  # noqa: E402
 from tinyattn.kernels import chunk_topk as C  # noqa: E402
-from tinyattn.ops import core, reference  # noqa: E402
+from tinyattn.ops import reference  # noqa
+from tinyattn.ops.selection import torch_impl as core  # noqa: E402
 from tinyattn.ops.plan import PagedAttentionPlan  # noqa: E402
 from paged_problems import make_problem  # noqa: E402
 
@@ -75,7 +76,7 @@ def two_stage(q, k_min, k_max, block_table, seq_lens, opts, chunk, window_left=-
     shape = C.workspace_shape(B, Hkv, meta)
     ws_key, ws_page = torch.full(shape, 123, dtype=torch.int32), torch.full(shape, 123, dtype=torch.int32)
     out = torch.full((B, Hkv, budget), -7, dtype=torch.int32)
-    C.score_and_select_pages(q, k_min, k_max, block_table, seq_lens, **opts, meta=meta, ws_key=ws_key,
+    selection_triton.score_and_select_pages(q, k_min, k_max, block_table, seq_lens, **opts, meta=meta, ws_key=ws_key,
                              ws_page=ws_page, out=out, window_left=window_left)
     return out
 
@@ -83,10 +84,10 @@ def two_stage(q, k_min, k_max, block_table, seq_lens, opts, chunk, window_left=-
 def one_stage(q, k_min, k_max, block_table, seq_lens, opts, window_left=-1):
     B, Tq = q.shape[:2]
     scores = torch.full((B, k_min.shape[1], block_table.shape[1]), math.nan)
-    K.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=opts["page_size"], out=scores)
+    selection_triton.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=opts["page_size"], out=scores)
     core.mask_pages_before_window(scores, seq_lens, opts["page_size"], Tq, window_left)
     out = torch.full((B, k_min.shape[1], opts["page_budget"]), -7, dtype=torch.int32)
-    K.select_pages(scores, seq_lens, **opts, num_query_tokens=Tq, out=out)
+    selection_triton.select_pages(scores, seq_lens, **opts, num_query_tokens=Tq, out=out)
     return out, scores
 
 
@@ -180,8 +181,8 @@ def test_plan_uses_two_stage_and_matches_one_stage(monkeypatch, window_left):
     plan_args = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, num_query_tokens=2, page_budget=5,
                      num_sink_pages=1 if window_left < 0 else 0)   # a sliding window takes no sinks
     calls = []
-    real = C.merge_chunks
-    monkeypatch.setattr(C, "merge_chunks", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = selection_triton.merge_chunks
+    monkeypatch.setattr(selection_triton, "merge_chunks", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     plan = PagedAttentionPlan(backend="triton").plan(p.block_table, p.seq_lens, **plan_args)
     assert plan._impl._chunks is not None and plan._impl._chunks["NC"] == -(-p.block_table.shape[1] // C.INTERPRET_CHUNK) > 1
     two = plan.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, window_left=window_left)

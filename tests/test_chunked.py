@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinyattn
 from tinyattn import reference as R
-from tinyattn.ops import chunked
+from tinyattn.ops.attention import torch_impl as chunked
 from tinyattn.ops.plan import PagedAttentionPlan
 
 from paged_problems import make_problem

@@ -19,7 +19,9 @@ import torch  # noqa: E402
 from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tinyattn import kernels as K  # noqa: E402
+from tinyattn.ops.attention import triton_impl as attention_triton  # noqa: E402
+from tinyattn.ops.kv_cache import triton_impl as kv_cache_triton  # noqa: E402
+from tinyattn.ops.selection import triton_impl as selection_triton  # noqa: E402
 from tinyattn.kernels.attention import choose_num_splits  # noqa: E402
 from tinyattn.ops import reference  # noqa: E402
 from paged_problems import make_problem  # noqa: E402
@@ -133,7 +135,7 @@ def ref_attention(p, q, k, v, page_indices, scale):
 
 def run_attention(p, q, k, v, page_indices, scale, layout="contiguous", num_splits=None):
     out, lse = empty_out(q, layout)
-    K.paged_attention(q, k, v, p.block_table, p.seq_lens, page_indices=page_indices, scale=scale, out=out,
+    attention_triton.paged_attention(q, k, v, p.block_table, p.seq_lens, page_indices=page_indices, scale=scale, out=out,
                       lse=lse, num_splits=num_splits)
     return out, lse
 
@@ -222,7 +224,7 @@ def test_permuting_physical_pages_leaves_output_unchanged(case, sparse, seed):
     scale = p.q.shape[-1] ** -0.5
     a = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale)
     out, lse = empty_out(p.q, "contiguous")
-    K.paged_attention(p.q, k2, v2, bt2, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
+    attention_triton.paged_attention(p.q, k2, v2, bt2, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
     assert torch.equal(a[0], out) and torch.equal(a[1], lse)
 
 
@@ -295,19 +297,19 @@ def test_pages_past_2_pow_31_elements():
     for idx in (None, random_selection(p, 3, 0)):
         small = run_attention(p, p.q, p.k_cache, p.v_cache, idx, scale)
         out, lse = empty_out(p.q, "contiguous")
-        K.paged_attention(p.q, k_big, v_big, bt_big, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
+        attention_triton.paged_attention(p.q, k_big, v_big, bt_big, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
         assert torch.equal(small[0], out) and torch.equal(small[1], lse)
     # metadata and scores read the same pool (and bounds with a page stride just as large)
     lo, hi, _ = big_pool(8, 2, 64, torch.float16, P)
     k_min, k_max = lo[:, 0], hi[:, 0]  # [num_pages, Hkv, D], page stride 2 * page_size * Hkv * D
-    K.update_page_metadata(k_big, bt_big, p.seq_lens, k_min, k_max)
+    kv_cache_triton.update_page_metadata(k_big, bt_big, p.seq_lens, k_min, k_max)
     ref_min, ref_max = torch.zeros(P, 2, 64, dtype=torch.float16), torch.zeros(P, 2, 64, dtype=torch.float16)
-    K.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, ref_min, ref_max)
+    kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, ref_min, ref_max)
     used = bt_big[0, :5].long()
     assert torch.equal(k_min[used], ref_min[used - base]) and torch.equal(k_max[used], ref_max[used - base])
     s_big, s_small = torch.empty(2, 2, bt_big.shape[1]), torch.empty(2, 2, bt_big.shape[1])
-    K.page_scores(p.q, k_min, k_max, bt_big, p.seq_lens, page_size=8, out=s_big)
-    K.page_scores(p.q, ref_min, ref_max, p.block_table, p.seq_lens, page_size=8, out=s_small)
+    selection_triton.page_scores(p.q, k_min, k_max, bt_big, p.seq_lens, page_size=8, out=s_big)
+    selection_triton.page_scores(p.q, ref_min, ref_max, p.block_table, p.seq_lens, page_size=8, out=s_small)
     assert torch.equal(s_big, s_small)
 
 
@@ -322,7 +324,7 @@ def test_update_page_metadata_matches_reference(case, fp32_bounds):
     dtype = torch.float32 if fp32_bounds else p.k_cache.dtype
     k_min, k_max = torch.full((P, Hkv, D), 7.0, dtype=dtype), torch.full((P, Hkv, D), 7.0, dtype=dtype)
     r_min, r_max = k_min.clone(), k_max.clone()
-    K.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+    kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
     reference.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, r_min, r_max)
     # exact: min / max never round; untouched pages keep their 7.0, poisoned slots never leak
     assert torch.equal(k_min, r_min) and torch.equal(k_max, r_max)
@@ -335,9 +337,9 @@ def test_page_scores_match_reference_and_bound_every_key(case):
     P, S, Hkv, D = p.k_cache.shape
     q = relayout(p.q, layout)
     k_min, k_max = torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype), torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype)
-    K.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
+    kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
     scores = torch.full((p.q.shape[0], Hkv, p.block_table.shape[1]), math.nan)
-    K.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, out=scores)
+    selection_triton.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, out=scores)
     ref = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=S)
     torch.testing.assert_close(scores, ref, atol=1e-4, rtol=1e-5)
     # the bound: score >= q.k for every valid key of the page, every query token and head of the group
@@ -376,5 +378,5 @@ def test_select_pages_matches_reference(case):
     except ValueError:  # the budget cannot hold the query pages: the ops layer raises before the kernel
         assume(False)
     out = torch.full(ref.shape, -7, dtype=torch.int32)
-    K.select_pages(scores, seq_lens, **opts, out=out)
+    selection_triton.select_pages(scores, seq_lens, **opts, out=out)
     assert torch.equal(out, ref)

@@ -175,7 +175,7 @@ def test_triton_kernel_dequantizes_in_registers(fmt, qdtype):
     out = tinyattn.sparse_paged_attention(*args, **kw, **sparse, backend="triton")
     ref = reference.sparse_paged_attention(*args, **kw, **sparse)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    from tinyattn.kernels import attention as kernel
+    from tinyattn.ops.attention import triton_impl as kernel
 
     q4 = q.unsqueeze(1)
     o, l = torch.empty_like(q4), torch.empty(3, 1, 4)
@@ -429,7 +429,7 @@ def test_runtime_rejects_unknown_and_unsupported_formats(model):  # noqa: F811
 
 
 def test_cli_kv_cache_dtype():
-    from test_cli import assert_clean_error, model_args, run_cli
+    from commands import assert_clean_error, model_args, run_cli
 
     proc = run_cli("generate", "--help")
     assert "--kv-cache-dtype {auto,fp16,bf16,int8,fp8_e4m3}" in proc.stdout and "per (page, KV head)" in proc.stdout

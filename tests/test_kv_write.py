@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinyattn.reference as reference
 from tinyattn import PagedKVCache
-from tinyattn.ops import kv_write, quant
+from tinyattn.ops import api as kv_write, quant
 
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8,
            "fp8_e4m3": torch.float8_e4m3fn}
@@ -223,7 +223,7 @@ def test_triton_path_host_code_allocates_nothing_and_never_syncs(monkeypatch, fm
     value (``item`` / ``tolist`` / ``cpu`` / ``bool`` raise here); the launch itself is stubbed out."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tinyattn.kernels import kv_write as kernel_module
+    from tinyattn.ops.kv_cache import triton_impl as kernel_module
 
     launches = []
 
@@ -231,7 +231,7 @@ def test_triton_path_host_code_allocates_nothing_and_never_syncs(monkeypatch, fm
         def __getitem__(self, grid):
             return lambda **kwargs: launches.append((grid, kwargs))
 
-    monkeypatch.setattr(kernel_module, "_kv_write_kernel", Stub())
+    monkeypatch.setattr(kernel_module, "kv_write_kernel", Stub())
     state = _poisoned_state(torch.Generator().manual_seed(0), fmt, "auto", 8, 16, 2, 8)
     k = torch.randn(3, 2, 8)
     slots = torch.tensor([0, 17, 40])

@@ -86,19 +86,18 @@ def test_int64_page_index_past_int32_is_ignored(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_run_dispatches_once(backend, monkeypatch):
-    """run() makes one call into the implementation chosen at plan() time: forward, or the explicit autograd
-    route when a gradient is needed."""
+    """run() makes one call into the implementation chosen at plan() time, with or without a gradient (the
+    implementation routes autograd itself: the torch forms are differentiable, the Triton backend goes through
+    the custom op)."""
     p, k_min, k_max = _problem(5)
     plan = _plan(p, backend, page_budget=4)
     impl = plan._impl
     calls = []
-    real = impl.forward
-    monkeypatch.setattr(impl, "forward", lambda *a, **k: (calls.append("forward"), real(*a, **k))[1])
-    real_grad = plan._differentiable
-    monkeypatch.setattr(plan, "_differentiable", lambda *a, **k: (calls.append("grad"), real_grad(*a, **k))[1])
+    real = impl.run
+    monkeypatch.setattr(impl, "run", lambda *a, **k: (calls.append("run"), real(*a, **k))[1])
     plan.run(p.q[:, 0], p.k_cache, p.v_cache, k_min=k_min, k_max=k_max)
-    plan.run(p.q[:, 0].clone().requires_grad_(), p.k_cache, p.v_cache, k_min=k_min, k_max=k_max)
-    assert calls == ["forward", "grad"]
+    out = plan.run(p.q[:, 0].clone().requires_grad_(), p.k_cache, p.v_cache, k_min=k_min, k_max=k_max)
+    assert calls == ["run", "run"] and out.grad_fn is not None
     assert type(impl).__name__ == {"torch": "TorchPlan", "triton": "TritonPlan"}[backend]
 
 

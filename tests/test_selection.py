@@ -244,6 +244,7 @@ def test_box_logit_estimates_match_brute_force_and_bound_every_key_at_gamma_one(
 
 @settings(max_examples=12, deadline=None)
 @given(problems(max_query_tokens=2, page_sizes=(1, 2, 4, 8, 16)), st.sampled_from([0.0, 0.75, 1.0]))
+@pytest.mark.slow
 def test_box_page_log_mass_triton_matches_torch(pb, gamma):
     """The Triton scoring kernel (interpreted) gives the torch backend's estimates."""
     k_min, k_max = pb.bounds()

@@ -319,8 +319,8 @@ def test_profiler_counts_the_pages_of_the_window():
 @pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
 def test_opcheck_custom_ops_with_a_window(backend, dtype):
     """The custom ops' schema, fake kernels and autograd registration with the ``window_left`` argument."""
-    from tinyattn.ops import autograd as A
-    from tinyattn.ops import core
+    from tinyattn.ops import custom_ops as A
+    from tinyattn.ops.selection import torch_impl as core
 
     p = make_problem(14, batch=2, seq_lens=[7, 3], page_size=2, num_kv_heads=1, group=2, head_dim=8,
                      num_query_tokens=2, dtype=dtype, poison=0.5)

@@ -54,8 +54,8 @@ import torch
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
-from .ops import boxes, kv_write, quant
-from .ops.spans import span
+from .ops import api, quant
+from .ops.kv_cache import torch_impl as kv_cache
 
 
 class CacheFullError(RuntimeError):
@@ -80,7 +80,7 @@ class PagedKVCache:
             that never scores pages (chunked training's memory): ``k_min``/``k_max`` are then empty lists.
         box_dtype: dtype of the boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8: exact), ``"fp32"``,
             ``"bf16"`` or ``"fp16"``. A box narrower than the keys is rounded outward (``k_min`` down, ``k_max``
-            up; :mod:`tinyattn.ops.boxes`), so Quest's bound stays an upper bound while scoring reads half the
+            up; :mod:`tinyattn.ops.kv_cache.torch_impl`), so Quest's bound stays an upper bound while scoring reads half the
             bytes (bf16 keeps fp32's range; fp16 boxes of keys beyond 65504 become infinite).
 
     Memory: ``2 * num_layers * num_pages * page_size * Hkv * D`` elements for K/V, plus
@@ -93,7 +93,7 @@ class PagedKVCache:
 
     Raises:
         ValueError for sizes below 1, ``device="cuda"`` where torch has no CUDA device, a ``kv_cache_dtype`` not in :data:`tinyattn.ops.quant.KV_CACHE_DTYPES` or a
-        ``box_dtype`` not in :data:`tinyattn.ops.boxes.BOX_DTYPES` (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
+        ``box_dtype`` not in :data:`tinyattn.ops.quant.BOX_DTYPES` (the message names the supported set); :class:`CacheFullError` from :meth:`extend` when out of pages.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
@@ -115,7 +115,7 @@ class PagedKVCache:
         self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)
-        self.box_dtype = box_dtype = boxes.box_dtype_for(box_dtype, storage, self.quantized)
+        self.box_dtype = box_dtype = quant.box_dtype_for(box_dtype, storage, self.quantized)
         self.k_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(pool, dtype=storage, device=self.device) for _ in range(num_layers)]
         scale_layers = num_layers if self.quantized else 0
@@ -201,9 +201,9 @@ class PagedKVCache:
                                  f"free a sequence or build a larger cache. No sequence was changed.")
         slots: list[int] = []
         page_size = self.page_size
-        for seq_id, count, n_new in zip(seq_ids, counts, needed):
-            for _ in range(n_new):
-                self._take_page(seq_id)
+        for seq_id, n_new in zip(seq_ids, needed):
+            self._take_pages(seq_id, n_new)
+        for seq_id, count in zip(seq_ids, counts):
             start, pages = self._lens[seq_id], self._pages[seq_id]
             slots.extend(pages[t // page_size] * page_size + t % page_size for t in range(start, start + count))
             self._lens[seq_id] = start + count
@@ -216,16 +216,20 @@ class PagedKVCache:
         total = -(-(self._lens[seq_id] + count) // self.page_size)
         return max(total - len(self._pages[seq_id]), 0)
 
-    def _take_page(self, seq_id: int) -> None:
-        page = self._free.pop()
+    def _take_pages(self, seq_id: int, count: int) -> None:
+        """Append ``count`` free pages to the sequence, each empty: its box reset (the first write sets it), and for
+        int8 / fp8 a zero scale and no valid slot. One op per layer and tensor, whatever ``count``."""
+        if count == 0:
+            return
+        new = [self._free.pop() for _ in range(count)]
+        pages = torch.tensor(new, dtype=torch.int64, device=self.device)
         for k_min, k_max in zip(self.k_min, self.k_max):
-            k_min[page].fill_(float("inf"))          # an empty box: the first write sets it
-            k_max[page].fill_(float("-inf"))
+            kv_cache.reset_boxes(k_min, k_max, pages)
         for scale in self.k_scale + self.v_scale:
-            scale[page] = 0.0                        # an empty page: the first write sets its scale
+            scale.index_fill_(0, pages, 0.0)
         if self.quantized:
-            self._fill[page] = 0
-        self._pages[seq_id].append(page)
+            self._fill.index_fill_(0, pages, 0)
+        self._pages[seq_id].extend(new)
 
     # ---- page operations: copy, fork, resize, truncate, drop ----------------------------------------
     def copy_pages(self, src, dst) -> None:
@@ -276,7 +280,7 @@ class PagedKVCache:
         new = self.add_sequence()
         for p in src:
             if p >= 0:
-                self._take_page(new)
+                self._take_pages(new, 1)
             else:
                 self._pages[new].append(-1)
         self.copy_pages(held, [p for p in self._pages[new] if p >= 0])
@@ -401,8 +405,8 @@ class PagedKVCache:
         return operator.index(value)
 
     def _refit_last_box(self, seq_id: int) -> None:
-        """Recompute the box of the sequence's last page from its valid slots (after a cut inside the page);
-        int8 / fp8: first refit the page's scales to the kept tokens (:meth:`_refit_scales`)."""
+        """After a cut inside the sequence's last page: refit that page in every layer to its valid slots (int8 /
+        fp8 scales shrunk to the kept tokens, then the box recomputed: :func:`tinyattn.ops.kv_cache.torch_impl.refit_page`)."""
         valid = self._lens[seq_id] % self.page_size
         pages = self._pages[seq_id]
         if not valid or not pages or pages[-1] < 0:
@@ -410,43 +414,17 @@ class PagedKVCache:
         page = pages[-1]
         if self.quantized:
             self._fill[page] = valid
-            self._refit_scales(page, valid)
-        for layer, (k_cache, k_min, k_max) in enumerate(zip(self.k_cache, self.k_min, self.k_max)):
-            keys = k_cache[page, :valid]                                   # [valid, Hkv, D]
-            if self.quantized:                                             # the keys attention reads
-                keys = quant.dequantize(keys[None], self.k_scale[layer][page][None])[0]
-            boxes.store_box(k_min, k_max, page, keys.amin(0), keys.amax(0))
-
-    def _refit_scales(self, page: int, valid: int) -> None:
-        """Shrink the K and V scales of ``page`` (every layer) to what its first ``valid`` slots hold, and
-        re-quantize those slots onto them (issue 28: a scale kept from tokens that were cut would quantize every
-        later token of the page with the coarse step of the cut ones).
-
-        int8: the scale becomes ``absmax / 127`` of the kept dequantized values (``code * scale``), as if they
-        had been written into an empty page (each code re-rounded by at most half a step of the new scale).
-        fp8 e4m3: the scale shrinks by the largest power of two that still holds them (the growth rule run
-        backwards), so the kept codes are rescaled exactly. An all-zero page gets scale 0: the next write sets it.
-        """
-        m = quant.qmax(self.dtype)
-        for pools, scales in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)):
-            for pool, scale in zip(pools, scales):
-                old = scale[page]                                              # [Hkv]
-                x = pool[page, :valid].float() * old[None, :, None]           # [valid, Hkv, D] what attention reads
-                absmax = x.abs().amax(dim=(0, 2))                              # [Hkv]
-                if self.dtype == torch.float8_e4m3fn:
-                    shrink = torch.exp2(torch.floor(torch.log2(m * old / absmax)).clamp_min(0))
-                    new = torch.where(absmax > 0, old / shrink, 0.0)
-                else:
-                    new = absmax / m
-                pool[page, :valid] = quant.quantize(x, new[None, :, None], self.dtype)
-                scale[page] = new
+        for layer in range(self.num_layers):
+            scales = (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+            box = (self.k_min[layer], self.k_max[layer]) if self.k_min else (None, None)
+            kv_cache.refit_page(self.k_cache[layer], self.v_cache[layer], *box, *scales, page, valid)
 
     # ---- K/V -----------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               backend: str | None = None, trusted: bool = False) -> None:
         """Store ``k``, ``v`` ``[N, Hkv, D]`` at ``slots`` ``[N]`` of ``layer`` and grow the pages' boxes.
 
-        The write op :func:`tinyattn.ops.kv_write.write_kv`: on CUDA pools the fused Triton kernel (one launch per
+        The write op :func:`tinyattn.ops.api.write_kv`: on CUDA pools the fused Triton kernel (one launch per
         layer, every KV format), on a CPU its PyTorch twin; ``backend`` (``"torch"`` / ``"triton"``) forces one
         (``"triton"`` on a CPU needs ``TRITON_INTERPRET=1``). Boxes only grow: overwriting a slot that already held
         a key leaves its page's box looser than needed (still an upper bound, so selection stays safe);
@@ -464,11 +442,18 @@ class PagedKVCache:
             raise TypeError(f"slots: expected a 1-D int32/int64 tensor (from extend()), got {got}")
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != expected:
-                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {tuple(x.shape)}")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name}: expected shape {expected} [N, Hkv, D], got {got}")
+            if not x.is_floating_point() or x.device != self.device:
+                raise TypeError(f"{name}: expected a float tensor on {self.device}, got {x.dtype} on {x.device}")
         issued = getattr(self, "_issued", None)
-        if trusted or (issued is not None and slots is issued[0]):
-            pages = None                                       # made by extend(): in range by construction
+        if issued is not None and slots is issued[0]:          # made by extend(): in range by construction
+            if issued[1] is None:                              # its pages, once for every layer
+                self._issued = issued = (slots, torch.div(slots, self.page_size, rounding_mode="floor"))
+            pages = issued[1]
+        elif trusted:
+            pages = None
         else:
             slots = slots.to(device=self.device, dtype=torch.int64)
             capacity = self.num_pages * self.page_size
@@ -477,11 +462,12 @@ class PagedKVCache:
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
         boxes_on = bool(self.k_min)
-        kv_write.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
-                          k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
-                          k_scale=self.k_scale[layer] if self.quantized else None,
-                          v_scale=self.v_scale[layer] if self.quantized else None,
-                          fill=self._fill if self.quantized else None, pages=pages, backend=backend)
+        # the cache made every other tensor: the op's own argument checks are skipped (trusted)
+        api.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
+                     k_min=self.k_min[layer] if boxes_on else None, k_max=self.k_max[layer] if boxes_on else None,
+                     k_scale=self.k_scale[layer] if self.quantized else None,
+                     v_scale=self.v_scale[layer] if self.quantized else None,
+                     fill=self._fill if self.quantized else None, pages=pages, backend=backend, trusted=True)
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

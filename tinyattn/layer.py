@@ -45,7 +45,7 @@ __all__ = ["SparsityConfig", "PagedAttention", "DEFAULT_NUM_SINK_PAGES", "DEFAUL
            "default_num_sink_pages"]
 
 #: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget is at least
-#: :data:`DEFAULT_SINK_MIN_BUDGET` pages (:func:`default_num_sink_pages`). Issue 27 measured both on SmolLM2-135M
+#: :data:`DEFAULT_SINK_MIN_BUDGET` pages (:func:`default_num_sink_pages`). Both were measured on SmolLM2-135M
 #: (docs/accuracy.md, "Defaults"): one sink page took quest's NLL on real text at 1/8 of an 8K context (32-64
 #: pages) from +7.6% to +4.6% of dense and changed no passkey answer at budgets of 16 pages or more, but at 4-8
 #: pages it cost passkey answers (the page is taken from the selection). StreamingLLM (Xiao et al. 2024) shows

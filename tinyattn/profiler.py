@@ -48,7 +48,7 @@ import torch
 
 from . import metrics as M
 from .ops import spans as _spans
-from .ops.core import first_window_key
+from .ops.attention.torch_impl import first_window_key
 
 __all__ = ["profile", "layer", "cli_profile", "print_cli_report", "add_cli_option", "Profile", "SpanRecord",
            "LayerQuality", "oracle_quality"]

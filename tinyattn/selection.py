@@ -46,9 +46,9 @@ import torch
 from . import metrics as _metrics
 from .metrics import selection_overlap
 from .ops import api as _api
-from .ops import core
+from .ops.attention import torch_impl as core
 from .ops import validation as _validation
-from .ops.torch_backend import num_valid_pages
+from .ops.layout import math_dtype, num_valid_pages
 
 __all__ = [
     "SelectionContext",
@@ -103,7 +103,7 @@ def page_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    dt = core.math_dtype(q4)
+    dt = math_dtype(q4)
     device = q4.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     if page_indices is None:
@@ -135,7 +135,7 @@ def page_mean_std(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     """
     B, max_pages = block_table.shape
     page_size = k_cache.shape[1]
-    dt = core.math_dtype(k_cache)
+    dt = math_dtype(k_cache)
     device = k_cache.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     j = torch.arange(max_pages, device=device)

@@ -1,6 +1,6 @@
 """bench/smollm2_ruler.py end to end on a tiny real model (stories260K as a Hugging Face folder, its 512-token
 tokenizer): lm-eval's RULER samples and prompts, the runner's decoding against stock transformers, RULER's score,
-resume, the attended-pages record and the report. Skipped without lm-eval (``pip install lm-eval wonderwords``).
+resume, the attended-pages record and the report. Skipped without lm-eval (the ``eval`` extra).
 
 Expected values come from outside the code under test: lm-eval's generator called directly under the same seed,
 the task YAML's prompt rule (``input + " " + gen_prefix``), stock transformers' greedy ``generate``, a substring
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lm_eval", reason="RULER's generators come from lm-eval (pip install lm-eval wonderwords)")
+pytest.importorskip("lm_eval", reason="RULER's generators come from lm-eval (the eval extra: pip install -e '.[eval]')")
 pytest.importorskip("wonderwords")
 pytest.importorskip("transformers")
 pytest.importorskip("scipy")

@@ -1,4 +1,4 @@
-"""GPU-only checks of the decode step as serving engines run it (issue 26; skipped without CUDA, run by
+"""GPU-only checks of the decode step as serving engines run it (skipped without CUDA, run by
 ``bench/gpu.sh``). Written without a GPU: the first GPU session runs them before trusting any GPU figure.
 
 1. The fused KV write (``tinyattn.kernels.kv_write``) on CUDA equals its torch twin bit for bit, every KV format,
@@ -7,7 +7,7 @@
    over 50 steps with changing tables equals eager, with ``torch.cuda.set_sync_debug_mode("error")`` around
    ``run`` and the write.
 
-Test 2 assumes the graph mode of the plan (issue 26, item 1, built by the lead), exactly:
+Test 2 assumes the graph mode of the plan, exactly:
 ``plan(block_table, seq_lens, ..., max_batch=B, max_pages_per_seq=P)`` allocates every buffer once at that
 capacity, and a later ``plan()`` of a batch ``<= B`` and a table ``<= P`` wide only copies the step's values into
 the same buffers; ``run(q, ..., out=out)`` then allocates nothing and makes no host sync. It is skipped (with that
@@ -67,7 +67,7 @@ def _graph_mode_available() -> bool:
 
 def test_decode_step_replays_as_a_cuda_graph_over_50_steps_with_changing_tables():
     import tinyattn
-    from tinyattn.ops import kv_write
+    from tinyattn.ops import api as kv_write
 
     if not _graph_mode_available():
         pytest.skip("PagedAttentionPlan.plan() has no max_batch= / max_pages_per_seq= (graph mode not merged)")

@@ -1,4 +1,4 @@
-"""GPU-only checks of ``cuda_graphs=True`` (issue 26 item 1; skipped without CUDA; run by ``bench/gpu.sh``).
+"""GPU-only checks of ``cuda_graphs=True`` (skipped without CUDA; run by ``bench/gpu.sh``).
 
 What the CPU suite (tests/test_cuda_graphs.py) cannot show: that the decode step of the shipped stories260K model
 really captures as a CUDA graph (capture raises on a host sync or an illegal call), that its replays over many

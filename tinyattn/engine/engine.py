@@ -57,7 +57,7 @@ class Engine:
         kv_cache_dtype: the pool's storage format (``"auto"`` = the model dtype, ``"fp16"``, ``"bf16"``, ``"int8"``,
             ``"fp8_e4m3"``; see :class:`tinyattn.PagedKVCache`); ``ValueError`` naming the supported set otherwise.
         box_dtype: dtype of the page boxes (``"auto"``, exact; ``"fp32"``, ``"bf16"``, ``"fp16"`` rounded outward;
-            see :mod:`tinyattn.ops.boxes`).
+            see :mod:`tinyattn.ops.kv_cache.torch_impl`).
         cuda_graphs: replay decode forwards as CUDA graphs captured per batch-size bucket (``1, 2, 4, ...`` up to
             ``max_num_seqs``; :mod:`tinyattn.models.graphs`), as :class:`tinyattn.models.LlamaRuntime` does. A step
             with an early-exit hook, a plug-in that changes a layer's sparsity, a profiler, or more rows than

@@ -2,7 +2,7 @@
 
 Every target token is predicted through the **decode** path, one step at a time, all sequences in one batch
 (the cache starts empty, the first step feeds BOS), as :func:`tinyattn.models.evaluate` does; without plug-ins
-the two give the same NLL (``tests/test_engine.py``).
+the two give the same NLL (``tests/engine/test_engine.py``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""Hugging Face ``transformers`` integration: query-aware sparse decoding by changing two lines.
+"""Hugging Face ``transformers`` integration: query-aware sparse decoding in ``generate()``, ``pipeline`` and tools.
 
 Importing this module registers an attention implementation named ``"tinyattn"`` (through
 ``transformers.AttentionInterface``, with ``transformers``' SDPA mask builder registered for it in
 ``AttentionMaskInterface``) and provides :class:`TinyAttnCache`, a ``transformers`` cache backed by
-:class:`tinyattn.cache.PagedKVCache`::
+:class:`tinyattn.cache.PagedKVCache`, and :func:`enable`, the one-line opt-in::
 
-    import tinyattn.integrations.hf                       # registers "tinyattn"
-    from tinyattn.integrations.hf import TinyAttnCache
+    import tinyattn.integrations.hf as tinyattn_hf
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tinyattn")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tinyattn_hf.enable(model, page_size=16, page_budget=64)     # every generate() then makes a TinyAttnCache
+    out = model.generate(**inputs)                               # also pipeline(...), assistants, lm-eval
+
+    # or per call, on a model loaded with attn_implementation="tinyattn":
     out = model.generate(**inputs, cache=TinyAttnCache(model.config, page_size=16, page_budget=64))
-
-(``past_key_values=`` is the older name of the ``cache=`` argument; transformers 5.x still accepts it.)
 
 How a forward pass goes through it, per attention layer:
 
@@ -19,23 +20,27 @@ How a forward pass goes through it, per attention layer:
    and calls ``cache.update(k, v, layer_idx)``. :meth:`TinyAttnCache.update` only records the new
    states; it returns them unchanged.
 2. The model calls the registered attention function with those states and the 4D mask. The first
-   layer of each forward reads which new tokens are real from the mask (left padding), allocates
-   pages for the real tokens only, and every layer writes its real keys/values into its page pool
-   (:meth:`PagedKVCache.write` grows each touched page's ``k_min``/``k_max``). Padding never enters a
-   page, so each batch row's block table holds exactly its own tokens and a left-padded batch gives
-   the same result as running each sequence alone.
+   layer of each forward reads from the mask which new tokens attend to themselves (padding does not:
+   transformers masks it as a key), allocates pages for those only, and every layer writes their
+   keys/values into its page pool (:meth:`PagedKVCache.write` grows each touched page's
+   ``k_min``/``k_max``). Padding never enters a page, so each batch row's block table holds exactly its
+   own tokens, wherever the padding was (left, right, holes), and page selection sees a row as if it ran alone.
 3. Attention:
 
-   - **prefill into an empty cache**: ``transformers``' own SDPA function on the new states with the
-     model's mask — bit-for-bit the computation stock ``attn_implementation="sdpa"`` does, which is
-     why it is used rather than :func:`tinyattn.paged_attention` (which agrees to ~1e-7 but not
-     bitwise);
-   - otherwise the one attention layer of the package (:class:`tinyattn.layer.PagedAttention`, planned
-     once per forward pass, run per layer): **more tokens into a non-empty cache** (chunked prefill,
-     assisted decoding) attend densely with ``q`` ``[B, T, Hq, D]``, bottom-right causal; **decode** (one
-     token per row) selects ``page_budget`` pages with the cache's page bounds (Quest) or the chosen
-     ``policy`` in layers ``>= dense_layers``, and is dense in the first ``dense_layers`` layers and
-     everywhere when ``page_budget is None``.
+   - **prefill into an empty cache** (nothing cached, not even padding columns): ``transformers``' own SDPA
+     function on the new states with the model's mask — bit-for-bit the computation stock
+     ``attn_implementation="sdpa"`` does;
+   - otherwise, when the paged op gives every query exactly the keys the mask allows (checked per mask:
+     left padding always; right padding and holes at decode), the one attention layer of the package
+     (:class:`tinyattn.layer.PagedAttention`, planned once per forward pass, run per layer): **more tokens into
+     a non-empty cache** (chunked prefill, assisted decoding) attend densely with ``q`` ``[B, T, Hq, D]``,
+     bottom-right causal; **decode** (one token per row) selects ``page_budget`` pages with the cache's page
+     bounds (Quest) or the chosen ``policy`` in layers ``>= dense_layers``, and is dense in the first
+     ``dense_layers`` layers and everywhere when ``page_budget is None``;
+   - a mask the pages cannot follow (new tokens after padding in one pass, a custom 4D mask, padding inside a
+     sliding window): the **dense route**, stock SDPA with the model's mask over every column (the cached
+     tokens gathered from the pages, the new states as computed), i.e. ``DynamicCache``'s computation; one
+     warning per cache.
 
    The softmax scale is the ``scaling`` argument the model passes (OPT pre-scales its queries and
    passes ``1.0``; GPT-2's ``scale_attn_by_inverse_layer_idx`` is folded into it). A sliding-window
@@ -45,17 +50,20 @@ How a forward pass goes through it, per attention layer:
    keeps every token of every layer, so full-attention (e.g. NoPE) layers of the same model see them all.
 
 Used without a :class:`TinyAttnCache` (``use_cache=False``, training, perplexity), ``"tinyattn"`` is
-plain SDPA; used with another cache it is SDPA too, with a one-time warning (that decode is dense).
+plain SDPA; used with another cache it is SDPA too, with a one-time warning (that decode is dense). Inside
+``torch.compile`` (a static cache) it is SDPA and never reads the module's thread-local state.
 
 Supported: causal LMs whose attention goes through ``AttentionInterface`` and calls
 ``cache.update(k, v, layer_idx)`` — tested: Llama (GQA), Mistral, Qwen2, GPT-2, OPT, SmolLM3 (sliding-window
 + NoPE hybrids, what :mod:`tinyattn.integrations.convert` makes of a hybrid tinyattn model). See
-``docs/huggingface.md`` for the feature table and what raises.
+``docs/huggingface.md`` for the feature table and what raises; :mod:`tinyattn.integrations.lm_eval` for
+lm-evaluation-harness.
 """
 
 from __future__ import annotations
 
 import threading
+import types
 import warnings
 import weakref
 
@@ -71,18 +79,19 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tinyattn.integrations.hf needs transformers: pip install 'tinyattn[hf]' "
                       "(transformers>=5.24,<6 and safetensors)") from e
 
-import tinyattn
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
 from tinyattn.ops.validation import check_selection_options
-from tinyattn.ops import boxes, quant
+from tinyattn.ops import quant
 
-__all__ = ["TinyAttnCache", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION", "register"]
+__all__ = ["TinyAttnCache", "enable", "disable", "is_enabled", "tinyattn_attention_forward", "ATTN_IMPLEMENTATION",
+           "CONFIG_KEY", "SETTINGS", "register"]
 
 ATTN_IMPLEMENTATION = "tinyattn"
 
-# The cache whose ``update`` ran last on this thread; the attention function checks that the key it
-# receives is the very tensor that update returned before it trusts it (see TinyAttnCache._owns).
+# The cache whose ``update`` ran last on this thread (``cache``, a weakref); the attention function checks that the
+# key it receives is the very tensor that update returned before it trusts it (see TinyAttnCache._owns). ``pending``
+# (a bool) says that an update awaits its attention call: the one field compiled code reads.
 _CURRENT = threading.local()
 _warned_dense = False
 
@@ -93,15 +102,29 @@ def tinyattn_attention_forward(module, query, key, value, attention_mask, scalin
     Args:
         module: the attention module; ``module.layer_idx`` names the cache layer.
         query: ``[B, Hq, T, D]``. key, value: ``[B, Hkv, T, D]`` as returned by ``cache.update``.
-        attention_mask: the 4D mask ``transformers`` built (boolean, from ``sdpa_mask``) or ``None``.
+        attention_mask: the 4D mask ``transformers`` built (boolean, from ``sdpa_mask``), a custom 4D mask (boolean
+            or additive float), or ``None``.
         scaling: softmax scale passed by the model. dropout: must be 0 when the cache is used.
 
     Returns:
         ``(attn_output [B, T, Hq, D], None)`` (attention weights are never materialised).
     """
+    if torch.compiler.is_compiling():
+        # inside a compiled graph (a static cache + torch.compile): only the flag is read here, never the cache's
+        # weakref, so dynamo guards on a bool that stays False, not on a cache object that may be collected (a
+        # guard on a collected TinyAttnCache recompiled or crashed, issue 33)
+        if getattr(_CURRENT, "pending", False):
+            return _eager_from_compiled(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     ref = getattr(_CURRENT, "cache", None)
     cache = ref() if ref is not None else None
     layer_idx = getattr(module, "layer_idx", None)
+    _CURRENT.pending = False
     if cache is None or not cache._owns(layer_idx, key):
         if key.shape[2] > query.shape[2]:
             _warn_dense_once()
@@ -110,13 +133,23 @@ def tinyattn_attention_forward(module, query, key, value, attention_mask, scalin
     return cache._attend(module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
+@torch.compiler.disable
+def _eager_from_compiled(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A TinyAttnCache inside a compiled model (its ``update`` runs outside the graph and raises the flag): the
+    layer's attention runs eagerly too (a graph break per layer; ``generate`` never compiles a TinyAttnCache, whose
+    ``is_compileable`` is False)."""
+    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
 def _warn_dense_once() -> None:
     global _warned_dense
     if not _warned_dense:
         _warned_dense = True
         warnings.warn("attn_implementation='tinyattn' is decoding with a cache that is not a TinyAttnCache: "
-                      "attention falls back to dense SDPA. Pass cache=TinyAttnCache(model.config, ...) to "
-                      "generate() for query-aware sparse decoding.", stacklevel=3)
+                      "attention falls back to dense SDPA. Call tinyattn.integrations.hf.enable(model, "
+                      "page_budget=...) once (every generate() then makes a TinyAttnCache), or pass "
+                      "cache=TinyAttnCache(model.config, ...) to generate() for query-aware sparse decoding.",
+                      stacklevel=4)
 
 
 def register() -> None:
@@ -139,29 +172,44 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
+def _allowed_keys(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``([B, T, kv] may-attend, one pattern for every head)`` of a 4D mask ``[B, 1 or H, T, kv]``."""
+    allowed = _allowed(mask)
+    if allowed.shape[1] == 1:
+        return allowed[:, 0], True
+    return allowed.any(1), bool((allowed == allowed[:, :1]).all())
+
+
 class _LayerView:
-    """Stand-in for ``cache.layers[i]`` so that ``transformers``' per-layer introspection works."""
+    """Stand-in for ``cache.layers[i]`` so that ``transformers``' per-layer introspection works: ``keys`` /
+    ``values`` are laid out as ``DynamicCache``'s layers hold them (see :meth:`TinyAttnCache.to_dense`)."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: "TinyAttnCache", layer_idx: int):
+    def __init__(self, cache: "TinyAttnCache", layer_idx: int, sliding_window: int | None = None):
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
 
     @property
     def is_initialized(self) -> bool:
         return self._cache()._pool is not None
 
+    def _dense(self, which: int) -> torch.Tensor:
+        t = self._cache().to_dense(self.layer_idx)[which]
+        W = self.sliding_window          # DynamicSlidingWindowLayer keeps the last W - 1 columns
+        return t[:, :, -W + 1:, :] if W is not None else t
+
     @property
     def keys(self):
-        return self._cache().to_dense(self.layer_idx)[0]
+        return self._dense(0)
 
     @property
     def values(self):
-        return self._cache().to_dense(self.layer_idx)[1]
+        return self._dense(1)
 
     def get_seq_length(self) -> int:
         return self._cache().get_seq_length()
@@ -173,12 +221,29 @@ class _LayerView:
         return f"TinyAttnCacheLayer({self.layer_idx})"
 
 
+def _layer_windows(text_config, num_layers: int) -> list[int | None]:
+    """Per layer, the sliding window ``DynamicCache(config=...)`` gives that layer's cache (``None``: keeps every
+    column), read with transformers' own helper."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(text_config)
+    except Exception:  # pragma: no cover - an older / newer transformers without the helper
+        return [None] * num_layers
+    windows = [kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
+               for t, kw in zip(types, kwargs)]
+    return (windows + [None] * num_layers)[:num_layers]
+
+
 class TinyAttnCache(Cache):
     """A ``transformers`` cache backed by a :class:`tinyattn.cache.PagedKVCache`.
 
-    Each batch row is one sequence of the page pool (real tokens only: left padding is stripped),
-    the pool is shared by all rows and grows by doubling when it runs out of pages, and every
-    page keeps the per-channel ``k_min``/``k_max`` of its keys (after RoPE) that Quest scores.
+    Each batch row is one sequence of the page pool (its real tokens only: padding, left, right or inside the
+    row, is never written), the pool is shared by all rows and grows by doubling when it runs out of pages, and
+    every page keeps the per-channel ``k_min``/``k_max`` of its keys (after RoPE) that Quest scores. To
+    ``transformers`` it looks like ``DynamicCache``: :meth:`get_seq_length` counts columns (padding included) and
+    ``cache.layers[i].keys`` / ``.values`` are ``[B, Hkv, columns, D]`` (:meth:`to_dense`; a sliding-window layer
+    shows its last ``W - 1`` columns, as ``DynamicSlidingWindowLayer``).
 
     Args:
         config: the model's config (``model.config``): number of layers, and the attention
@@ -202,7 +267,7 @@ class TinyAttnCache(Cache):
             :class:`tinyattn.PagedKVCache`). The first prefill into an empty cache attends over the new states as
             the model computed them (stock SDPA); every later step reads the stored format.
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8; exact), ``"fp32"``,
-            ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.boxes`).
+            ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.kv_cache.torch_impl`).
 
     The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
     (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
@@ -211,10 +276,12 @@ class TinyAttnCache(Cache):
     tensors); ``crop`` truncates each row (:meth:`~PagedKVCache.truncate`, exact bounds).
 
     Raises:
-        ValueError for bad options; at run time, ValueError for right padding or masks with holes,
-        a batch size that changes without ``reorder_cache``, dropout in training mode, a model that
-        does not use ``attn_implementation="tinyattn"``; NotImplementedError for rows longer than the
-        chunk of a chunked-attention layer (Llama 4).
+        ValueError for bad options; at run time, ValueError for a mask that lets a query read a column whose
+        token was never cached (it did not attend to itself when fed; raised before the cache changes), a batch
+        size that changes without ``reorder_cache``, dropout in training mode, a model that does not use
+        ``attn_implementation="tinyattn"``; NotImplementedError for rows longer than the chunk of a
+        chunked-attention layer (Llama 4). Right padding, holes and custom 4D masks give stock's results (the dense
+        route where the pages cannot follow the mask, one warning per cache).
     """
 
     is_compileable = False
@@ -238,7 +305,7 @@ class TinyAttnCache(Cache):
         if backend not in (None, "torch", "triton"):
             raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
         quant.storage_dtype(kv_cache_dtype, torch.float32)       # ValueError naming the supported formats
-        boxes.box_dtype_for(box_dtype, torch.float32, False)      # ValueError naming the box dtypes
+        quant.box_dtype_for(box_dtype, torch.float32, False)      # ValueError naming the box dtypes
         self.kv_cache_dtype, self.box_dtype = kv_cache_dtype, box_dtype
         if config is None or not hasattr(config, "get_text_config"):
             raise ValueError(f"config: expected the model's transformers config (model.config), got {config!r}")
@@ -255,7 +322,8 @@ class TinyAttnCache(Cache):
         self._attention = PagedAttention(SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                                         num_recent_pages=num_recent_pages,
                                                         dense_layers=dense_layers, policy=policy), backend=backend)
-        super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
+        windows = _layer_windows(text_config, self.num_layers)
+        super().__init__(layers=[_LayerView(self, i, windows[i]) for i in range(self.num_layers)])
         self._clear()
 
     @staticmethod
@@ -277,6 +345,10 @@ class TinyAttnCache(Cache):
         self._chunk_shape = None
         self._prepared = False
         self._pending = None
+        self._undo = (0, None)
+        self._routes: list = []             # per mask of the pass in progress: (mask, window, paged?)
+        self._old_slots = None              # flat pool slots of the cached columns (the dense route), per pass
+        self._warned_dense_route = False
 
     def __repr__(self):
         return (f"TinyAttnCache(page_size={self.page_size}, page_budget={self.page_budget}, "
@@ -285,6 +357,7 @@ class TinyAttnCache(Cache):
                 f"seq_length={self._hf_len})")
 
     # ------------------------------------------------------------------ the Cache interface
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Record the new ``[B, Hkv, T, D]`` states of ``layer_idx``; return them unchanged.
 
@@ -298,6 +371,7 @@ class TinyAttnCache(Cache):
             self._layer_chunk[layer_idx] = self._chunk
             self._pending = (layer_idx, key_states, value_states)
             _CURRENT.cache = weakref.ref(self)
+            _CURRENT.pending = True
             return key_states, value_states
         first = self._layer_chunk[layer_idx] == self._chunk if type(layer_idx) is int and \
             0 <= layer_idx < self.num_layers else True
@@ -323,6 +397,7 @@ class TinyAttnCache(Cache):
             raise ValueError(f"key_states: expected [B, {self._pool.num_kv_heads}, T, {self._pool.head_dim}], got "
                              f"{tuple(key_states.shape)}")
         if self._layer_chunk[layer_idx] == self._chunk:          # first layer of a new forward pass
+            self._undo = (self._chunk_len, self._chunk_shape)   # _prepare_chunk's error restores them
             self._chunk += 1
             self._chunk_len = T
             self._chunk_shape = key_states.shape       # the fast path above serves the pass's later layers
@@ -334,6 +409,7 @@ class TinyAttnCache(Cache):
         self._layer_chunk[layer_idx] = self._chunk
         self._pending = (layer_idx, key_states, value_states)
         _CURRENT.cache = weakref.ref(self)
+        _CURRENT.pending = True
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -432,29 +508,41 @@ class TinyAttnCache(Cache):
         return self._pool
 
     def to_dense(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` of a layer as ``[B, Hkv, L, D]``, each row's real tokens right-aligned
-        (``L`` = longest row; zeros in front of shorter rows). For inspection and tests."""
+        """``(keys, values)`` of a layer as ``DynamicCache`` lays them out: ``[B, Hkv, L, D]`` with ``L =``
+        :meth:`get_seq_length` columns, each cached token in its column, and zeros in the columns that hold none
+        (padding: a token that did not attend to itself is never written to a page). An int8 / fp8 pool comes back
+        dequantized. For inspection and tests (it copies the layer)."""
         self._check_ready()
+        return self._gather_columns(layer_idx, self._column_slots(self._real.shape[1]))
+
+    def _gather_columns(self, layer_idx: int, column_slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's columns laid out as in :meth:`to_dense` (one gather per pool), from :meth:`_column_slots`."""
         pool = self._pool
-        lens = [pool.length(s) for s in self._seq_ids]
-        L = max(lens + [0])
-        shape = (len(lens), pool.num_kv_heads, L, pool.head_dim)
-        dtype = pool.model_dtype if pool.quantized else pool.dtype          # int8 / fp8: dequantized
-        keys = torch.zeros(shape, dtype=dtype, device=pool.device)
-        values = torch.zeros(shape, dtype=dtype, device=pool.device)
-        k_pool, v_pool = pool.k_cache[layer_idx], pool.v_cache[layer_idx]
-        if pool.quantized:
-            k_pool = quant.dequantize(k_pool, pool.k_scale[layer_idx], dtype)
-            v_pool = quant.dequantize(v_pool, pool.v_scale[layer_idx], dtype)
-        S = self.page_size
-        for row, (sid, n) in enumerate(zip(self._seq_ids, lens)):
-            if n == 0:
-                continue
-            pages = torch.tensor(pool.pages(sid), device=pool.device)
-            pos = torch.arange(n, device=pool.device)
-            keys[row, :, L - n:] = k_pool[pages[pos // S], pos % S].transpose(0, 1)
-            values[row, :, L - n:] = v_pool[pages[pos // S], pos % S].transpose(0, 1)
-        return keys, values
+        slots, cached = column_slots                                              # [B, columns] each
+        dtype = pool.model_dtype if pool.quantized else pool.dtype
+        out = []
+        for which, (t, scales) in enumerate(((pool.k_cache, pool.k_scale), (pool.v_cache, pool.v_scale))):
+            flat = t[layer_idx].reshape(-1, pool.num_kv_heads, pool.head_dim)     # [num_pages * S, Hkv, D]
+            x = flat.index_select(0, slots.reshape(-1)).reshape(*slots.shape, pool.num_kv_heads, pool.head_dim)
+            if pool.quantized:
+                page_scale = scales[layer_idx].index_select(0, (slots // self.page_size).reshape(-1))
+                x = x.to(torch.float32) * page_scale.reshape(*slots.shape, -1, 1)
+            x = x.to(dtype).masked_fill(~cached[:, :, None, None], 0)
+            out.append(x.transpose(1, 2))
+        return out[0], out[1]
+
+    def _column_slots(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, cached)``, both ``[B, columns]`` on the pool's device: the flat pool slot (``page * page_size +
+        offset``) of the token in each column, and whether the column holds a cached token (slot 0 where not)."""
+        pool = self._pool
+        cached = self._real[:, :columns].to(pool.device)
+        index = (cached.long().cumsum(1) - 1).clamp(min=0)                       # the token's index in its row
+        table = self._pool.block_table(self._seq_ids).to(device=pool.device, dtype=torch.long).clamp(min=0)
+        if table.shape[1] == 0:
+            table = torch.zeros(len(self._seq_ids), 1, dtype=torch.long, device=pool.device)
+        page = table.gather(1, (index // self.page_size).clamp(max=table.shape[1] - 1))
+        slots = (page * self.page_size + index % self.page_size).masked_fill(~cached, 0)
+        return slots, cached
 
     def _check_ready(self) -> None:
         if self._pool is None:
@@ -533,50 +621,111 @@ class TinyAttnCache(Cache):
     def _owns(self, layer_idx, key) -> bool:
         return self._pending is not None and self._pending[0] == layer_idx and self._pending[1] is key
 
-    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device, window: int | None) -> None:
-        """First attention call of a forward pass: which new tokens are real, page allocation, tables.
-        ``window``: the calling layer's sliding window (its mask shows a query at most that many keys)."""
-        hf_len = self._hf_len
+    def _prepare_chunk(self, mask: torch.Tensor | None, B: int, T: int, device, layer_idx: int,
+                       window: int | None) -> None:
+        """First attention call of a forward pass: which new tokens are cached, page allocation, tables, and the
+        route of this layer's mask (``window``: the layer's sliding window).
+
+        A new token is cached (written to its row's pages) when it attends to itself, so padding (masked as a key in
+        every 2D-mask-built mask) never enters a page. Raises ``ValueError``, with the cache left as it was before
+        the pass, when the mask lets a query read a column whose token was never cached."""
+        hf_before = self._hf_len - T
+        old = self._real                                                          # [B, hf_before]
+        self._routes = []
         if mask is None:
             real = torch.ones(B, T, dtype=torch.bool)
-            allowed = None
         else:
-            if mask.dim() != 4 or mask.shape[0] != B or mask.shape[-2] != T or mask.shape[-1] != hf_len:
-                raise ValueError(f"attention_mask: expected a 4D mask [B={B}, 1, T={T}, kv={hf_len}] (the cache "
+            if mask.dim() != 4 or mask.shape[0] != B or mask.shape[-2] != T or mask.shape[-1] != self._hf_len:
+                self._undo_pass(layer_idx, T)
+                raise ValueError(f"attention_mask: expected a 4D mask [B={B}, 1, T={T}, kv={self._hf_len}] (the cache "
                                  f"length plus the new tokens), got {tuple(mask.shape)}")
-            allowed = _allowed(mask[:, 0])                                      # [B, T, kv]
+            allowed, same_heads = _allowed_keys(mask)                             # [B, T, kv]
             t = torch.arange(T, device=mask.device)
-            real = allowed[:, t, hf_len - T + t].cpu()                          # [B, T] a token sees itself
-        if T > 1 and bool((real[:, :-1] & ~real[:, 1:]).any()):
-            raise ValueError("attention_mask: a real token is followed by a padding token in the same forward pass "
-                             "(right padding). TinyAttnCache supports left padding only: set "
-                             "tokenizer.padding_side = 'left'")
-        before = [self._pool.length(s) for s in self._seq_ids]
-        counts = [T] * B if mask is None else real.sum(1).tolist()
-        if self.attention_chunk is not None and max(b + c for b, c in zip(before, counts)) > self.attention_chunk:
-            raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's attention chunk "
-                                      f"({self.attention_chunk} tokens); chunked attention is not supported by "
-                                      f"tinyattn's paged ops")
+            real = allowed[:, t, hf_before + t].cpu()                             # [B, T] a token sees itself
+            if hf_before:                      # an empty cache takes stock SDPA over the new states: no route
+                paged = self._paged_keys_equal(mask, allowed, same_heads, torch.cat([old, real], 1), window, T)
+                if not paged:                  # the paged keys are cached ones: equal means nothing missing
+                    self._check_reads(allowed, old, layer_idx, T, undo=True)
+                self._routes.append((mask, window, paged))
+        counts = real.sum(1).tolist()
+        if self.attention_chunk is not None:
+            before = [self._pool.length(s) for s in self._seq_ids]
+            if max(b + c for b, c in zip(before, counts)) > self.attention_chunk:
+                self._undo_pass(layer_idx, T)
+                raise NotImplementedError(f"TinyAttnCache: a row exceeds the model's attention chunk "
+                                          f"({self.attention_chunk} tokens); chunked attention is not supported by "
+                                          f"tinyattn's paged ops")
         self._slots = self._extend(counts)
-        # row-major, like the slots; None when every new token is real (decode without padding)
-        self._gather = None if mask is None or bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
-        self._fresh = not any(before)
+        # row-major, like the slots; None when every new token is cached (decode without padding)
+        self._gather = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1).to(device)
+        self._fresh = hf_before == 0          # nothing cached before (not even padding columns): stock SDPA
         self._planned = False
         self._block_table = self._pool.block_table(self._seq_ids)
         self._seq_lens = self._pool.seq_lens(self._seq_ids)
-        self._real = torch.cat([self._real, real], dim=1)
-        if allowed is not None:
-            # the last query of each row that is real must see exactly the row's cached tokens (its last
-            # `window` ones in a sliding layer)
-            seen = allowed[:, -1].sum(-1).cpu()
-            held = self._seq_lens.cpu().to(seen.dtype)
-            bad = real[:, -1] & (seen != (held if window is None else held.clamp(max=window)))
-            if bool(bad.any()):
-                row = int(bad.nonzero()[0, 0])
-                raise ValueError(f"attention_mask: row {row} masks out tokens that are not left padding "
-                                 f"(its last token sees {int(seen[row])} keys, the row holds "
-                                 f"{int(self._seq_lens[row])}); TinyAttnCache supports left padding only")
+        self._real = torch.cat([old, real], dim=1)
+        self._old_slots = None
         self._prepared = True
+
+    def _check_reads(self, allowed: torch.Tensor, old: torch.Tensor, layer_idx: int, T: int, undo: bool) -> None:
+        """ValueError if a query may read a cached column whose token is not in the pages; ``undo``: the pass's
+        first layer, nothing written yet: the cache is restored to its state before the pass. (A later layer's
+        mask of a transformers model hides the same padding columns as the first layer's, so only a mask built for
+        one layer type could fail there.)"""
+        if old.shape[1] == 0:
+            return
+        missing = allowed[:, :, :old.shape[1]] & ~old.to(allowed.device)[:, None, :]
+        if bool(missing.any()):
+            row, query, column = (int(i) for i in missing.nonzero()[0])
+            if undo:
+                self._undo_pass(layer_idx, T)
+            raise ValueError(f"attention_mask: row {row}, query {query} attends to column {column}, whose token did "
+                             f"not attend to itself when it was fed (padding), so TinyAttnCache never stored it; "
+                             f"mask that column (as stock masks padding), or use a DynamicCache for such masks")
+
+    def _undo_pass(self, layer_idx: int, T: int) -> None:
+        """Forget the forward pass that update() began (its first layer raised before anything was written)."""
+        self._chunk -= 1
+        self._layer_chunk[layer_idx] = self._chunk
+        self._chunk_len, self._chunk_shape = self._undo
+        self._hf_len -= T
+        self._pending = None
+        self._prepared = False
+
+    @staticmethod
+    def _paged_keys_equal(mask, allowed, same_heads, real, window, T) -> bool:
+        """Whether the paged op (bottom-right causal over each row's cached tokens, ``window`` of them at most) gives
+        every query exactly the keys the mask allows it (``allowed`` ``[B, T, kv]``; ``real`` ``[B, kv]``: the
+        columns whose token is cached, this pass's included): true for left padding, and for right padding or holes
+        at decode; false for new tokens after padding in the same pass, custom 4D masks, windows with padding
+        inside."""
+        if not same_heads:
+            return False
+        real = real.to(allowed.device)
+        index = real.long().cumsum(1) - 1                                         # a cached token's index in its row
+        last = real.sum(1, keepdim=True) - T + torch.arange(T, device=allowed.device)   # [B, T] last key it sees
+        paged = real[:, None, :] & (index[:, None, :] <= last[..., None])
+        if window is not None:
+            paged &= index[:, None, :] > (last - window)[..., None]
+        if not torch.equal(paged, allowed):
+            return False
+        # a query that sees nothing: an additive mask averages every column, the paged op gives 0
+        return mask.dtype == torch.bool or not bool((~allowed).all(-1).any())
+
+    def _paged_serves(self, mask: torch.Tensor | None, window: int | None, T: int, layer_idx: int) -> bool:
+        """The route of a layer's mask (decided once per mask object and window in a forward pass): paged (True) or
+        the dense route. A mask first met after the pass's first layer is checked for reads of never-cached
+        columns here (after pages were written: ValueError without undo)."""
+        if mask is None:
+            return True
+        for m, w, paged in self._routes:
+            if m is mask and w == window:
+                return paged
+        allowed, same_heads = _allowed_keys(mask)                                 # [B, T, kv]
+        paged = self._paged_keys_equal(mask, allowed, same_heads, self._real, window, T)
+        if not paged:
+            self._check_reads(allowed, self._real[:, :self._hf_len - T], layer_idx, T, undo=False)
+        self._routes.append((mask, window, paged))
+        return paged
 
     def _attend(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
         layer_idx = self._pending[0]
@@ -588,14 +737,14 @@ class TinyAttnCache(Cache):
         Hkv = key.shape[1]
         window = _window(kwargs.get("sliding_window"))
         if not self._prepared:
-            self._prepare_chunk(attention_mask, B, T, query.device, window)
+            self._prepare_chunk(attention_mask, B, T, query.device, layer_idx, window)
         pool = self._pool
         if T == 1:                                      # decode: one view each (squeeze: the cheapest view op)
             k, v = key.squeeze(2), value.squeeze(2)
         else:
             k = key.transpose(1, 2).reshape(B * T, Hkv, D)
             v = value.transpose(1, 2).reshape(B * T, Hkv, D)
-        if self._gather is not None:                                            # drop left padding
+        if self._gather is not None:                                            # drop padding
             k, v = k[self._gather], v[self._gather]
         pool.write(layer_idx, self._slots, k, v)
         if self._fresh:
@@ -603,10 +752,12 @@ class TinyAttnCache(Cache):
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                             scaling=scaling, **kwargs)
             return out, None
+        if not self._paged_serves(attention_mask, window, T, layer_idx):
+            return self._attend_columns(module, query, key, value, attention_mask, scaling, layer_idx, kwargs), None
         q = query.squeeze(2) if T == 1 else query.transpose(1, 2)               # [B, Hq, D] / [B, T, Hq, D]
         if q.dtype != pool.dtype and not pool.quantized:
             q = q.to(pool.dtype)
-        if not self._planned:       # first layer of this forward: one plan for every layer
+        if not self._planned:       # first paged layer of this forward: one plan for every layer
             self._attention.begin(self._block_table, self._seq_lens, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                   page_size=self.page_size, num_query_tokens=T, decode=T == 1, scale=scaling,
                                   seq_ids=list(self._seq_ids), trusted=True)   # the pool's own tables
@@ -617,6 +768,105 @@ class TinyAttnCache(Cache):
                               window_left=-1 if window is None else window - 1, **scales)
         out = out.reshape(B, T, Hq, D)
         return (out if out.dtype == query.dtype else out.to(query.dtype)), None
+
+    def _attend_columns(self, module, query, key, value, attention_mask, scaling, layer_idx, kwargs):
+        """The dense route, for a mask the paged op cannot follow: stock SDPA with the model's mask over every
+        column, the cached ones gathered from the pages (zeros in padding columns, which every such mask hides) and
+        the new states as the model computed them: the computation ``DynamicCache`` + SDPA does."""
+        if not self._warned_dense_route:
+            self._warned_dense_route = True
+            warnings.warn("TinyAttnCache: this forward pass's attention mask is not one the pages can follow (new "
+                          "tokens after padding in one pass, a custom 4D mask, padding inside a sliding window): "
+                          "such passes attend densely over the cached tokens with SDPA, as stock transformers does "
+                          "(warned once per cache)", stacklevel=5)
+        if self._old_slots is None:
+            self._old_slots = self._column_slots(self._hf_len - key.shape[2])
+        k_old, v_old = self._gather_columns(layer_idx, self._old_slots)
+        k = torch.cat([k_old.to(key.dtype), key], dim=2)
+        v = torch.cat([v_old.to(value.dtype), value], dim=2)
+        out, _ = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- the opt-in
+#: the key of ``model.config`` that holds a model's TinyAttnCache settings (written to config.json by save_pretrained)
+CONFIG_KEY = "tinyattn"
+#: the TinyAttnCache options ``enable`` accepts (all JSON values, so that save_pretrained keeps them)
+SETTINGS = ("page_size", "page_budget", "num_sink_pages", "num_recent_pages", "dense_layers", "num_pages", "backend",
+            "policy", "kv_cache_dtype", "box_dtype")
+
+
+def enable(model, **settings):
+    """Opt a ``transformers`` model in: every ``generate()`` that would make a ``DynamicCache`` makes a
+    :class:`TinyAttnCache` with these settings instead, so ``model.generate(**inputs)``,
+    ``pipeline("text-generation", model=model)``, this model as another model's ``assistant_model``, and tools that
+    call ``generate()`` themselves (lm-evaluation-harness) decode through tinyattn with no extra argument.
+
+    Args:
+        model: a decoder-only ``transformers`` model (``PreTrainedModel`` with ``generate``).
+        **settings: :class:`TinyAttnCache` options (:data:`SETTINGS`: ``page_size``, ``page_budget``,
+            ``num_sink_pages``, ``num_recent_pages``, ``dense_layers``, ``num_pages``, ``backend``, ``policy`` (a
+            name), ``kv_cache_dtype``, ``box_dtype``). None given: the settings saved in ``model.config.tinyattn``
+            (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's defaults (dense decode).
+
+    Returns:
+        ``model`` itself, after: ``model.set_attn_implementation("tinyattn")``, ``model.config.tinyattn =
+        settings`` (a dict: ``save_pretrained`` writes it to config.json) and, on this model object only, a
+        ``_prepare_cache_for_generation`` that makes the TinyAttnCache. Models not enabled are untouched. A
+        ``cache=`` passed to ``generate`` still wins, and so do ``use_cache=False`` and a ``cache_implementation``
+        other than ``"dynamic"`` (``"static"``: stock SDPA over transformers' static cache).
+
+    Raises:
+        ValueError, before the model is changed: an unknown setting, a ``policy`` that is not a name, an invalid
+        value (the message of :class:`TinyAttnCache`), an encoder-decoder model.
+    """
+    if not settings:
+        settings = dict(getattr(model.config, CONFIG_KEY, None) or {})
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"enable: unknown TinyAttnCache settings {unknown}; expected some of {list(SETTINGS)}")
+    if not isinstance(settings.get("policy", "quest"), str):
+        raise ValueError(f"policy: expected a policy name (saved in the model's config), got {settings['policy']!r}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("enable: expected a decoder-only model; encoder-decoder models are not supported")
+    if not hasattr(model, "generate"):
+        raise ValueError(f"model: expected a transformers model with generate(), got {type(model).__name__}")
+    TinyAttnCache(model.config, **settings)                    # every value checked before anything changes
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    setattr(model.config, CONFIG_KEY, dict(settings))
+    model._prepare_cache_for_generation = types.MethodType(_prepare_cache_for_generation, model)
+    return model
+
+
+def disable(model, attn_implementation: str = "sdpa"):
+    """Undo :func:`enable`: ``generate()`` makes transformers' own caches again, the attention is
+    ``attn_implementation``, and ``model.config`` loses its ``tinyattn`` settings. Returns ``model``."""
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def is_enabled(model) -> bool:
+    """Whether ``generate()`` of ``model`` makes a TinyAttnCache (:func:`enable` ran on this object)."""
+    return "_prepare_cache_for_generation" in getattr(model, "__dict__", {})
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    """``GenerationMixin._prepare_cache_for_generation`` of an enabled model: where generate() would make a
+    ``DynamicCache`` (no cache passed, ``use_cache`` on, ``cache_implementation`` unset or ``"dynamic"``), a
+    TinyAttnCache with the model's settings; everything else is transformers' own code."""
+    settings = getattr(self.config, CONFIG_KEY, None)
+    if (settings is not None and model_kwargs.get("cache") is None and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+            and getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+            and self._supports_default_dynamic_cache()):
+        model_kwargs["cache"] = TinyAttnCache(self.config, **settings)
+        if getattr(generation_config, "is_assistant", False):
+            model_kwargs["cache"].activate_past_recording()     # what transformers does for an assistant's cache
+        return None
+    return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
 
 
 def _window(sliding_window) -> int | None:

@@ -1,20 +1,21 @@
-"""Triton kernels of tinyattn and their launchers.
+"""Triton kernels of tinyattn (their launchers: ``tinyattn/ops/<rule>/triton_impl.py``).
 
 Nothing here validates, allocates user-visible outputs or records autograd: the launchers take
-canonical, already-validated tensors from ``tinyattn.ops`` (q is ``[B, Tq, Hq, D]``; block_table,
-seq_lens and page_indices are contiguous int32; page_indices sorted, deduplicated, -1 padded) and
-write into preallocated outputs.
+canonical, already-validated tensors (q is ``[B, Tq, Hq, D]``; block_table, seq_lens and page_indices are
+contiguous int32; page_indices sorted, deduplicated, -1 padded) and write into preallocated outputs.
 
-Kernels (one module each, kernels first, then the block-size heuristics, then the launcher):
+Kernels (one module each: ``@triton.jit`` functions, then the block-size heuristics the launchers and the compile
+tier share). Their launchers live beside the reference and torch forms of their rule (docs/layout.md):
 
-- ``metadata.update_page_metadata``  per-page key bounding boxes (Quest, Tang et al., ICML 2024)
-- ``scoring.page_scores``            upper bound of q.k per page (Quest eq.; TinyServe eq. 2)
-- ``topk.select_pages``              recent + sink + top-k page selection, one program per (row, KV head)
-- ``chunk_topk.score_and_select_pages``  the same selection in two stages for small batches / long rows:
-  fused score + per-chunk top-k over ``(B, Hkv, chunks)`` programs, then a merge per (row, KV head)
-- ``attention.paged_attention``      fused dense / sparse paged attention with split-K merge
-- ``kv_write.write_kv``              the step's K/V into the pool + box growth (+ int8 / fp8 scale growth and
-  re-quantization) in one launch per layer
+- ``metadata.page_minmax_kernel``        per-page key bounding boxes (Quest, Tang et al., ICML 2024)
+  and ``kv_write.kv_write_kernel``       the step's K/V into the pool + box growth (+ int8 / fp8 scale growth and
+  re-quantization) in one launch per layer: launched by :mod:`tinyattn.ops.kv_cache.triton_impl`
+- ``scoring.page_scores_kernel``         upper bound of q.k per page (Quest eq.; TinyServe eq. 2),
+  ``topk.select_pages_kernel``           recent + sink + top-k page selection, one program per (row, KV head), and
+  ``chunk_topk``                         the same selection in two stages for small batches / long rows: launched
+  by :mod:`tinyattn.ops.selection.triton_impl`
+- ``attention.attn_fwd_kernel``          fused dense / sparse paged attention with split-K merge, and
+  ``attention_bwd.attn_bwd_kernel``      its backward: launched by :mod:`tinyattn.ops.attention.triton_impl`
 
 ``launches.py`` records the launches the ops make under the interpreter over a table of shapes (runtime models,
 benchmarks, vLLM), and ``compile.py`` compiles each recorded launch for a real GPU target with Triton's own JIT
@@ -42,19 +43,4 @@ def needs_upcast(dtype) -> bool:
     return is_interpreting() and dtype == torch.bfloat16
 
 
-from .attention import paged_attention  # noqa: E402
-from .metadata import update_page_metadata  # noqa: E402
-from .scoring import page_scores  # noqa: E402
-from .topk import select_pages  # noqa: E402
-from . import chunk_topk  # noqa: E402
-
-__all__ = [
-    "paged_attention",
-    "update_page_metadata",
-    "page_scores",
-    "select_pages",
-    "chunk_topk",
-    "is_interpreting",
-    "pad_head_dim",
-    "needs_upcast",
-]
+__all__ = ["is_interpreting", "pad_head_dim", "needs_upcast"]

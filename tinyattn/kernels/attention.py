@@ -19,16 +19,15 @@ query's first visible key (pages wholly before every window of the block are nev
 no key keeps ``m = -inf, l = 0`` and writes ``out = 0, lse = -inf``.
 
 Split-K: the token stream of a row is cut into ``num_splits`` contiguous ranges; each split writes its
-normalised partial output and base-2 LSE to an fp32 workspace, and ``_merge_splits_kernel`` combines
+normalised partial output and base-2 LSE to an fp32 workspace, and ``merge_splits_kernel`` combines
 them by LSE weights ``exp2(lse_s - max_s lse_s)`` in fp32 (partials are never rounded to 16 bits).
 """
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import needs_upcast, pad_head_dim
+from . import pad_head_dim
 
 LOG2E = 1.4426950408889634                # log2(e): the kernels use exp2/log2, so logits are scaled by it
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the same constant, readable inside @triton.jit bodies
@@ -36,7 +35,7 @@ NUM_SMS_DEFAULT = 132  # H100 SXM; used when no CUDA device can be queried
 
 
 @triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window (no ==1 / %16 variants)
-def _attn_fwd_kernel(
+def attn_fwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
     v_cache,  # [num_pages, page_size, Hkv, D]
@@ -160,8 +159,8 @@ def _window_start(o_qpos, WINDOW_LEFT):
 def _window_first_token(q_first, WINDOW_LEFT, PAGE_SIZE: tl.constexpr):
     """Where a dense walk starts: the first token of the page holding the first key the query at position
     ``q_first`` (a block's earliest) sees; 0 without a window."""
-    lo = tl.maximum(q_first.to(tl.int64) - WINDOW_LEFT, 0)
-    return tl.where(WINDOW_LEFT >= 0, (lo // PAGE_SIZE) * PAGE_SIZE, 0).to(tl.int32)
+    lo = tl.maximum(_window_start(q_first, WINDOW_LEFT), 0)  # no window: -1, so token 0
+    return ((lo // PAGE_SIZE) * PAGE_SIZE).to(tl.int32)
 
 
 @triton.jit
@@ -214,7 +213,7 @@ def _attn_tile(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def merge_splits_kernel(
     ws_o,  # [num_splits, B, Tq, Hq, D] fp32
     ws_lse,  # [num_splits, B, Tq, Hq] fp32 base 2
     out,  # [B, TQ, HQ, D]
@@ -255,7 +254,7 @@ def _merge_splits_kernel(
 
 
 def attention_blocks(num_queries: int, group: int, head_dim: int, page_size: int) -> dict:
-    """Constexprs and launch options of ``_attn_fwd_kernel`` (shared with compile.py).
+    """Constexprs and launch options of ``attn_fwd_kernel`` (shared with compile.py).
 
     BLOCK_M: the ``Tq * G`` rows padded to a power of two >= 16 (``tl.dot``), at most 64 (32 when
     BD = 256), larger prefills get several query blocks. BLOCK_N: 64 tokens per iteration (32 when
@@ -270,7 +269,7 @@ def attention_blocks(num_queries: int, group: int, head_dim: int, page_size: int
 
 
 def merge_blocks(num_heads: int, num_splits: int, head_dim: int) -> dict:
-    """Constexprs of ``_merge_splits_kernel`` (shared with compile.py)."""
+    """Constexprs of ``merge_splits_kernel`` (shared with compile.py)."""
     BD = triton.next_power_of_2(head_dim)
     BS = triton.next_power_of_2(num_splits)
     BH = max(1, min(triton.next_power_of_2(num_heads), 4096 // (BS * BD)))
@@ -294,89 +293,10 @@ def plan_num_splits(batch: int, num_queries: int, num_heads: int, num_kv_heads: 
     """``num_splits`` that :func:`paged_attention` picks for these sizes (a plan computes it once per step)."""
     meta = attention_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size)
     num_mb = triton.cdiv(num_queries * num_heads // num_kv_heads, meta["BLOCK_M"])
-    return choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"], _num_sms(device))
+    return choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"], num_sms(device))
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return NUM_SMS_DEFAULT
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor], scale: float,
-                    out: torch.Tensor, lse: torch.Tensor, num_splits: Optional[int] = None,
-                    ws_o: Optional[torch.Tensor] = None, ws_lse: Optional[torch.Tensor] = None,
-                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                    window_left: int = -1) -> None:
-    """Attention of q ``[B, Tq, Hq, D]`` over the paged cache; writes ``out`` (q's shape/dtype) and ``lse``.
-
-    k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
-    ``[B]`` int32 (including the Tq queries); page_indices ``None`` (dense) or ``[B, Hkv, K]`` int32
-    logical pages, deduplicated (-1 entries and pages past the end are skipped; duplicates would be
-    counted twice, the ops layer removes them); lse ``[B, Tq, Hq]`` fp32 natural log.
-    num_splits: ``None`` picks it with ``choose_num_splits``; an int forces it (tests, plans).
-    ws_o ``[>= num_splits, B, Tq, Hq, D]`` / ws_lse ``[>= num_splits, B, Tq, Hq]`` fp32: split-K partials
-    preallocated by a plan (``tinyattn.ops.plan``); allocated here when ``None`` and needed.
-    k_scale / v_scale ``[num_pages, Hkv]`` fp32: with int8 / float8_e4m3fn pools, the per-(page, KV head) scales;
-    K and V tiles are dequantized in registers (``code.to(fp32) * scale``) and the math runs in fp32.
-    window_left: sliding window, FlashInfer's convention: a query at position ``p`` sees keys in
-    ``[p - window_left, p]``; ``-1`` = no window (a runtime argument: one compiled kernel serves every window).
-    """
-    batch, num_queries, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    if batch == 0 or num_queries == 0 or num_heads == 0:
-        return
-    group = num_heads // num_kv_heads
-    meta = attention_blocks(num_queries, group, head_dim, page_size)
-    num_mb = triton.cdiv(num_queries * group, meta["BLOCK_M"])
-    sparse = page_indices is not None
-    num_list = page_indices.shape[2] if sparse else block_table.shape[1]
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads * num_mb, num_list * page_size, meta["BLOCK_N"],
-                                       _num_sms(q.device))
-    split = num_splits > 1
-    if split and (ws_o is None or ws_lse is None or ws_o.shape[0] < num_splits):
-        ws_o = torch.empty((num_splits, batch, num_queries, num_heads, head_dim), device=q.device,
-                           dtype=torch.float32)
-        ws_lse = torch.empty((num_splits, batch, num_queries, num_heads), device=q.device, dtype=torch.float32)
-    elif not split:
-        ws_o, ws_lse = out, lse  # unused
-    idx = page_indices if sparse else block_table  # unused when dense
-    quantized = k_scale is not None
-    if quantized:
-        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
-    else:
-        k_scale = v_scale = lse  # unused
-    _attn_fwd_kernel[(batch, num_kv_heads * num_mb, num_splits)](
-        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-        page_indices=idx, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
-        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
-        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
-        stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
-        stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
-        stride_zh=ws_lse.stride(3) if split else 0,
-        qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
-        NUM_SPLITS=num_splits, WINDOW_LEFT=window_left, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
-        PRECISION="ieee", QUANT=quantized, **meta,
-    )
-    if split:
-        mmeta = merge_blocks(num_heads, num_splits, head_dim)
-        _merge_splits_kernel[(batch * num_queries, triton.cdiv(num_heads, mmeta["BH"]))](
-            ws_o=ws_o, ws_lse=ws_lse, out=out, lse=lse,
-            stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
-            stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
-            stride_zh=ws_lse.stride(3),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
-            TQ=num_queries, HQ=num_heads, D=head_dim, NUM_SPLITS=num_splits, **mmeta,
-        )

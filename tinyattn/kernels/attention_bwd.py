@@ -1,7 +1,7 @@
 """Backward of the fused paged attention (dense or over selected pages), and per-page gradient norms.
 
 Recomputes the attention probabilities from ``q``, ``k`` and the forward's log-sum-exp, as
-FlashAttention-2 (Dao, 2023, Alg. 2) does, on the same page walk as ``attention._attn_fwd_kernel``:
+FlashAttention-2 (Dao, 2023, Alg. 2) does, on the same page walk as ``attention.attn_fwd_kernel``:
 
     P  = exp(scale * q k^T - lse)                 (0 where the key is masked, or the row sees nothing)
     dV = P^T dO
@@ -21,21 +21,19 @@ unselected pages and of padding slots stay exactly zero. The mask (page listed, 
 bottom-right causal, sliding window ``WINDOW_LEFT``) and the page walk (dense: from the page of the block's
 first visible key) are the forward's.
 
-``_page_grad_norm_kernel``: ``||dK[p, :, h]||^2 + ||dV[p, :, h]||^2`` per physical page and KV head,
+``page_grad_norm_kernel``: ``||dK[p, :, h]||^2 + ||dV[p, :, h]||^2`` per physical page and KV head,
 the signal of the gradient-aware KV retention of TinyServe (Liu & Yu, arXiv 2509.12211, §3.4).
 """
-from typing import Optional
 
-import torch
 import triton
 import triton.language as tl
 
-from . import needs_upcast, pad_head_dim
-from .attention import _LOG2E, LOG2E, _window_first_token, _window_start, attention_blocks
+from . import pad_head_dim
+from .attention import _LOG2E, _window_first_token, _window_start
 
 
 @triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window
-def _attn_bwd_kernel(
+def attn_bwd_kernel(
     q,  # [B, TQ, HQ, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
     v_cache,  # [num_pages, page_size, Hkv, D]
@@ -160,7 +158,7 @@ def _attn_bwd_kernel(
 
 
 @triton.jit
-def _page_grad_norm_kernel(
+def page_grad_norm_kernel(
     dk,  # [num_pages, page_size, Hkv, D]
     dv,  # [num_pages, page_size, Hkv, D]
     norms,  # [num_pages, Hkv] fp32
@@ -190,75 +188,8 @@ def _page_grad_norm_kernel(
 
 
 def page_norm_blocks(page_size: int, head_dim: int) -> dict:
-    """Constexprs of ``_page_grad_norm_kernel``: ``BP`` pages of ``PAGE_SIZE`` slots, ~4096 elements a tile."""
+    """Constexprs of ``page_grad_norm_kernel``: ``BP`` pages of ``PAGE_SIZE`` slots, ~4096 elements a tile."""
     BD = pad_head_dim(head_dim)
     BP = max(1, 4096 // (BD * page_size))
     BP = 1 << (BP.bit_length() - 1)  # a power of two, so BP * PAGE_SIZE is one
     return dict(PAGE_SIZE=page_size, BP=BP, BD=BD)
-
-
-def paged_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_indices: Optional[torch.Tensor],
-                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float,
-                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, window_left: int = -1) -> None:
-    """Gradients of ``attention.paged_attention``; writes ``dq`` and adds into ``dk`` / ``dv``.
-
-    dout, out, q, dq ``[B, Tq, Hq, D]`` (any strides); lse, dlse ``[B, Tq, Hq]`` fp32 (``dlse`` may be
-    ``None``); k_cache/v_cache ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` and
-    seq_lens ``[B]`` int32; page_indices ``None`` (dense) or ``[B, Hkv, K]`` int32, deduplicated.
-    dk / dv: **contiguous fp32**, pool-shaped, zero-initialised by the caller; only slots the forward read
-    receive a value. Masks and page walk are the forward's (``window_left``: its sliding window, -1 = none).
-    """
-    batch, num_queries, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    assert dk.dtype == torch.float32 and dv.dtype == torch.float32 and dk.is_contiguous() and dv.is_contiguous()
-    assert dk.shape == k_cache.shape and dv.shape == v_cache.shape
-    if batch == 0 or num_queries == 0 or num_heads == 0:
-        return
-    group = num_heads // num_kv_heads
-    meta = attention_blocks(num_queries, group, head_dim, page_size)
-    num_mb = triton.cdiv(num_queries * group, meta["BLOCK_M"])
-    sparse = page_indices is not None
-    idx = page_indices if sparse else block_table  # unused when dense
-    num_list = page_indices.shape[2] if sparse else block_table.shape[1]
-    has_dlse = dlse is not None
-    dl = dlse if has_dlse else lse  # unused when not has_dlse
-    _attn_bwd_kernel[(batch, num_kv_heads * num_mb)](
-        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens, page_indices=idx,
-        out=out, dout=dout, lse=lse, dlse=dl, dq=dq, dk=dk, dv=dv,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
-        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-        stride_gb=dout.stride(0), stride_gt=dout.stride(1), stride_gh=dout.stride(2), stride_gd=dout.stride(3),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
-        stride_eb=dl.stride(0), stride_et=dl.stride(1), stride_eh=dl.stride(2),
-        stride_xb=dq.stride(0), stride_xt=dq.stride(1), stride_xh=dq.stride(2), stride_xd=dq.stride(3),
-        stride_ap=dk.stride(0), stride_as=dk.stride(1), stride_ah=dk.stride(2),
-        scale=scale, qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
-        WINDOW_LEFT=window_left, SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee", **meta,
-    )
-
-
-def page_grad_norms(dk: torch.Tensor, dv: torch.Tensor, *, out: torch.Tensor) -> None:
-    """``out[p, h] = sum_{s, d} dk[p, s, h, d]^2 + dv[p, s, h, d]^2`` (fp32 math); dk/dv pool-shaped.
-
-    out: ``[num_pages, Hkv]`` fp32. page_size must be a power of two.
-    """
-    num_pages, page_size, num_kv_heads, head_dim = dk.shape
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    if num_pages == 0 or num_kv_heads == 0:
-        return
-    meta = page_norm_blocks(page_size, head_dim)
-    _page_grad_norm_kernel[(triton.cdiv(num_pages, meta["BP"]), num_kv_heads)](
-        dk=dk, dv=dv, norms=out,
-        stride_kp=dk.stride(0), stride_ks=dk.stride(1), stride_kh=dk.stride(2), stride_kd=dk.stride(3),
-        stride_vp=dv.stride(0), stride_vs=dv.stride(1), stride_vh=dv.stride(2), stride_vd=dv.stride(3),
-        stride_np=out.stride(0), stride_nh=out.stride(1),
-        P=num_pages, D=head_dim, **meta,
-    )

@@ -1,51 +1,22 @@
 """Two-stage page selection for small batches and long rows: fused score + per-chunk top-k, then a merge.
 
-``topk.select_pages`` runs one program per (row, KV head) over all of a row's pages, held in one tile:
-8 programs on a 132-SM GPU at batch 1 with 8 KV heads, and an 8192-key tile at 128K context / page 16.
-This module spreads the same selection over ``B * Hkv * NC`` programs (issue 10, docs/benchmarks.md):
+1. ``score_chunk_topk_kernel``, grid ``(B, Hkv, NC)``, ``NC = cdiv(max_pages, CHUNK)``: each program scores the
+   ``CHUNK`` logical pages of its chunk (``scoring._page_bounds``, the code of ``page_scores``), hides the pages
+   before a sliding window, and writes its best ``min(rest, pages)`` candidates (order key + page id, ascending)
+   into ``KC = min(page_budget, CHUNK)`` workspace slots, ``-1`` padded. The forced pages never enter it.
+2. ``merge_chunks_kernel``, grid ``(B, Hkv)``: the final ``rest`` among the ``NC * KC`` candidates (radix select
+   or argmax loop of ``topk.py``), plus the forced ranges, ascending, ``-1`` padded.
 
-1. ``_score_chunk_topk_kernel``, grid ``(B, Hkv, NC)``, ``NC = cdiv(max_pages, CHUNK)``: each program reads
-   the boxes of its ``CHUNK`` logical pages once (``BP`` pages at a time, with ``scoring._page_bounds``,
-   the very code of ``page_scores``), masks the pages before a sliding window like
-   ``core.mask_pages_before_window``, and writes its best ``min(rest, pages)`` candidates (order key + page
-   id, ascending page order) into ``KC = min(page_budget, CHUNK)`` workspace slots, ``-1`` padded. No
-   ``[B, Hkv, max_pages]`` score tensor goes through memory.
-2. ``_merge_chunks_kernel``, grid ``(B, Hkv)``: selects the final ``rest`` among the ``NC * KC`` candidates
-   with the radix select / argmax loop of ``topk.py``, and writes ascending page ids, ``-1`` padded.
-
-The forced pages never enter the workspace. With ``n = cdiv(seq_len, page_size)`` valid pages, the pages
-``select_pages`` keeps are two ranges and a top-k (``_forced_ranges``): if ``n <= budget`` all of
-``[0, n)``; else the sinks ``[0, s_end)``, the recent ``[r_start, n)`` and the ``rest = budget - s_end -
-(n - r_start)`` best of the pool ``[s_end, r_start)`` (disjoint: ``s_end <= budget - n_recent < r_start``).
-Both stages compute the ranges from ``seq_len`` alone; stage 1 scores only pool pages (a short row, ``n <=
-budget``, reads no box at all) and stage 2 writes sinks at ``[0, s_end)``, the chosen pool pages next and the
-recent pages after them, which is ascending. The top-``rest`` of the pool under the total order (key
-descending, page ascending) is the top-``rest`` of the union of each chunk's top-``min(rest, chunk)`` under
-the same order, and the candidates sit in the workspace in ascending page order, so "lowest position"
-is "lowest page" in stage 2's ties: the selection is the one of ``select_pages(page_scores(...))``, given
-the same bounds. In the interpreter the bounds are bit-identical (tested); on a GPU both kernels call
-``_page_bounds`` with the same ``BM, BP, BD`` and ``num_warps``, but the compiler may still lay the
-channel sum out differently in the fused kernel, which could only swap pages whose bounds agree to the
-last ulp.
-
-When to use it (``use_two_stage``): when ``B * Hkv`` programs leave SMs idle, or a row holds more than
-``ONE_STAGE_MAX_PAGES`` pages (the one-stage tile grows with the row). Otherwise the one-stage pair
-(``page_scores`` grid ``(B, Hkv, cdiv(pages, BP))`` + ``select_pages`` grid ``(B, Hkv)``) already fills
-the GPU and does less selection work (stage 1 runs a radix select per chunk that the one-stage path does
-not), so it is kept. The two-stage path is never worse in launches (two either way) and bytes (the
-candidate workspace, at most ``2 * NC * KC * 4`` bytes per (row, head), replaces the score tensor's
-write + read); it does more reduction passes, which only pays when programs are scarce.
-
-Integer constants: the interpreter computes int32 tensors through numpy, where ``1 << 31`` silently
-becomes int64 (2147483648) while the GPU wraps it to ``-2**31`` (the past bug of the radix select): no
-shift or literal here leaves int32, the smallest key is written ``-2147483647 - 1``, and program ids are
-widened to int64 before meeting a stride.
+Why this selects exactly what ``select_pages(page_scores(...))`` selects, and when the plan uses it
+(``use_two_stage``): docs/layout.md, "Two-stage selection". Integer constants stay int32 (the interpreter
+computes through numpy, where ``1 << 31`` silently becomes int64 while the GPU wraps it): the smallest key is
+written ``-2147483647 - 1``, and program ids are widened to int64 before meeting a stride.
 """
-import torch
 import triton
 import triton.language as tl
 
 from . import is_interpreting
+from .attention import _window_start
 from .scoring import _page_bounds, score_blocks
 from .topk import RADIX_MIN_BUDGET, _forced_ranges, _order_key, _top_rest_by_radix
 
@@ -72,7 +43,7 @@ def _top_mask(b_key, m_cand, o_c, rest, RADIX: tl.constexpr, BITS: tl.constexpr)
 
 
 @triton.jit
-def _score_chunk_topk_kernel(
+def score_chunk_topk_kernel(
     q,  # [B, TQ, HQ, D]
     k_min,  # [num_pages, Hkv, D]
     k_max,  # [num_pages, Hkv, D]
@@ -118,9 +89,9 @@ def _score_chunk_topk_kernel(
         # place the BP bounds at [sub * BP, (sub + 1) * BP) of the chunk tile, in registers
         b_rep = tl.reshape(tl.broadcast_to(b_sb[None, :], (CHUNK // BP, BP)), (CHUNK,))  # [CHUNK]
         b_s = tl.where(o_c // BP == sub, b_rep, b_s)
-    # pages wholly before the earliest query's window rank below every page that overlaps it
-    # (core.mask_pages_before_window; WINDOW = -1: no window)
-    first = tl.where(WINDOW >= 0, seq_len.to(tl.int64) - TQ - WINDOW, 0)
+    # pages wholly before the earliest query's window rank below every page that overlaps it (the rule of
+    # selection_torch.mask_pages_before_window; WINDOW = -1: no window, first = -1 hides nothing)
+    first = _window_start(seq_len - TQ, WINDOW)
     b_s = tl.where((o_j + 1) * PAGE_SIZE <= first, float("-inf"), b_s)
     b_key = _order_key(b_s)  # [CHUNK]
 
@@ -137,7 +108,7 @@ def _score_chunk_topk_kernel(
 
 
 @triton.jit
-def _merge_chunks_kernel(
+def merge_chunks_kernel(
     ws_key,  # [B, Hkv, NCAND] int32
     ws_page,  # [B, Hkv, NCAND] int32, -1 padded, ascending among valid entries
     seq_lens,  # [B] int32
@@ -265,65 +236,3 @@ def radix_bits(num_keys: int) -> int:
 def workspace_shape(batch: int, num_kv_heads: int, meta: dict) -> tuple:
     """Shape of each candidate workspace (keys, pages), int32, for :func:`score_and_select_pages`."""
     return (batch, num_kv_heads, meta["NC"] * meta["KC"])
-
-
-def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
-                 num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
-                 window_left: int = -1) -> None:
-    """Stage 1: each chunk's candidates (order keys, logical pages, ascending, -1 padded) into the workspace.
-
-    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
-    ``[B]`` int32 (including the Tq queries). ``meta`` from :func:`chunk_blocks`; ``ws_key`` / ``ws_page``
-    ``workspace_shape(...)`` int32 with unit last stride (preallocated by the plan, overwritten).
-    ``window_left`` >= 0: pages wholly before the earliest query's window score ``-inf``.
-    """
-    batch, num_queries, _, head_dim = q.shape
-    num_kv_heads, max_pages = k_min.shape[1], block_table.shape[1]
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    assert ws_key.stride(-1) == 1 and ws_page.stride() == ws_key.stride()
-    assert ws_key.shape[-1] >= meta["NC"] * meta["KC"]
-    if batch == 0 or num_kv_heads == 0 or max_pages == 0 or page_budget == 0:
-        return
-    _score_chunk_topk_kernel[(batch, num_kv_heads, meta["NC"])](
-        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, ws_key=ws_key, ws_page=ws_page,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
-        stride_bt=block_table.stride(0), stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
-        MAXP=max_pages, TQ=num_queries, D=head_dim, BUDGET=page_budget, NUM_SINK=num_sink_pages,
-        NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], **meta["stage1"],
-    )
-
-
-def merge_chunks(ws_key: torch.Tensor, ws_page: torch.Tensor, seq_lens: torch.Tensor, *, max_pages: int,
-                 page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
-                 num_query_tokens: int, meta: dict, out: torch.Tensor) -> None:
-    """Stage 2: the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``."""
-    batch, num_kv_heads = out.shape[:2]
-    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
-        return
-    if max_pages == 0:              # stage 1 had no chunk to write: every slot is padding
-        out.fill_(-1)
-        return
-    _merge_chunks_kernel[(batch, num_kv_heads)](
-        ws_key=ws_key, ws_page=ws_page, seq_lens=seq_lens, out=out,
-        stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
-        NCAND=meta["NC"] * meta["KC"], MAXP=max_pages, TQ=num_query_tokens, BUDGET=page_budget,
-        NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages, **meta["stage2"],
-    )
-
-
-def score_and_select_pages(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
-                           num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
-                           out: torch.Tensor, window_left: int = -1) -> None:
-    """``select_pages(page_scores(q, ...))`` into ``out`` ``[B, Hkv, page_budget]`` int32, in two launches
-    (:func:`score_chunks`, then :func:`merge_chunks`); arguments as theirs."""
-    opts = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
-                num_recent_pages=num_recent_pages, meta=meta)
-    score_chunks(q, k_min, k_max, block_table, seq_lens, ws_key=ws_key, ws_page=ws_page, window_left=window_left,
-                 **opts)
-    merge_chunks(ws_key, ws_page, seq_lens, max_pages=block_table.shape[1], num_query_tokens=q.shape[1], out=out,
-                 **opts)

@@ -78,7 +78,7 @@ def metadata_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int) 
     meta["QUANT"] = dtype in ("i8", "fp8e4nv")
     ptrs = dict(k_cache=dtype, block_table="i32", seq_lens="i32", k_min=bound_dtype, k_max=bound_dtype,
                 k_scale="fp32")
-    spec = _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata._page_minmax_kernel,
+    spec = _spec(f"metadata[{dtype},{bound_dtype},D={head_dim},S={page_size}]", metadata.page_minmax_kernel,
                  ptrs, meta)
     return spec._replace(min_arch=89) if dtype == "fp8e4nv" else spec
 
@@ -87,13 +87,13 @@ def scoring_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, t
     meta = scoring.score_blocks(tq, group, head_dim, page_size, max_pages=4096)
     ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", out="fp32")
     return _spec(f"scores[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group}]",
-                 scoring._page_scores_kernel, ptrs, meta)
+                 scoring.page_scores_kernel, ptrs, meta)
 
 
 def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
     meta = topk.topk_blocks(max_pages, budget, page_size)
     ptrs = dict(scores="fp32", seq_lens="i32", out="i32")
-    return _spec(f"topk[P={max_pages},K={budget},S={page_size}]", topk._select_pages_kernel, ptrs, meta)
+    return _spec(f"topk[P={max_pages},K={budget},S={page_size}]", topk.select_pages_kernel, ptrs, meta)
 
 
 def chunk_topk_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int,
@@ -104,10 +104,10 @@ def chunk_topk_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int
     ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", ws_key="i32",
                 ws_page="i32")
     one = _spec(f"chunk_topk[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group},{tag},"
-                f"chunk={meta['stage1']['CHUNK']}]", chunk_topk._score_chunk_topk_kernel, ptrs, meta["stage1"])
+                f"chunk={meta['stage1']['CHUNK']}]", chunk_topk.score_chunk_topk_kernel, ptrs, meta["stage1"])
     ptrs = dict(ws_key="i32", ws_page="i32", seq_lens="i32", out="i32")
     two = _spec(f"merge_chunks[S={page_size},{tag},cand={meta['NC'] * meta['KC']}]",
-                chunk_topk._merge_chunks_kernel, ptrs, meta["stage2"])
+                chunk_topk.merge_chunks_kernel, ptrs, meta["stage2"])
     return [one, two]
 
 
@@ -122,7 +122,7 @@ def attention_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: i
                 ws_lse="fp32")
     name = (f"attention[{dtype}{',kv=' + kv if kv else ''},D={head_dim},S={page_size},Tq={tq},G={group},"
             f"{'sparse' if sparse else 'dense'}{',split' if split else ''}]")
-    spec = _spec(name, attention._attn_fwd_kernel, ptrs, meta, floats=("qk_scale",))
+    spec = _spec(name, attention.attn_fwd_kernel, ptrs, meta, floats=("qk_scale",))
     return spec._replace(min_arch=89) if kv == "fp8e4nv" else spec
 
 
@@ -130,7 +130,7 @@ def merge_specs(dtype: str, num_heads: int, num_splits: int, head_dim: int) -> S
     meta = attention.merge_blocks(num_heads, num_splits, head_dim)
     ptrs = dict(ws_o="fp32", ws_lse="fp32", out=dtype, lse="fp32")
     return _spec(f"merge[{dtype},H={num_heads},splits={num_splits},D={head_dim}]",
-                 attention._merge_splits_kernel, ptrs, meta)
+                 attention.merge_splits_kernel, ptrs, meta)
 
 
 def backward_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
@@ -142,7 +142,7 @@ def backward_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: in
                 out=dtype, dout=dtype, lse="fp32", dlse="fp32", dq=dtype, dk="fp32", dv="fp32")
     name = (f"attention_bwd[{dtype},D={head_dim},S={page_size},Tq={tq},G={group},"
             f"{'sparse' if sparse else 'dense'}{',dlse' if has_dlse else ''}]")
-    return _spec(name, attention_bwd._attn_bwd_kernel, ptrs, meta, floats=("scale", "qk_scale"))
+    return _spec(name, attention_bwd.attn_bwd_kernel, ptrs, meta, floats=("scale", "qk_scale"))
 
 
 def kv_write_specs(pool: str, box: str, head_dim: int, page_size: int, k_dtype: str = "bf16") -> Spec:
@@ -153,7 +153,7 @@ def kv_write_specs(pool: str, box: str, head_dim: int, page_size: int, k_dtype: 
     meta = kv_write.kv_write_blocks(page_size, head_dim, torch_types[pool], torch_types[box] if box else None)
     ptrs = dict(k=k_dtype, v=k_dtype, slots="i64", k_cache=pool, v_cache=pool, k_min=box or pool,
                 k_max=box or pool, k_scale="fp32", v_scale="fp32", fill="i64")
-    spec = _spec(f"kv_write[{pool},box={box or 'none'},D={head_dim},S={page_size}]", kv_write._kv_write_kernel,
+    spec = _spec(f"kv_write[{pool},box={box or 'none'},D={head_dim},S={page_size}]", kv_write.kv_write_kernel,
                  ptrs, meta)
     return spec._replace(min_arch=89) if pool == "fp8e4nv" else spec
 
@@ -161,7 +161,7 @@ def kv_write_specs(pool: str, box: str, head_dim: int, page_size: int, k_dtype: 
 def page_norm_specs(page_size: int, head_dim: int) -> Spec:
     meta = attention_bwd.page_norm_blocks(page_size, head_dim)
     ptrs = dict(dk="fp32", dv="fp32", norms="fp32")
-    return _spec(f"page_grad_norm[D={head_dim},S={page_size}]", attention_bwd._page_grad_norm_kernel, ptrs, meta)
+    return _spec(f"page_grad_norm[D={head_dim},S={page_size}]", attention_bwd.page_grad_norm_kernel, ptrs, meta)
 
 
 def representative() -> Iterator[Spec]:

@@ -132,7 +132,7 @@ def _quantized_half(
 
 
 @triton.jit
-def _kv_write_kernel(
+def kv_write_kernel(
     k,  # [N, Hkv, D] new keys, any float dtype
     v,  # [N, Hkv, D] new values
     slots,  # [N] int32 / int64, page * PAGE_SIZE + offset
@@ -232,7 +232,7 @@ _BOX_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def kv_write_blocks(page_size: int, head_dim: int, pool_dtype: torch.dtype, box_dtype) -> dict:
-    """Constexprs of ``_kv_write_kernel`` (shared with compile.py). ``box_dtype`` None: no boxes."""
+    """Constexprs of ``kv_write_kernel`` (shared with compile.py). ``box_dtype`` None: no boxes."""
     quantized = pool_dtype in (torch.int8, torch.float8_e4m3fn)
     return dict(PAGE_SIZE=page_size, BS=triton.next_power_of_2(page_size), BD=pad_head_dim(head_dim),
                 BN=max(16, SCAN_TILE // triton.next_power_of_2(page_size)), BOXES=box_dtype is not None,
@@ -240,40 +240,3 @@ def kv_write_blocks(page_size: int, head_dim: int, pool_dtype: torch.dtype, box_
                 FP8=pool_dtype == torch.float8_e4m3fn, QMAX=448.0 if pool_dtype == torch.float8_e4m3fn else 127.0,
                 POOL_BF16=pool_dtype == torch.bfloat16, BOX_KIND=_BOX_KIND[box_dtype] if box_dtype is not None else 0,
                 num_warps=4)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-             fill: torch.Tensor | None = None) -> None:
-    """Launch the fused write (one launch). Tensors as :func:`tinyattn.ops.kv_write.write_kv` validated them:
-    ``k``, ``v`` ``[N, Hkv, D]``; ``slots`` ``[N]`` int32 / int64 in range; pools ``[num_pages, page_size, Hkv, D]``
-    fp32 / fp16 / bf16 / int8 / float8_e4m3fn; boxes ``[num_pages, Hkv, D]`` fp32 / fp16 / bf16 or None; int8 / fp8
-    pools with ``k_scale`` / ``v_scale`` ``[num_pages, Hkv]`` fp32 and ``fill`` ``[num_pages]`` int64."""
-    N, Hkv, D = k.shape
-    if N == 0:
-        return
-    page_size = k_cache.shape[1]
-    boxes = k_min is not None
-    meta = kv_write_blocks(page_size, D, k_cache.dtype, k_min.dtype if boxes else None)
-    quant = meta["QUANT"]
-    dummy = k_cache                      # never dereferenced when its constexpr is off
-    _kv_write_kernel[(N, Hkv)](
-        k=k, v=v, slots=slots, k_cache=k_cache, v_cache=v_cache,
-        k_min=k_min if boxes else dummy, k_max=k_max if boxes else dummy,
-        k_scale=k_scale if quant else dummy, v_scale=v_scale if quant else dummy, fill=fill if quant else dummy,
-        N=N, D=D,
-        stride_kn=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
-        stride_vn=v.stride(0), stride_vh=v.stride(1), stride_vd=v.stride(2),
-        stride_cp=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-        stride_cd=k_cache.stride(3),
-        stride_wp=v_cache.stride(0), stride_ws=v_cache.stride(1), stride_wh=v_cache.stride(2),
-        stride_wd=v_cache.stride(3),
-        stride_np=k_min.stride(0) if boxes else 0, stride_nh=k_min.stride(1) if boxes else 0,
-        stride_nd=k_min.stride(2) if boxes else 0,
-        stride_xp=k_max.stride(0) if boxes else 0, stride_xh=k_max.stride(1) if boxes else 0,
-        stride_xd=k_max.stride(2) if boxes else 0,
-        stride_ksp=k_scale.stride(0) if quant else 0, stride_ksh=k_scale.stride(1) if quant else 0,
-        stride_vsp=v_scale.stride(0) if quant else 0, stride_vsh=v_scale.stride(1) if quant else 0,
-        **meta,
-    )

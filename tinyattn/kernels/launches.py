@@ -89,13 +89,13 @@ def record(execute: bool = False):
     triton was imported."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from . import attention, attention_bwd, chunk_topk
+    from ..ops.attention import triton_impl as attention
+    from . import chunk_topk
 
     launches = []
     real = InterpretedFunction.run
     # host choices made for the interpreter only take their GPU values (132 SMs: attention.NUM_SMS_DEFAULT)
-    gpu_choices = [(attention, "needs_upcast", lambda dtype: False),
-                   (attention_bwd, "needs_upcast", lambda dtype: False), (chunk_topk, "is_interpreting", lambda: False)]
+    gpu_choices = [(attention, "needs_upcast", lambda dtype: False), (chunk_topk, "is_interpreting", lambda: False)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in gpu_choices]
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -127,7 +127,7 @@ def _in_phase(name: str) -> None:
 def run_shape(shape: Shape) -> None:
     """The step's ops for one row of the table, with ``backend="triton"`` (launch under :func:`record`)."""
     import tinyattn
-    from tinyattn.ops import kv_write, quant
+    from tinyattn.ops import api, quant
 
     dtype = DTYPES[shape.dtype]
     B, Hq, Hkv, D, S = shape.batch, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size
@@ -135,7 +135,7 @@ def run_shape(shape: Shape) -> None:
     num_pages = B * pages_per_row + 1
     pool_dtype = quant.storage_dtype(shape.kv_cache_dtype, dtype)
     quantized = quant.is_quantized(pool_dtype)
-    box_dtype = tinyattn.ops.boxes.box_dtype_for(shape.box_dtype, pool_dtype, quantized)
+    box_dtype = quant.box_dtype_for(shape.box_dtype, pool_dtype, quantized)
     k_cache = torch.empty(num_pages, S, Hkv, D, dtype=pool_dtype)          # never touched: kernels do not run
     v_cache = torch.empty_like(k_cache)
     k_min = torch.zeros(num_pages, Hkv, D, dtype=box_dtype)
@@ -147,7 +147,7 @@ def run_shape(shape: Shape) -> None:
     qkv = torch.zeros(B, Hq + 2 * Hkv, D, dtype=dtype)
     slots = (block_table[:, -1].long() * S + (shape.context - 1) % S)
     _in_phase("decode write")
-    kv_write.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min, k_max=k_max,
+    api.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min, k_max=k_max,
                       fill=torch.zeros(num_pages, dtype=torch.int64) if quantized else None, backend="triton",
                       **scales)
     _in_phase("boxes")
@@ -156,7 +156,7 @@ def run_shape(shape: Shape) -> None:
     q = qkv[:, :Hq]
     if shape.page_budget:
         _in_phase("sparse decode")
-        with tinyattn.value_checks(False):   # the kernels do not run: the boxes were never filled (issue 28's check)
+        with tinyattn.value_checks(False):   # the kernels do not run: the boxes were never filled (the box check)
             tinyattn.sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, k_min=k_min, k_max=k_max,
                                             page_budget=shape.page_budget, backend="triton", **scales)
     _in_phase("dense decode")
@@ -166,7 +166,7 @@ def run_shape(shape: Shape) -> None:
         qkv = torch.zeros(B * T, Hq + 2 * Hkv, D, dtype=dtype)
         slots = torch.arange(B * T) % (B * pages_per_row * S)
         _in_phase("prefill write")
-        kv_write.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min,
+        api.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min,
                           k_max=k_max, fill=torch.zeros(num_pages, dtype=torch.int64) if quantized else None,
                           backend="triton", **scales)
         prefill_lens = torch.full((B,), T, dtype=torch.int32)

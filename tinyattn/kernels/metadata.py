@@ -12,7 +12,6 @@ Grid: ``(B, cdiv(max_pages, BP), Hkv)``; each program reduces ``BP`` pages of on
 row, ``BS`` slots at a time (a ``[BP, BS, BD]`` tile). A page shared by several rows is written by
 each of them with the same value, which is harmless.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -23,7 +22,7 @@ TILE_ELEMS = 4096
 
 
 @triton.jit
-def _page_minmax_kernel(
+def page_minmax_kernel(
     k_cache,  # [num_pages, page_size, Hkv, D] any float dtype
     block_table,  # [B, MAXP] int32
     seq_lens,  # [B] int32
@@ -82,38 +81,8 @@ def _page_minmax_kernel(
 
 
 def metadata_blocks(page_size: int, head_dim: int, max_pages: int) -> dict:
-    """Constexprs of ``_page_minmax_kernel`` (shared with compile.py)."""
+    """Constexprs of ``page_minmax_kernel`` (shared with compile.py)."""
     BD = pad_head_dim(head_dim)
     BS = min(page_size, max(1, TILE_ELEMS // BD))
     BP = max(1, min(triton.next_power_of_2(max(max_pages, 1)), TILE_ELEMS // (BS * BD)))
     return dict(PAGE_SIZE=page_size, BP=BP, BS=BS, BD=BD)
-
-
-def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                         k_min: torch.Tensor, k_max: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
-    """Recompute ``k_min``/``k_max`` ``[num_pages, Hkv, D]`` of every valid page of every row, in place.
-
-    k_cache: ``[num_pages, page_size, Hkv, D]``; block_table ``[B, max_pages]`` int32;
-    seq_lens ``[B]`` int32. Pages that no row touches are left as they are. k_scale ``[num_pages, Hkv]`` fp32:
-    an int8 / fp8 pool's scales; the boxes are then those of the dequantized keys.
-    """
-    _, page_size, num_kv_heads, head_dim = k_cache.shape
-    batch, max_pages = block_table.shape
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    if batch == 0 or max_pages == 0:
-        return
-    meta = metadata_blocks(page_size, head_dim, max_pages)
-    grid = (batch, triton.cdiv(max_pages, meta["BP"]), num_kv_heads)
-    quantized = k_scale is not None
-    _page_minmax_kernel[grid](
-        k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min, k_max=k_max,
-        k_scale=k_scale if quantized else k_min,
-        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
-        QUANT=quantized,
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
-        MAXP=max_pages, D=head_dim, **meta,
-    )

@@ -13,7 +13,6 @@ against all ``Tq * G`` queries of the group, ``BM`` queries at a time (a ``[BM, 
 Math in fp32; logical pages past ``cdiv(seq_len, page_size)`` score ``-inf``; a page whose box holds a NaN
 scores NaN for its KV head (as the reference; selection ranks it as ``-inf``).
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -42,7 +41,7 @@ def _page_bounds(
 ):
     """``[BP]`` Quest bound of pages ``o_p`` for the ``TQ * G`` queries of KV head ``i_h`` (max over them).
 
-    Shared by ``_page_scores_kernel`` and the fused chunk kernel of ``chunk_topk.py``, so that both compute
+    Shared by ``page_scores_kernel`` and the fused chunk kernel of ``chunk_topk.py``, so that both compute
     every bound with the same tiles and the same order of the channel sum.
     """
     o_d = tl.arange(0, BD)
@@ -78,7 +77,7 @@ def _page_bounds(
 
 
 @triton.jit
-def _page_scores_kernel(
+def page_scores_kernel(
     q,  # [B, TQ, HQ, D]
     k_min,  # [num_pages, Hkv, D]
     k_max,  # [num_pages, Hkv, D]
@@ -113,34 +112,8 @@ def _page_scores_kernel(
 
 
 def score_blocks(num_queries: int, group: int, head_dim: int, page_size: int, max_pages: int) -> dict:
-    """Constexprs of ``_page_scores_kernel`` for ``num_queries = Tq`` (shared with compile.py)."""
+    """Constexprs of ``page_scores_kernel`` for ``num_queries = Tq`` (shared with compile.py)."""
     BD = pad_head_dim(head_dim)
     BP = max(1, min(triton.next_power_of_2(max(max_pages, 1)), 2048 // BD))
     BM = max(1, min(triton.next_power_of_2(num_queries * group), TILE_ELEMS // (BP * BD)))
     return dict(G=group, PAGE_SIZE=page_size, BM=BM, BP=BP, BD=BD)
-
-
-def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, *, page_size: int, out: torch.Tensor) -> None:
-    """Write ``ub`` of every logical page into ``out`` ``[B, Hkv, max_pages]`` fp32.
-
-    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32;
-    seq_lens ``[B]`` int32. Pages ``j >= cdiv(seq_len, page_size)`` get ``-inf``.
-    """
-    batch, num_queries, num_heads, head_dim = q.shape
-    num_kv_heads = k_min.shape[1]
-    max_pages = block_table.shape[1]
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    if batch == 0 or max_pages == 0:
-        return
-    meta = score_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size, max_pages)
-    grid = (batch, num_kv_heads, triton.cdiv(max_pages, meta["BP"]))
-    _page_scores_kernel[grid](
-        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, out=out,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
-        stride_bt=block_table.stride(0),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_oj=out.stride(2),
-        MAXP=max_pages, TQ=num_queries, D=head_dim, **meta,
-    )

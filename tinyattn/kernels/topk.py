@@ -15,7 +15,6 @@ a ``[BP]`` tile of order-preserving int32 keys and picks the top pages with ``tl
 for small budgets (argmax breaks ties to the lowest index), or by a 32-pass radix select of the
 threshold key for budgets above ``RADIX_MIN_BUDGET``, then compacts with a cumsum.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -23,7 +22,7 @@ import triton.language as tl
 @triton.jit
 def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: tl.constexpr):
     """``(n, s_end, r_start, rest)`` of one row: the forced pages of the selection (the one Triton copy of the rule,
-    used by :func:`_select_pages_kernel` and both stages of :mod:`tinyattn.kernels.chunk_topk`).
+    used by :func:`select_pages_kernel` and both stages of :mod:`tinyattn.kernels.chunk_topk`).
 
     Kept: sinks ``[0, s_end)``, recent ``[r_start, n)``, and ``rest`` best pages of ``[s_end, r_start)``.
     With ``n <= BUDGET``: ``s_end = r_start = rest = 0`` (every valid page is "recent").
@@ -41,7 +40,7 @@ def _forced_ranges(seq_len, TQ, BUDGET, NUM_SINK, NUM_RECENT, MAXP, PAGE_SIZE: t
 
 
 @triton.jit
-def _select_pages_kernel(
+def select_pages_kernel(
     scores,  # [B, HKV, MAXP] fp32
     seq_lens,  # [B] int32
     out,  # [B, HKV, BUDGET] int32
@@ -143,26 +142,6 @@ RADIX_MIN_BUDGET = 16
 
 
 def topk_blocks(max_pages: int, page_budget: int, page_size: int) -> dict:
-    """Constexprs of ``_select_pages_kernel`` (shared with compile.py)."""
+    """Constexprs of ``select_pages_kernel`` (shared with compile.py)."""
     return dict(PAGE_SIZE=page_size, BP=triton.next_power_of_2(max(max_pages, 1)),
                 BK=triton.next_power_of_2(max(page_budget, 1)), RADIX=page_budget > RADIX_MIN_BUDGET)
-
-
-def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, page_budget: int,
-                 num_sink_pages: int, num_recent_pages: int, num_query_tokens: int, out: torch.Tensor) -> None:
-    """Write the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``.
-
-    scores ``[B, Hkv, max_pages]`` fp32; seq_lens ``[B]`` int32 (including the ``num_query_tokens``).
-    """
-    batch, num_kv_heads, max_pages = scores.shape
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
-    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
-        return
-    meta = topk_blocks(max_pages, page_budget, page_size)
-    _select_pages_kernel[(batch, num_kv_heads)](
-        scores=scores, seq_lens=seq_lens, out=out,
-        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
-        MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
-        TQ=num_query_tokens, **meta,
-    )

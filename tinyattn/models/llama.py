@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyattn import metrics, selection
-from tinyattn.ops import boxes, quant
+from tinyattn.ops import quant
 from tinyattn.ops.validation import kv_formats_supported
 from tinyattn.ops.spans import layer as profile_layer
 from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
@@ -521,7 +521,7 @@ class LlamaRuntime:
             backend needs sm_89+ (else ``ValueError``).
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8), ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` (narrower boxes are rounded outward, so Quest's bound stays a bound; see
-            :mod:`tinyattn.ops.boxes`).
+            :mod:`tinyattn.ops.kv_cache.torch_impl`).
         cuda_graphs: in :meth:`generate`, replay decode steps as CUDA graphs captured per batch-size bucket
             (``1, 2, 4, ...`` up to the batch; :mod:`tinyattn.models.graphs`): host bookkeeping outside the
             graph, embedding, every layer's K/V write, selection and attention, and the head inside. Where steps
@@ -553,7 +553,7 @@ class LlamaRuntime:
                              f"{kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.box_dtype = box_dtype
-        self._box_bytes = boxes.box_dtype_for(box_dtype, quant.storage_dtype(kv_cache_dtype, model.dtype),
+        self._box_bytes = quant.box_dtype_for(box_dtype, quant.storage_dtype(kv_cache_dtype, model.dtype),
                                               quant.is_quantized(quant.storage_dtype(kv_cache_dtype, model.dtype))
                                               ).itemsize                   # ValueError naming the box dtypes
         self.model = model

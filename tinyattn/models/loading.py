@@ -1,7 +1,7 @@
 """The command line's model loader (``generate``, ``eval``, ``serve-bench``): the llama2.c checkpoint and tokenizer
 named by ``--model`` / ``--tokenizer`` (default: the shipped stories260K), or a pretrained model by name or path
 (``smollm2``, a llama ``.gguf``, a Hugging Face folder: :mod:`tinyattn.models.sources`), the ``--dtype``, ``--threads`` and
-``--backend`` options. Below the CLI and the engine, so both import it without a cycle (issue 28).
+``--backend`` options. Below the CLI and the engine, so both import it without an import cycle.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def prepare_backend(backend: str | None) -> None:
             raise CLIError("--backend triton: no CUDA device, and triton was imported before TRITON_INTERPRET=1 "
                            "could be set; run with TRITON_INTERPRET=1")
         os.environ["TRITON_INTERPRET"] = "1"
-        from ..ops import plan
-        plan._INTERPRET = None                   # re-read: the ops choose their backend from it
+        from ..ops import validation
+        validation._INTERPRET = None             # re-read: the ops choose their backend from it
         print("note: no CUDA device; running the Triton kernels in the interpreter (TRITON_INTERPRET=1, slow)",
               file=sys.stderr)
 
@@ -38,7 +38,7 @@ def load_model(args):
     from .llama import LlamaModel
     from .tokenizer import Tokenizer
 
-    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder (issue 27)
+    if sources.is_source(args.model):            # smollm2, a llama GGUF or a Hugging Face folder
         if args.tokenizer is not None:
             raise CLIError(f"--tokenizer: {args.model} brings its own tokenizer; omit --tokenizer")
         prepare_backend(args.backend)

@@ -1,4 +1,6 @@
-"""Public ops (validation + dispatch), the PyTorch reference twins and the vectorised torch backend."""
+"""The ops, laid out by rule (docs/layout.md): ``attention/``, ``selection/`` and ``kv_cache/`` each hold a rule's
+reference loops, torch form and Triton launchers side by side; :mod:`.api` holds the public functions (validate once,
+then the plan implementation of the backend: :mod:`.plan`, :mod:`.plan_torch`, :mod:`.plan_triton`)."""
 
 from . import reference
 from .api import page_scores, paged_attention, select_pages, sparse_paged_attention, update_page_metadata

@@ -1,8 +1,11 @@
-"""The public ops of DESIGN.md §3: validation, then dispatch to the Triton kernels or the torch backend.
+"""The public ops of DESIGN.md §3: validate once, then one call into the plan implementation of the backend.
 
-Backends (DESIGN.md §4): CUDA tensors, or any tensor when ``TRITON_INTERPRET=1``, run the Triton
-kernels; CPU tensors otherwise run :mod:`tinyattn.ops.torch_backend`. ``backend="triton" | "torch"``
-forces one.
+Backends (DESIGN.md §4): CUDA tensors, or any tensor when ``TRITON_INTERPRET=1``, run the Triton forms; CPU tensors
+otherwise run the torch forms. ``backend="triton" | "torch"`` forces one. The attention ops keep, per thread and op,
+one plan (:class:`tinyattn.PagedAttentionPlan`, FlashInfer's plan / run): the arguments are checked here, and the
+plan is re-planned (trusted: no second check) only when the tables or the step's sizes differ from the last call's;
+then its implementation runs (:class:`tinyattn.ops.plan_torch.TorchPlan`, :class:`tinyattn.ops.plan_triton.TritonPlan`).
+While ``torch.compile`` traces, the same plan steps run inside custom ops (:mod:`tinyattn.ops.custom_ops`).
 
 Method: Quest (Tang et al., ICML 2024) and TinyServe (Liu & Yu, arXiv 2509.12211). The page bound
 is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``.
@@ -11,119 +14,63 @@ is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 import torch
 
-from . import boxes, core, quant
-from . import torch_backend as T
-from .spans import span
-from . import library as L
-from . import validation as V
-from .autograd import attention as differentiable_attention
+from . import custom_ops
+from . import validation as checks
+from .kv_cache import torch_impl as kv_cache
 from .plan import BACKENDS, PagedAttentionPlan, resolve_backend  # noqa: F401 (re-exported)
+from .selection import torch_impl as selection
+from .spans import span
 
-def _kernels():
-    from .. import kernels       # imported lazily: a CPU-only user never needs triton
-    return kernels
+__all__ = ["paged_attention", "sparse_paged_attention", "update_page_metadata", "page_scores", "select_pages",
+           "write_kv", "resolve_backend", "resolve_write_backend", "BACKENDS", "WRITE_BACKENDS"]
+
+WRITE_BACKENDS = ("torch", "triton")
+_plans = threading.local()
+
+
+def _kv_kernels():
+    from .kv_cache import triton_impl     # imported lazily: a CPU-only user never needs triton
+    return triton_impl
+
+
+def _selection_kernels():
+    from .selection import triton_impl
+    return triton_impl
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int32).contiguous()
 
 
-def _restore_q_shape(q, out, lse):
-    if q.dim() == 3:
-        return out.squeeze(1), lse.squeeze(1)
-    return out, lse
+# ------------------------------------------------------------------------------------------- attention
+def _planned(op: str, call: checks.Call, block_table, seq_lens):
+    """The implementation of this thread's plan for ``op`` (``"dense"`` / ``"sparse"``), planned for this call.
 
-
-def _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend):
-    """Whole quantized pools -> values (the ``torch.compile`` path; eager runs dequantize only the rows they
-    gather, the Triton kernels in registers): fp32 math on the torch backend, ``q``'s dtype for the kernels."""
-    if k_scale is None:
-        return k_cache, v_cache
-    dt = q.dtype if backend == "triton" or q.dtype == torch.float64 else torch.float32
-    return quant.dequantize(k_cache, k_scale, dt), quant.dequantize(v_cache, v_scale, dt)
-
-
-def _nothing_to_attend(q4, k_cache, block_table, page_indices) -> bool:
-    """Empty batch, no query token, an empty pool or table, or an empty page list: no key is visible."""
-    return (q4.numel() == 0 or k_cache.shape[0] == 0 or block_table.shape[1] == 0
-            or (page_indices is not None and page_indices.shape[-1] == 0))
-
-
-def _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
-               selection=None, window_left=-1):
-    """The ops under ``torch.compile``: canonical inputs -> out (+ lse) through the custom op, which is opaque to
-    the compiler (eager calls go through :class:`PagedAttentionPlan` instead).
-
-    ``selection``: the budget and forced-page rules the sparse ``page_indices`` were chosen under, for the
-    profiler's oracle comparison (None for dense).
-    """
-    if _nothing_to_attend(q4, k_cache, block_table, page_indices):
-        out, lse = _restore_q_shape(q, *core.empty_attention(q4, k_cache, v_cache))
-        return (out, lse) if return_lse else out
-    with span("attention", q=q4, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens,
-              page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
-        out, lse = differentiable_attention(q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, backend,
-                                            window_left)
-    out, lse = _restore_q_shape(q, out, lse)
-    return (out, lse) if return_lse else out
-
-
-_plans = threading.local()
-
-
-def _planned(op: str, backend: str, checked, block_table, seq_lens) -> PagedAttentionPlan:
-    """The calling thread's plan for ``op`` (``"dense"`` / ``"sparse"``) on ``backend`` (its workspaces and per-step
-    tables are reused from call to call), planned for this call's validated tables. One plan per op, so that a
-    loop alternating dense and sparse calls on the same tables (a benchmark, a model with dense layers calling
-    the public ops) does not re-plan at every call.
-
-    ``checked``: what validation returned (:func:`_checked_dense` / :func:`_checked_sparse`); the same object as
-    at the last call means :func:`V.recall` found the same signature and the same table values, so the planned
-    step (the plan's own copy of those values) stands.
-    """
-    plan = getattr(_plans, op + backend, None)
+    One plan per op and backend, so that a loop alternating dense and sparse calls on the same tables (a
+    benchmark, a model with dense layers) does not re-plan at every call. A call with the same sizes and rules as
+    the plan's step and equal tables reuses it (CPU tables only: comparing GPU tables would be a host sync, as
+    planning is); anything else plans again, trusting the checks just made."""
+    key = op + call.backend
+    plan = getattr(_plans, key, None)
     if plan is None:
-        plan = PagedAttentionPlan(backend=backend)
-        setattr(_plans, op + backend, plan)
-    if plan._api_key is checked and plan.step is not None:
-        return plan
-    plan._api_key = None            # set once planning succeeded: a failed plan is never reused
-    shapes, scale, selection = checked.shapes, checked.scale, checked.selection
-    plan.plan(block_table, seq_lens, num_q_heads=shapes.num_q_heads, num_kv_heads=shapes.num_kv_heads,
-              head_dim=shapes.head_dim, page_size=shapes.page_size,
-              num_query_tokens=shapes.num_query_tokens, scale=scale, trusted=True, **selection)
-    plan._api_key = checked
-    return plan
-
-
-class _Checked(NamedTuple):
-    """A validated call: sizes, softmax scale, backend, and the selection rules of the plan."""
-    shapes: V.PagedShapes
-    scale: float
-    backend: str
-    selection: dict
-
-
-def _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale=None,
-                   v_scale=None) -> _Checked:
-    """Validate ``paged_attention``'s arguments, or recall the last identical call's result."""
-    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
-    tables = (block_table, seq_lens)
-    hit = V.recall("dense", sig, tables) if isinstance(block_table, torch.Tensor) and isinstance(
-        seq_lens, torch.Tensor) else None
-    if hit is not None:
-        return hit
-    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    scale = V.check_scale(scale, shapes.head_dim)
-    backend = resolve_backend(backend, q.device)
-    if backend == "triton":
-        V.check_kernel_page_size(shapes.page_size)
-        V.check_kv_backend(k_cache, backend)
-    return V.remember("dense", sig, tables, _Checked(shapes, scale, backend, {}))
+        plan = PagedAttentionPlan(backend=call.backend)
+        setattr(_plans, key, plan)
+    step = plan.step
+    if (step is not None and step[1:13] == call.step and block_table.is_cpu and
+            torch.equal(plan._impl.block_table, block_table) and torch.equal(plan._impl.seq_lens, seq_lens)):
+        if not plan._unchecked or not checks.value_checks_active():
+            return plan._impl                  # the same tables, their values checked when it was planned
+        checks.check_step_values(block_table, seq_lens, call)     # planned under value_checks(False)
+        plan._unchecked = False
+        return plan._impl
+    plan.step = None                           # a plan whose checks failed must not serve the next call
+    checks.check_step_values(block_table, seq_lens, call)
+    plan.plan(block_table, seq_lens, trusted=True, **call.plan_args)
+    plan._unchecked = not checks.value_checks_active()
+    return plan._impl
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, return_lse=False, backend=None,
@@ -174,121 +121,18 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
         the wrong shape or dtype, scales with a float pool; ``ValueError`` naming ``kv_cache_dtype`` and the
         supported formats for a format the backend cannot run (fp8 e4m3 on the Triton backend below sm_89);
         ``TypeError`` / ``ValueError`` for a ``window_left`` that is not an int ``>= -1``.
+
+    Source: the dense baseline of Quest (Tang et al., ICML 2024); causal alignment as FlashAttention's
+    ``flash_attn_with_kvcache``.
     """
-    checked = _checked_dense(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale)
-    window_left = V.check_window_left(window_left)
-    if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned("dense", checked.backend, checked, block_table, seq_lens).run(
-            q, k_cache, v_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, window_left=window_left)
-    shapes, scale, backend = checked.shapes, checked.scale, checked.backend
-    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    page_indices = None                          # the Triton kernel walks every valid page itself
-    if backend == "torch" or q.dtype == torch.float64:
-        page_indices = T.dense_page_indices(seq_lens, shapes.num_kv_heads, shapes.max_pages_per_seq,
-                                            shapes.page_size)
-    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices, scale, return_lse, backend,
-                      window_left=window_left)
-
-
-def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
-    """Recompute the bounding box of every page the rows touch, in place; returns ``None``.
-
-    ``k_min[p, h, i]`` / ``k_max[p, h, i]`` = min / max over the valid tokens of physical page ``p`` of
-    ``k_cache[p, t, h, i]`` (DESIGN.md §1; padding slots of a partial last page are excluded). Pages no row
-    touches are left as they are. A page shared by several rows must hold the same valid tokens in each.
-
-    Args:
-        k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
-        block_table, seq_lens: as in :func:`paged_attention`.
-        k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache``, fp32, or bf16 / fp16 (then rounded outward,
-            ``k_min`` down and ``k_max`` up, so the Quest bound stays an upper bound; :mod:`tinyattn.ops.boxes`);
-            written in place.
-        k_scale: ``[num_pages, Hkv]`` fp32 scales of an int8 / float8_e4m3fn ``k_cache`` (then ``k_min``/``k_max``
-            are fp32 boxes of the dequantized keys ``code.float() * scale``, the values attention reads);
-            ``None`` for a float pool.
-
-    Raises:
-        TypeError / ValueError naming the argument (as :func:`paged_attention`), a quantized pool without
-        ``k_scale`` or with scales of the wrong shape, ``kv_cache_dtype`` the backend cannot run.
-    """
-    _, page_size, _, _ = V.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
-    backend = resolve_backend(backend, k_cache.device)
-    if backend == "triton":
-        V.check_kernel_page_size(page_size)
-        V.check_kv_backend(k_cache, backend)
-    with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
-        if backend == "torch" or k_cache.dtype == torch.float64:
-            T.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
-        elif _boxes_exact(k_cache, k_min, k_scale):
-            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max,
-                                            k_scale=k_scale)
-        else:   # narrower boxes: the kernel's fp32 min / max, then rounded outward (tinyattn.ops.boxes)
-            lo, hi = k_min.float(), k_max.float()
-            _kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), lo, hi, k_scale=k_scale)
-            k_min.copy_(boxes.round_down(lo, k_min.dtype))
-            k_max.copy_(boxes.round_up(hi, k_max.dtype))
-
-
-def _boxes_exact(k_cache, k_min, k_scale) -> bool:
-    """Whether boxes of ``k_min``'s dtype hold every key value exactly (then the kernel stores them directly)."""
-    keys = torch.float32 if k_scale is not None else k_cache.dtype
-    return k_min.dtype == keys or k_min.dtype == torch.float32
-
-
-def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
-    """Quest upper bound of ``q·k`` for every logical page: fp32 ``[B, Hkv, max_pages_per_seq]``.
-
-    ``ub(q, j) = Σ_i max(q_i·k_min[j,h,i], q_i·k_max[j,h,i])`` (Quest §3.2; TinyServe eq. 2), maximised over
-    the ``G = Hq / Hkv`` query heads of each KV head's group and over the ``Tq`` queries, so it bounds every
-    logit the group can produce from page ``j``. Pages past a row's end score ``-inf``. Unscaled (no ``scale``).
-
-    Args:
-        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
-        block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
-    """
-    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
-    backend = resolve_backend(backend, q.device)
-    if backend == "triton":
-        V.check_kernel_page_size(page_size)
-    return _page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
-
-
-def _page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend):
-    """page_scores on validated inputs (sparse_paged_attention calls it without validating twice)."""
-    with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
-        # under torch.compile: the opaque custom op (the body launches Triton or makes host-side choices)
-        run = L.page_scores_op if torch.compiler.is_compiling() else L.run_page_scores
-        return run(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
-
-
-def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
-                 num_query_tokens=1, backend=None):
-    """Keep ``page_budget`` logical pages per (row, KV head): int32 ``[B, Hkv, page_budget]``.
-
-    Kept, in this order until the budget is full: the last ``max(num_recent_pages, 1)`` valid pages (the
-    partial last page always; with ``num_query_tokens > 1`` every page holding a query), the first
-    ``num_sink_pages`` pages (attention sinks, StreamingLLM), then the highest ``scores``; ties go to the lower
-    page index. A row with at most ``page_budget`` valid pages keeps them all. Output is ascending, ``-1``
-    padded, never a duplicate, never a page past the row's end. The token budget is ``page_budget * page_size``.
-    NaN scores count as ``-inf`` (ties with it go to the lower page index). ``ValueError`` when
-    ``num_sink_pages + max(num_recent_pages, 1) > page_budget``.
-
-    Args:
-        scores: fp32 ``[B, Hkv, max_pages_per_seq]`` (from :func:`page_scores`). seq_lens: ``[B]`` int.
-        page_size, page_budget (>= 1), num_sink_pages (>= 0), num_recent_pages (>= 0), num_query_tokens (>= 1): ints.
-    """
-    options = V.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
-                                    num_query_tokens)
-    return _select_pages(scores, seq_lens, options, resolve_backend(backend, scores.device))
-
-
-def _select_pages(scores, seq_lens, options, backend):
-    """select_pages on validated inputs; ``options`` holds its keyword arguments."""
-    with span("topk", scores=scores, seq_lens=seq_lens, page_budget=options["page_budget"]):
-        run = L.select_pages_op if torch.compiler.is_compiling() else L.run_select_pages
-        return run(scores, seq_lens, options["page_size"], options["page_budget"], options["num_sink_pages"],
-                   options["num_recent_pages"], options["num_query_tokens"], backend)
+    call = checks.check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale,
+                                  window_left)
+    if torch.compiler.is_compiling():
+        return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, None, None, None, return_lse, k_scale,
+                         v_scale)
+    impl = _planned("dense", call, block_table, seq_lens)
+    scales = None if k_scale is None else (k_scale, v_scale)
+    return impl.run(q, k_cache, v_cache, None, None, None, return_lse, None, call.scale, scales, call.window_left)
 
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
@@ -325,62 +169,219 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         ValueError / TypeError as :func:`paged_attention`, and when neither ``page_indices`` nor
         ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages or
         ``num_sink_pages + max(num_recent_pages, 1)`` pages; ``window_left`` not an int ``>= -1``, or
-        ``num_sink_pages > 0`` with a window and a selection by boxes.
+        ``num_sink_pages > 0`` with a window and a selection by boxes; boxes that do not hold their page's keys
+        (never filled by :func:`update_page_metadata`).
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
     """
-    checked = _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                              num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
-    if page_indices is None:       # unfilled boxes (torch.empty, NaN): an error, not arbitrary pages (issue 28)
-        V.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, checked.shapes.page_size, k_scale)
-    window_left = V.check_window_left(window_left)
-    if page_indices is None:
-        V.check_window_selection(window_left, num_sink_pages)
-    if not torch.compiler.is_compiling():       # plan + run (validated above: the plan trusts the tables)
-        return _planned("sparse", checked.backend, checked, block_table, seq_lens).run(
-            q, k_cache, v_cache, k_min=k_min, k_max=k_max, page_indices=page_indices, return_lse=return_lse,
-            k_scale=k_scale, v_scale=v_scale, window_left=window_left)
-    shapes, scale, backend = checked.shapes, checked.scale, checked.backend
-    k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale, backend)
-    selection = checked.selection if page_indices is None else dict(checked.selection,
-                                                                      page_budget=page_indices.shape[-1])
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    if page_indices is None:
-        if _nothing_to_attend(q4, k_cache, block_table, None):
-            return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, None, scale, return_lse, backend)
-        # inputs are validated once above; selection has no gradient, so it scores a detached q
-        scores = _page_scores(q4.detach(), k_min, k_max, block_table, seq_lens, shapes.page_size, backend)
-        scores = core.mask_pages_before_window(scores, seq_lens, shapes.page_size, shapes.num_query_tokens,
-                                               window_left)
-        page_indices = _select_pages(scores, seq_lens, dict(selection, page_size=shapes.page_size,
-                                                            num_query_tokens=shapes.num_query_tokens), backend)
-    else:
-        page_indices = T.canonical_page_indices(page_indices, seq_lens, shapes.page_size)
-    return _attention(q, q4, k_cache, v_cache, block_table, seq_lens, page_indices.contiguous(), scale,
-                      return_lse, backend, selection, window_left)
+    call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
+                                         page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
+                                         v_scale, window_left)
+    if torch.compiler.is_compiling():
+        return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
+                         k_scale, v_scale)
+    impl = _planned("sparse", call, block_table, seq_lens)     # checks the table values first
+    if page_indices is None:       # boxes never filled (torch.empty, NaN): an error, not arbitrary pages
+        checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
+    scales = None if k_scale is None else (k_scale, v_scale)
+    return impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, None, call.scale, scales,
+                    call.window_left)
 
 
-def _checked_sparse(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                    num_sink_pages, num_recent_pages, scale, backend, k_scale=None, v_scale=None) -> _Checked:
-    """Validate ``sparse_paged_attention``'s arguments, or recall the last identical call's result.
+def _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse, k_scale,
+              v_scale):
+    """The public attention ops while ``torch.compile`` traces: the plan's selection and attention as custom ops
+    (planning reads the tables on the host, which a traced graph cannot)."""
+    from .attention.torch_impl import finish_output
 
-    The plan's selection rules: with boxes, the budget and forced pages; with ``page_indices``, only the forced
-    pages (the profiler reads them; the list's width is its budget).
+    args = call.plan_args
+    selection_rules = None
+    if args["page_budget"] is not None:
+        selection_rules = dict(page_budget=args["page_budget"], num_sink_pages=args["num_sink_pages"],
+                               num_recent_pages=args["num_recent_pages"])
+    o, lse = custom_ops.differentiable(
+        q, k_cache, v_cache, block_table, seq_lens, page_size=args["page_size"], backend=call.backend,
+        scale=call.scale, window_left=call.window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
+        selection=selection_rules, scales=None if k_scale is None else (k_scale, v_scale),
+        nothing=q.numel() == 0 or block_table.shape[1] == 0)
+    return finish_output(q, o, lse, return_lse, None)
+
+
+# ------------------------------------------------------------------------------------------- scoring, selection
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
+    """Quest upper bound of ``q·k`` for every logical page: fp32 ``[B, Hkv, max_pages_per_seq]``.
+
+    ``ub(q, j) = Σ_i max(q_i·k_min[j,h,i], q_i·k_max[j,h,i])`` (Quest §3.2; TinyServe eq. 2), maximised over
+    the ``G = Hq / Hkv`` query heads of each KV head's group and over the ``Tq`` queries, so it bounds every
+    logit the group can produce from page ``j``. Pages past a row's end score ``-inf``. Unscaled (no ``scale``).
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
+        block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Raises:
+        TypeError / ValueError naming the argument (shapes, dtypes, devices, table values as
+        :func:`paged_attention`); ``page_size`` not a power of two on the Triton backend.
     """
-    sig = V.signature(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                      num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale)
-    tables = (block_table, seq_lens) if page_indices is None else (block_table, seq_lens, page_indices)
-    hit = V.recall("sparse", sig, tables) if all(isinstance(t, torch.Tensor) for t in tables) else None
-    if hit is not None:
-        return hit
-    _, shapes = V.check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    selection = V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                                         num_sink_pages, num_recent_pages)
-    if page_indices is not None:
-        selection = dict(num_sink_pages=selection["num_sink_pages"], num_recent_pages=selection["num_recent_pages"])
-    scale = V.check_scale(scale, shapes.head_dim)
+    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
-        V.check_kernel_page_size(shapes.page_size)
-        V.check_kv_backend(k_cache, backend)
-    return V.remember("sparse", sig, tables, _Checked(shapes, scale, backend, selection))
+        checks.check_kernel_page_size(page_size)
+    with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
+        if torch.compiler.is_compiling():      # the opaque custom op (its body launches Triton or decides on the host)
+            return custom_ops.page_scores_op(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
+        return run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
+
+
+def run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size: int, backend: str) -> torch.Tensor:
+    """The body of :func:`page_scores` on validated inputs (q ``[B, Tq, Hq, D]``)."""
+    if backend == "torch" or q4.dtype == torch.float64:
+        return selection.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
+    out = torch.empty(q4.shape[0], k_min.shape[1], block_table.shape[1], dtype=torch.float32, device=q4.device)
+    _selection_kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size,
+                                     out=out)
+    return out
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
+                 num_query_tokens=1, backend=None):
+    """Keep ``page_budget`` logical pages per (row, KV head): int32 ``[B, Hkv, page_budget]``.
+
+    Kept, in this order until the budget is full: the last ``max(num_recent_pages, 1)`` valid pages (the
+    partial last page always; with ``num_query_tokens > 1`` every page holding a query), the first
+    ``num_sink_pages`` pages (attention sinks, StreamingLLM), then the highest ``scores``; ties go to the lower
+    page index. A row with at most ``page_budget`` valid pages keeps them all. Output is ascending, ``-1``
+    padded, never a duplicate, never a page past the row's end. The token budget is ``page_budget * page_size``.
+    NaN scores count as ``-inf`` (ties with it go to the lower page index).
+
+    Args:
+        scores: fp32 ``[B, Hkv, max_pages_per_seq]`` (from :func:`page_scores`). seq_lens: ``[B]`` int.
+        page_size, page_budget (>= 1), num_sink_pages (>= 0), num_recent_pages (>= 0), num_query_tokens (>= 1): ints.
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError when ``num_sink_pages + max(num_recent_pages, 1) > page_budget`` or the budget cannot hold the
+        pages of the ``num_query_tokens`` queries; TypeError / ValueError naming the argument otherwise.
+
+    Source: Quest (Tang et al., ICML 2024, §3.3); sink pages: StreamingLLM (Xiao et al., ICLR 2024).
+    """
+    options = checks.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages,
+                                         num_recent_pages, num_query_tokens)
+    backend = resolve_backend(backend, scores.device)
+    with span("topk", scores=scores, seq_lens=seq_lens, page_budget=options["page_budget"]):
+        run = custom_ops.select_pages_op if torch.compiler.is_compiling() else run_select_pages
+        return run(scores, seq_lens, options["page_size"], options["page_budget"], options["num_sink_pages"],
+                   options["num_recent_pages"], options["num_query_tokens"], backend)
+
+
+def run_select_pages(scores, seq_lens, page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
+                     num_query_tokens: int, backend: str) -> torch.Tensor:
+    """The body of :func:`select_pages` on validated inputs."""
+    options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                   num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
+    if backend == "torch":
+        return selection.select_pages(scores, seq_lens, **options)
+    out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
+    _selection_kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the page pool
+def update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, *, backend=None, k_scale=None):
+    """Recompute the bounding box of every page the rows touch, in place; returns ``None``.
+
+    ``k_min[p, h, i]`` / ``k_max[p, h, i]`` = min / max over the valid tokens of physical page ``p`` of
+    ``k_cache[p, t, h, i]`` (DESIGN.md §1; padding slots of a partial last page are excluded). Pages no row
+    touches are left as they are. A page shared by several rows must hold the same valid tokens in each.
+
+    Args:
+        k_cache: ``[num_pages, page_size, Hkv, D]`` fp16 / bf16 / fp32 (keys after RoPE).
+        block_table, seq_lens: as in :func:`paged_attention`.
+        k_min, k_max: ``[num_pages, Hkv, D]``, dtype of ``k_cache``, fp32, or bf16 / fp16 (then rounded outward,
+            ``k_min`` down and ``k_max`` up, so the Quest bound stays an upper bound;
+            :mod:`tinyattn.ops.kv_cache.torch_impl`); written in place.
+        k_scale: ``[num_pages, Hkv]`` fp32 scales of an int8 / float8_e4m3fn ``k_cache`` (then ``k_min``/``k_max``
+            are fp32 boxes of the dequantized keys ``code.float() * scale``, the values attention reads);
+            ``None`` for a float pool.
+        backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+
+    Raises:
+        TypeError / ValueError naming the argument (as :func:`paged_attention`), a quantized pool without
+        ``k_scale`` or with scales of the wrong shape, ``kv_cache_dtype`` the backend cannot run.
+
+    Source: Quest (Tang et al., ICML 2024, §3.2): the per-channel min and max of a page's keys.
+    """
+    _, page_size, _, _ = checks.check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
+    backend = resolve_backend(backend, k_cache.device)
+    if backend == "triton":
+        checks.check_kernel_page_size(page_size)
+        checks.check_kv_backend(k_cache, backend)
+    with span("metadata", k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min):
+        if backend == "torch" or k_cache.dtype == torch.float64:
+            kv_cache.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, k_scale)
+            return
+        keys = torch.float32 if k_scale is not None else k_cache.dtype
+        if k_min.dtype in (keys, torch.float32):     # boxes that hold every key exactly: the kernel stores them
+            _kv_kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), k_min, k_max,
+                                               k_scale=k_scale)
+            return
+        lo, hi = k_min.float(), k_max.float()        # narrower boxes: the kernel's fp32 min / max, rounded outward
+        _kv_kernels().update_page_metadata(k_cache, _int32(block_table), _int32(seq_lens), lo, hi, k_scale=k_scale)
+        k_min.copy_(kv_cache.round_down(lo, k_min.dtype))
+        k_max.copy_(kv_cache.round_up(hi, k_max.dtype))
+
+
+def resolve_write_backend(backend, device: torch.device) -> str:
+    """``None``: ``"triton"`` for CUDA pools, ``"torch"`` otherwise (also under ``TRITON_INTERPRET=1``: the CPU's
+    write path stays the torch one). ``"triton"`` on a CPU needs ``TRITON_INTERPRET=1`` (tests).
+
+    Raises:
+        ValueError: an unknown backend, or ``"triton"`` for CPU pools without the interpreter.
+    """
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in WRITE_BACKENDS:
+        raise ValueError(f"backend: expected one of {WRITE_BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda":
+        from ..kernels import is_interpreting
+        if not is_interpreting():
+            raise ValueError(f"backend: 'triton' needs CUDA pools or TRITON_INTERPRET=1 set before triton is "
+                             f"imported, got pools on {device}")
+    return backend
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+             k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             fill: torch.Tensor | None = None, pages: torch.Tensor | None = None, backend: str | None = None,
+             trusted: bool = False) -> None:
+    """Store ``k``, ``v`` at ``slots`` of a paged pool and grow the touched pages' boxes and scales, in place (vLLM's
+    ``reshape_and_cache`` plus the box upkeep of Quest; the policy: :mod:`tinyattn.ops.kv_cache.torch_impl`).
+
+    Args:
+        k, v: ``[N, Hkv, D]`` float (any float dtype; cast to the pool's).
+        slots: ``[N]`` int32 / int64 physical slots ``page * page_size + offset``, in ``[0, num_pages * page_size)``
+            (not checked here: no host sync; :meth:`PagedKVCache.write` checks), distinct.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` fp32 / fp16 / bf16 / int8 / float8_e4m3fn (fp64: torch
+            backend only).
+        k_min, k_max: ``[num_pages, Hkv, D]`` boxes (fp32 / fp16 / bf16), or None (no boxes).
+        k_scale, v_scale: int8 / fp8 pools: ``[num_pages, Hkv]`` fp32 scales (``value = code * scale``).
+        fill: int8 / fp8 pools: ``[num_pages]`` int64 valid slots per page (shared by all layers; idempotent).
+        pages: optional ``slots // page_size`` (int64) when the caller has it (torch backend).
+        backend: None (Triton for CUDA pools, torch otherwise), ``"torch"`` or ``"triton"``.
+        trusted: the caller made and checked every tensor (:meth:`tinyattn.PagedKVCache.write`, once per layer per
+            step): the argument checks are skipped.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, dtypes or devices, before anything
+        is written (:func:`resolve_write_backend` for ``backend``).
+    """
+    if not trusted:
+        checks.check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill)
+    backend = resolve_write_backend(backend, k_cache.device)
+    if backend == "triton" and k_cache.dtype != torch.float64:
+        with span("metadata", k_new=k, pages=k.shape[0]):
+            _kv_kernels().write_kv(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill)
+        return
+    kv_cache.write_kv(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill, pages)

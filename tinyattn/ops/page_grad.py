@@ -7,7 +7,7 @@ head::
 
     norms[p, h] = sum_{s, d} dk[p, s, h, d]^2 + dv[p, s, h, d]^2
 
-One small Triton kernel (``kernels.attention_bwd._page_grad_norm_kernel``, one read of each gradient)
+One small Triton kernel (``kernels.attention_bwd.page_grad_norm_kernel``, one read of each gradient)
 or one vectorised torch expression on the CPU: cheap enough to run after every backward.
 """
 
@@ -49,7 +49,7 @@ def page_grad_norms(dk_cache: torch.Tensor, dv_cache: torch.Tensor, *, backend=N
         dt = torch.float64 if dk_cache.dtype == torch.float64 else torch.float32
         k, v = dk_cache.to(dt), dv_cache.to(dt)
         return ((k * k).sum((1, 3)) + (v * v).sum((1, 3))).float()
-    from ..kernels.attention_bwd import page_grad_norms as launch
+    from .attention.triton_impl import page_grad_norms as launch
 
     out = torch.empty(num_pages, num_kv_heads, dtype=torch.float32, device=dk_cache.device)
     launch(dk_cache, dv_cache, out=out)

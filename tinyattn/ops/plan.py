@@ -14,9 +14,10 @@ thin public front; everything that depends on the step alone happens once, in :m
   :meth:`~PagedAttentionPlan.run`).
 
 :meth:`~PagedAttentionPlan.run` checks shapes (host integers only) and makes **one call** into the chosen
-implementation: its ``forward`` (no autograd), or, when a gradient is needed or ``torch.compile`` traces, its
-``differentiable`` route (selection without gradient, then the ``tinyattn::paged_attention_fwd`` custom op with
-its backward). A per-layer ``scale`` is an argument passed down, never stored in the plan.
+implementation's ``run``, which attends with autograd when a gradient is needed (the torch forms are
+differentiable; the Triton backend selects without gradient, then calls the ``tinyattn::paged_attention_fwd``
+custom op with its backward) and through the custom ops while ``torch.compile`` traces
+(:mod:`tinyattn.ops.custom_ops`). A per-layer ``scale`` is an argument passed down, never stored in the plan.
 
 The contract with the tables: what :meth:`~PagedAttentionPlan.plan` saw is what every :meth:`~PagedAttentionPlan.run`
 of the step computes with, on every backend, even if the caller changes ``block_table`` / ``seq_lens`` in place
@@ -39,42 +40,14 @@ Pattern: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.plan`` / ``run``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import core, quant
 from . import validation as V
-from .autograd import attention as differentiable_attention, needs_grad
+from .validation import BACKENDS, resolve_backend
+from .layout import cdiv_pages
 from .step import Step
 
 __all__ = ["PagedAttentionPlan", "resolve_backend", "BACKENDS"]
-
-BACKENDS = ("torch", "triton")
-
-_INTERPRET: bool | None = None
-
-
-def _interpreting() -> bool:
-    """TRITON_INTERPRET=1? Read once (the variable only counts when set before triton is imported); code that
-    sets it later, as the CLI does for ``--backend triton`` on a CPU, resets ``_INTERPRET`` to ``None``."""
-    global _INTERPRET
-    if _INTERPRET is None:
-        _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-    return _INTERPRET
-
-
-def resolve_backend(backend, device: torch.device) -> str:
-    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
-    if backend is None:
-        return "triton" if device.type == "cuda" or _interpreting() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
-                         f"imported, got tensors on {device}")
-    return backend
-
 
 def _implementation(backend: str):
     """The class that runs a step on ``backend`` (imported lazily: a CPU-only user never imports triton)."""
@@ -95,8 +68,6 @@ class PagedAttentionPlan:
     Call :meth:`plan` once per step, then :meth:`run` once per layer. A plan is not thread-safe. The tables are
     copied by :meth:`plan`: changing them afterwards does not change the planned step (plan again for a new one).
     """
-
-    _api_key = None     # the validated public-op call this plan was built for (ops.api._planned)
 
     def __init__(self, *, backend: str | None = None):
         if backend is not None and backend not in BACKENDS:
@@ -216,7 +187,7 @@ class PagedAttentionPlan:
         elif page_budget is not None and num_query_tokens > 1 and lens is not None:
             V.check_query_pages_fit_host(list(lens), num_query_tokens, page_size, page_budget)
         selects = page_budget is not None and (
-            lens is None or max((core.cdiv_pages(n, page_size) for n in lens), default=0) > page_budget)
+            lens is None or max((cdiv_pages(n, page_size) for n in lens), default=0) > page_budget)
         nothing = batch == 0 or num_query_tokens == 0 or width == 0 or (lens is not None and not any(lens))
         step = Step(backend, block_table.device, batch, width, num_q_heads, num_kv_heads, head_dim, page_size,
                     num_query_tokens, page_budget, num_sink_pages, num_recent_pages, scale, lens, selects, nothing)
@@ -282,34 +253,8 @@ class PagedAttentionPlan:
         if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
             scales = (k_scale, v_scale)
-        if (torch.is_grad_enabled() and needs_grad(q, k_cache, v_cache)) or torch.compiler.is_compiling():
-            # the explicit autograd route: selection (no gradient), then the custom op with its backward
-            o, lse = self._differentiable(q, k_cache, v_cache, k_min, k_max, page_indices, scale, scales,
-                                          window_left)
-            return core.finish_output(q, o, lse, return_lse, out)
-        return self._impl.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                                  window_left)
-
-    def _differentiable(self, q, k_cache, v_cache, k_min, k_max, page_indices, scale, scales, window_left):
-        """The autograd route of either backend: the implementation's selection (no gradient), then the
-        ``tinyattn::paged_attention_fwd`` custom op (:mod:`tinyattn.ops.autograd`), whose backward runs the same
-        backend. Returns ``(out, lse)`` as ``[B, Tq, ...]``."""
-        step, impl = self.step, self._impl
-        q4 = q.unsqueeze(1) if q.dim() == 3 else q
-        if scales is not None:                 # the custom op reads float pools
-            dt = q.dtype if step.backend == "triton" or q.dtype == torch.float64 else torch.float32
-            k_cache, v_cache = quant.dequantize(k_cache, scales[0], dt), quant.dequantize(v_cache, scales[1], dt)
-        if page_indices is None and k_min is not None and step.selects and not step.nothing:
-            page_indices = impl.select(q4.detach(), k_min, k_max, window_left)
-        if page_indices is not None and page_indices.shape[-1]:
-            # canonical (ascending, de-duplicated, -1 past the end); also a copy of the Triton selection buffer,
-            # which the next layer rewrites behind autograd's back
-            page_indices = core.canonical_page_indices(page_indices, impl.seq_lens, step.page_size)
-        if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return core.empty_attention(q4, k_cache, v_cache)
-        # autograd keeps the tables for the backward: copies, since the plan's own are rewritten by the next plan()
-        return differentiable_attention(q4, k_cache, v_cache, impl.block_table.clone(), impl.seq_lens.clone(),
-                                        page_indices, scale, step.backend, window_left)
+        return self._impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
+                              window_left)
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
         """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""
@@ -345,7 +290,8 @@ class PagedAttentionPlan:
             raise ValueError(f"block_table: expected physical page ids in [0, {k_cache.shape[0]}) (the pages of "
                              f"k_cache), got {self._max_page_id}")
         if (k_min is None) != (k_max is None):
-            raise ValueError(f"k_min, k_max: expected both or neither, got k_min={'None' if k_min is None else 'a tensor'}"
+            raise ValueError(f"k_min, k_max: expected both or neither, got "
+                             f"k_min={'None' if k_min is None else 'a tensor'}"
                              f" and k_max={'None' if k_max is None else 'a tensor'}")
         if k_min is not None:
             if not k_min.is_floating_point():

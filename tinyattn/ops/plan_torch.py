@@ -1,20 +1,27 @@
 """The torch backend's plan: a planned step run with PyTorch ops (the CPU path, and fp64 everywhere).
 
-Per step (:meth:`TorchPlan.plan`), once: the tables are copied, and what every layer reuses is built on first
-use — the pool rows of every key a dense layer reads (per window), the rows and masks of every page a selecting
-layer may pick, the selection keys (forced recent and sink pages) and the physical pages of the step.
+Per step (:meth:`TorchPlan.plan`), once: the tables are copied, and what every layer reuses is built on first use —
+the pool rows of every key a dense layer reads (per window) and which queries see them, the rows and masks of every
+page a selecting layer may pick, the selection keys (forced recent and sink pages) and the physical pages.
 
-Per layer (:meth:`TorchPlan.forward`): the Quest bound (:func:`tinyattn.ops.torch_backend.page_bounds`) and the
-selection (:func:`tinyattn.ops.torch_backend.top_pages`) when the layer selects, then one ``index_select`` of the
-K and V rows the layer reads and one :func:`torch.nn.functional.scaled_dot_product_attention` over them (grouped
-query heads folded into the rows of their KV head; the NaN-safe :func:`tinyattn.ops.core.attend_rows` when an lse
-is asked). So a decode layer costs a handful of PyTorch calls.
+Per layer (:meth:`TorchPlan.attend`), three routes, all built from :mod:`tinyattn.ops.attention.torch_impl` and
+:mod:`tinyattn.ops.selection.torch_impl`:
+
+- **prefill** (dense, ``Tq > 1``, no lse, no gradient): one ``index_select`` of the K and V rows, then SDPA on
+  ``q`` ``[B, Hq, Tq, D]`` with ``enable_gqa`` — ``is_causal`` when every row is a fresh prefill (its
+  ``seq_len == Tq``, no window: the flash kernel then skips the masked half), else a boolean ``[B, 1, Tq, keys]``
+  mask (chunked prefill, prefix reuse, windows);
+- **decode** (no lse, no gradient): the Quest selection when the layer selects, then one ``index_select`` of the
+  rows and one SDPA with the group's query heads folded into the rows of their KV head (the fastest SDPA form on a
+  CPU), large gathers in cache-sized chunks merged by lse;
+- **exact** (an lse is asked, or autograd records): the NaN-safe masked softmax with its lse,
+  :func:`~tinyattn.ops.attention.torch_impl.attend_rows`, differentiable (``index_select``'s backward accumulates
+  into the pool).
 
 Layout of the rows (docs/layout.md): the pool ``[num_pages, page_size, Hkv, D]`` is read as flat rows
-``(page * page_size + slot) * Hkv + head`` (:func:`tinyattn.ops.core.page_rows`, the one masking rule of this
-backend: causal bottom-right, windows, ragged tails). A slot that must not count points at a valid key of its row
-and is hidden by the additive mask (``0`` visible, ``-inf`` hidden), so NaN or garbage in unused slots is never
-read. Large steps attend in cache-sized chunks merged by lse (:mod:`tinyattn.ops.chunked`).
+``(page * page_size + slot) * Hkv + head`` (:func:`~tinyattn.ops.attention.torch_impl.page_rows`, the masking rule
+of this backend: causal bottom-right, windows, ragged tails). A slot that must not count points at a valid key of
+its row and is hidden by the mask, so NaN or garbage in unused slots is never read.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import chunked, core, quant
-from . import torch_backend as T
+from . import custom_ops, quant
 from . import spans as _spans
+from .attention import torch_impl as attention_torch
+from .layout import NEG_INF, cdiv_pages, group_queries, ungroup
+from .selection import torch_impl as selection_torch
 from .spans import span
 from .step import Step
 
@@ -64,131 +73,184 @@ class TorchPlan:
         lens = step.lens if step.lens is not None else tuple(self.seq_lens.tolist())
         self._lens = lens
         # the pages any row holds (a selecting layer scores these)
-        self._num_pages = min(step.max_pages, max((core.cdiv_pages(n, step.page_size) for n in lens), default=0))
+        self._num_pages = min(step.max_pages, max((cdiv_pages(n, step.page_size) for n in lens), default=0))
+        # every row a fresh prefill (its queries are all its tokens): causal SDPA, top-left = bottom-right
+        self._fresh = step.num_query_tokens > 1 and all(n == step.num_query_tokens for n in lens)
+        self._group = step.group
+        self._run = False                # the one row's pages in pool order (see _pool_run), not known yet
         self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
-        self._keys = None                # selection keys (torch_backend.selection_keys)
+        self._keys = None                # selection keys (selection_torch.selection_keys)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
 
     # ------------------------------------------------------------------------------------------- run
-    def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                window_left):
-        """Attention of one layer with no autograd; see :meth:`tinyattn.PagedAttentionPlan.run`."""
+    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
+        """Attention of one layer (see :meth:`tinyattn.PagedAttentionPlan.run`): :meth:`attend`, its lse cast to fp32
+        (DESIGN.md §2), written into ``out`` if given. The torch forms are differentiable, so eager autograd runs
+        them itself; while ``torch.compile`` traces, the custom ops (:func:`tinyattn.ops.custom_ops.differentiable`)
+        run them opaquely."""
+        if torch.compiler.is_compiling():
+            step = self.step
+            o, lse = custom_ops.differentiable(
+                q, k_cache, v_cache, self.block_table, self.seq_lens, page_size=step.page_size, backend="torch",
+                scale=scale, window_left=window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
+                selection=step.selection if step.selects else None, scales=scales, nothing=step.nothing)
+            return attention_torch.finish_output(q, o, lse, return_lse, out)
+        o, lse = self.attend(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, scale, scales, window_left)
+        if out is None and not return_lse:
+            return o
+        return attention_torch.finish_output(q, o.unsqueeze(1) if q.dim() == 3 else o, lse, return_lse, out)
+
+    def attend(self, q, k_cache, v_cache, k_min, k_max, page_indices, need_lse, scale, scales, window_left):
+        """``(out, lse)`` of one layer: ``out`` shaped and typed like ``q``; ``lse`` ``[B, Tq, Hq]`` in the math
+        dtype (fp32, fp64 for fp64), or ``None`` unless ``need_lse``. Differentiable in ``q``, ``k_cache``,
+        ``v_cache`` (float pools)."""
         step = self.step
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
-            page_indices = core.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
+            page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return core.finish_output(q, *core.empty_attention(q4, k_cache, v_cache), return_lse, out)
+            o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
+            return o.view(q.shape), lse if need_lse else None
         selects = k_min is not None and step.selects
-        if window_left >= 0 and page_indices is None and not selects and self._query_blocks(window_left):
-            return self._run_query_blocks(window_left, q, k_cache, v_cache, return_lse, out, scale, scales)
+        # autograd records (then no out= workspace, no chunks, no SDPA): inline, this runs once per layer
+        recording = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
+        if page_indices is None and not selects:
+            if window_left >= 0 and self._query_blocks(window_left):
+                return self._attend_query_blocks(q, k_cache, v_cache, need_lse, scale, scales, window_left)
+            # the SDPA routes (no lse, no autograd; a profile records the spans of the tables' route)
+            if not (need_lse or recording) and _spans.recorder is None and _sdpa_zeroes_empty_rows():
+                if window_left < 0 and scales is None and self._pool_run() is not None:
+                    return self._attend_run(q, k_cache, v_cache, scale), None
+                if step.num_query_tokens > 1:
+                    return self._prefill(q, k_cache, v_cache, scale, scales, window_left), None
         dt = q.dtype if q.dtype in _EXACT else torch.float32
         if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
-            qg = q.view(step.batch, step.num_kv_heads, step.group, step.head_dim)
+            qg = q.view(step.batch, step.num_kv_heads, self._group, step.head_dim)
         else:
-            qg = core.group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
+            qg = group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
             page_indices = self.select(q4, k_min, k_max, window_left, qg)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left)
-            selection = step.selection
-            if _spans.recorder is not None:          # the profiler reads canonical page lists
-                page_indices = core.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
+            if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
+                page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
+                selection = step.selection
         elif page_indices is not None:
             rows, bias, n_keys = self._listed_rows(page_indices, window_left)
             selection = dict(step.selection, page_budget=page_indices.shape[-1])
         else:
             rows, bias, n_keys = self._dense_rows(window_left)
         if _spans.recorder is None:
-            o, lse = self._attend(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, return_lse)
+            o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
+                                          recording)
         else:
             with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
                       page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
-                o, lse = self._attend(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, return_lse)
+                o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
+                                              recording)
         Tq = step.num_query_tokens
-        if out is None and not return_lse and q.dim() == 3 and o.dtype == q.dtype:
-            return o.view(q.shape)                                    # decode: [B, Hkv, G, D] is [B, Hq, D]
-        o = core.ungroup(o, Tq)
-        o = o if o.dtype == q.dtype else o.to(q.dtype)
-        return core.finish_output(q, o, None if lse is None else core.ungroup(lse, Tq), return_lse, out)
+        if Tq == 1 and q.dim() == 3 and o.dtype == q.dtype:
+            o = o.view(q.shape)                                      # decode: [B, Hkv, G, D] is [B, Hq, D]
+        else:
+            o = ungroup(o, Tq)
+            o = (o if o.dtype == q.dtype else o.to(q.dtype)).view(q.shape)
+        return o, None if lse is None or not need_lse else ungroup(lse, Tq)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
         than ``K`` valid pages also lists pages past its end, which the tables hide)."""
         step = self.step
         if qg is None:
-            qg = core.group_queries(q4, step.num_kv_heads, q4.dtype if q4.dtype in _EXACT else torch.float32)
+            qg = group_queries(q4, step.num_kv_heads, q4.dtype if q4.dtype in _EXACT else torch.float32)
         if self._keys is None:
-            P = self._num_pages
-            self._keys = T.selection_keys(self.seq_lens, P, page_size=step.page_size, page_budget=step.page_budget,
-                                          num_sink_pages=step.num_sink_pages,
-                                          num_recent_pages=step.num_recent_pages,
-                                          num_query_tokens=step.num_query_tokens)
-            phys, valid = T.physical_pages(self.block_table[:, :P], self.seq_lens, step.page_size)
-            every = all(core.cdiv_pages(n, step.page_size) >= P for n in self._lens)
+            num_pages = self._num_pages
+            self._keys = selection_torch.selection_keys(
+                self.seq_lens, num_pages, page_size=step.page_size, page_budget=step.page_budget,
+                num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
+                num_query_tokens=step.num_query_tokens)
+            phys, valid = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
+                                                         step.page_size)
+            every = all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens)
             self._phys = (phys, None if every else valid)          # no mask to apply when every page is valid
         if _spans.recorder is None and window_left < 0:              # the decode layer: no span, no window
-            return T.top_pages(T.page_bounds(qg.detach(), k_min, k_max, *self._phys), self._keys)
+            return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys),
+                                             self._keys)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
-            scores = T.page_bounds(qg.detach(), k_min, k_max, *self._phys)                 # [B, Hkv, P]
-            scores = core.mask_pages_before_window(scores, self.seq_lens, step.page_size, step.num_query_tokens,
-                                                   window_left)
+            scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys)      # [B, Hkv, pages]
+            scores = selection_torch.mask_pages_before_window(scores, self.seq_lens, step.page_size,
+                                                              step.num_query_tokens, window_left)
         with span("topk", scores=scores, seq_lens=self.seq_lens, page_budget=step.page_budget):
-            return T.top_pages(scores, self._keys)
+            return selection_torch.top_pages(scores, self._keys)
 
     # ------------------------------------------------------------------------------ rows and masks
     def _page_tables(self, pages: torch.Tensor, window_left: int):
-        """Rows ``[B, Hkv, K, S]`` and additive mask ``[B, Hkv, Tq, K, S]`` of logical ``pages`` ``[B, Hkv, K]``."""
+        """Rows ``[B, Hkv, K, page_size]`` and visibility ``[B, Hkv, Tq, K, page_size]`` of logical ``pages``
+        ``[B, Hkv, K]``."""
         step = self.step
-        rows, _, visible = core.page_rows(self.block_table, self.seq_lens, pages, page_size=step.page_size,
-                                          num_kv_heads=step.num_kv_heads, num_query_tokens=step.num_query_tokens,
-                                          window_left=window_left)
-        return rows, torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, core.NEG_INF)
+        rows, _, visible = attention_torch.page_rows(
+            self.block_table, self.seq_lens, pages, page_size=step.page_size, num_kv_heads=step.num_kv_heads,
+            num_query_tokens=step.num_query_tokens, window_left=window_left)
+        return rows, visible
+
+    @staticmethod
+    def _additive(visible: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as SDPA's additive one (``0`` visible, ``-inf`` hidden)."""
+        return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, NEG_INF)
 
     def _every_page(self, window_left: int):
-        """:meth:`_page_tables` of every page of the step (``P`` = the longest row's), once per step and window."""
+        """Rows ``[B, Hkv, pages, page_size]`` and additive mask ``[B, Hkv, Tq, pages, page_size]`` of every page of the
+        step (``pages`` = the
+        longest row's), once per step and window."""
         key = ("every", window_left)
         if key not in self._tables:
-            step, P = self.step, self._num_pages
-            every = torch.arange(P, device=self.block_table.device).expand(step.batch, step.num_kv_heads, P)
-            self._tables[key] = self._page_tables(every, window_left)
+            step, num_pages = self.step, self._num_pages
+            every = torch.arange(num_pages, device=self.block_table.device).expand(step.batch, step.num_kv_heads,
+                                                                                  num_pages)
+            rows, visible = self._page_tables(every, window_left)
+            self._tables[key] = (rows, self._additive(visible), visible)
         return self._tables[key]
 
-    def _bias(self, bias: torch.Tensor, all_visible: bool):
-        """``[B, Hkv, Tq, n]`` mask -> ``[B, Hkv, Tq * G or 1, n]`` (query rows ordered ``(t, g)``), ``None`` when
-        every query sees every key."""
-        if all_visible:
-            return None
+    def _grouped(self, bias: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, Tq, n]`` mask -> ``[B, Hkv, Tq * G, n]`` (query rows ordered ``(t, g)``, as
+        :func:`~tinyattn.ops.layout.group_queries`); decode masks (``Tq = 1``) broadcast over the group."""
         B, Hkv, Tq, n = bias.shape
         if Tq == 1:
             return bias
         G = self.step.group
         return bias[:, :, :, None].expand(B, Hkv, Tq, G, n).reshape(B, Hkv, Tq * G, n)
 
-    def _dense_rows(self, window_left: int):
-        """Every key a dense layer reads: rows ``[B * Hkv * L]``, mask, ``L`` (once per step and window).
+    def _dense_keys(self, window_left: int):
+        """Every key a dense layer reads: flat rows ``[B * Hkv * n]``, visibility ``[B, Hkv, Tq, n]`` (``None`` when
+        every query sees every key) and ``n``, once per step and window.
 
-        With a window each row starts at the page of the first key its earliest query sees, so ``L`` is the
-        longest window rounded out to whole pages, not the longest row: a sliding layer reads ``O(window)`` keys."""
+        With a window each row starts at the page of the first key its earliest query sees, so ``n`` is the longest
+        window rounded out to whole pages, not the longest row: a sliding layer reads ``O(window)`` keys."""
         key = ("dense", window_left)
         if key not in self._tables:
             step, lens = self.step, self._lens
-            S, Tq = step.page_size, step.num_query_tokens
+            page_size, Tq, B, Hkv = step.page_size, step.num_query_tokens, step.batch, step.num_kv_heads
             if window_left < 0:               # every page of the step: the tables a selecting layer uses too
-                P = self._num_pages
-                rows, bias = self._every_page(window_left)
+                num_pages = self._num_pages
+                rows, _, visible = self._every_page(window_left)
             else:
-                first = [max(n - Tq - window_left, 0) // S for n in lens]
-                P = max((core.cdiv_pages(n, S) - f for n, f in zip(lens, first)), default=0)
-                pages = (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(P))[:, None, :]
-                pages = pages.expand(step.batch, step.num_kv_heads, P).to(self.block_table.device)
-                rows, bias = self._page_tables(pages, window_left)
-            B, Hkv = step.batch, step.num_kv_heads
-            all_visible = window_left < 0 and Tq == 1 and all(n == P * S for n in lens)
-            bias = self._bias(bias.reshape(B, Hkv, Tq, P * S), all_visible)
-            self._tables[key] = (rows.reshape(-1), bias, P * S)
+                first = [max(attention_torch.window_start(n - Tq, window_left), 0) // page_size for n in lens]
+                num_pages = max((cdiv_pages(n, page_size) - f for n, f in zip(lens, first)), default=0)
+                pages = (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(num_pages))[:, None, :]
+                pages = pages.expand(B, Hkv, num_pages).to(self.block_table.device)
+                rows, visible = self._page_tables(pages, window_left)
+            n = num_pages * page_size
+            all_visible = window_left < 0 and Tq == 1 and all(length == n for length in lens)
+            self._tables[key] = (rows.reshape(-1), None if all_visible else visible.reshape(B, Hkv, Tq, n), n)
+        return self._tables[key]
+
+    def _dense_rows(self, window_left: int):
+        """:meth:`_dense_keys` with the grouped additive mask SDPA / :func:`attend_rows` read (once per window)."""
+        key = ("dense-grouped", window_left)
+        if key not in self._tables:
+            rows, visible, n = self._dense_keys(window_left)
+            self._tables[key] = (rows, None if visible is None else self._grouped(self._additive(visible)), n)
         return self._tables[key]
 
     def _selected_rows(self, pages: torch.Tensor, window_left: int):
@@ -196,64 +258,169 @@ class TorchPlan:
         of every page.
 
         Without a window the mask is the step's: in rank order each position holds a page of a known kind (recent
-        pages first, then sinks, then scored pages, then pages past a short row's end; :func:`top_pages`), and
-        only recent pages and invalid ones hide slots. So it is the mask of the template selection made with equal
-        scores, gathered once per step; a window's mask depends on the pages and is gathered per call."""
+        pages first, then sinks, then scored pages, then pages past a short row's end;
+        :func:`~tinyattn.ops.selection.torch_impl.top_pages`), and only recent pages and invalid ones hide slots. So
+        it is the mask of the template selection made with equal scores, gathered once per step; a window's mask
+        depends on the pages and is gathered per call."""
         key = ("sparse", window_left)
         step = self.step
-        B, Hkv, S, Tq = step.batch, step.num_kv_heads, step.page_size, step.num_query_tokens
+        B, Hkv, page_size = step.batch, step.num_kv_heads, step.page_size
         K = pages.shape[-1]
         if key not in self._tables:
-            P = self._num_pages
-            rows, bias = self._every_page(window_left)                        # [B, Hkv, P, S], [B, Hkv, Tq, P, S]
+            rows, bias, _ = self._every_page(window_left)       # [B, Hkv, pages, page_size], [B, Hkv, Tq, pages, ...]
             fixed = None
             if window_left < 0:
-                template = T.top_pages(torch.zeros(B, Hkv, P, device=rows.device), self._keys)      # [B, Hkv, K]
+                template = selection_torch.top_pages(torch.zeros(B, Hkv, self._num_pages, device=rows.device),
+                                                     self._keys)                              # [B, Hkv, K]
                 fixed = self._gathered_bias(bias, template)
             self._tables[key] = (rows, bias, fixed)
         rows, bias, fixed = self._tables[key]
-        rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, S))                       # [B, Hkv, K, S]
-        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * S
+        rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, page_size))                 # [B, Hkv, K, page_size]
+        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * page_size
 
     def _gathered_bias(self, bias: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """The ``[B, Hkv, Tq, P, S]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's ``[B, Hkv, M, K * S]``."""
-        B, Hkv, Tq, _, S = bias.shape
+        """The ``[B, Hkv, Tq, pages, page_size]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's
+        ``[B, Hkv, M, K * page_size]``."""
+        B, Hkv, Tq, _, page_size = bias.shape
         K = pages.shape[-1]
-        bias = bias.gather(3, pages[:, :, None, :, None].expand(B, Hkv, Tq, K, S))        # [B, Hkv, Tq, K, S]
-        return self._bias(bias.reshape(B, Hkv, Tq, K * S), False)
+        bias = bias.gather(3, pages[:, :, None, :, None].expand(B, Hkv, Tq, K, page_size))   # [B, Hkv, Tq, K, ...]
+        return self._grouped(bias.reshape(B, Hkv, Tq, K * page_size))
 
     def _listed_rows(self, page_indices: torch.Tensor, window_left: int):
         """Rows and mask of pages listed by a caller (canonical: ascending, ``-1`` padded)."""
         step = self.step
         B, Hkv, K = page_indices.shape
-        rows, bias = self._page_tables(page_indices, window_left)
-        bias = self._bias(bias.reshape(B, Hkv, step.num_query_tokens, K * step.page_size), False)
-        return rows.reshape(-1), bias, K * step.page_size
+        rows, visible = self._page_tables(page_indices, window_left)
+        bias = self._additive(visible).reshape(B, Hkv, step.num_query_tokens, K * step.page_size)
+        return rows.reshape(-1), self._grouped(bias), K * step.page_size
+
+    def _pool_run(self):
+        """``(first_page, tokens)`` when the step is one row whose pages lie in the pool in order (``block_table[0,
+        j] = first_page + j``, as :class:`tinyattn.PagedKVCache` allocates a sequence's pages): its keys are then a
+        strided view of the pool and dense attention reads them in place, with no gather (a third of the time of
+        the gather and SDPA at 8K). ``None`` otherwise; decided once per step."""
+        if self._run is False:
+            self._run = None
+            step, lens = self.step, self._lens
+            if step.batch == 1 and lens[0] > 0 and self.block_table.is_cpu:
+                n = cdiv_pages(lens[0], step.page_size)
+                pages = self.block_table[0, :n]
+                if bool((pages == pages[0] + torch.arange(n)).all()):
+                    self._run = (int(pages[0]), lens[0])
+        return self._run
+
+    def _attend_run(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """Dense attention of the one row of :meth:`_pool_run` over pool views: SDPA on the group-folded queries at
+        decode, causal (or under the step's mask) on the query heads at prefill."""
+        step = self.step
+        first, length = self._run
+        Hkv, D, page_size = step.num_kv_heads, step.head_dim, step.page_size
+        pages = slice(first, first + cdiv_pages(length, page_size))
+        dt = q.dtype if q.dtype in _EXACT else torch.float32
+        # [pages, page_size, Hkv, D] -> [1, Hkv, length, D]: a view (strides passed to SDPA), cast if the math dtype
+        k, v = (x[pages].reshape(-1, Hkv, D)[:length].permute(1, 0, 2)[None].to(dt) for x in (k_cache, v_cache))
+        if step.num_query_tokens == 1:
+            qg = group_queries(q.unsqueeze(1) if q.dim() == 3 else q, Hkv, dt)            # [1, Hkv, G, D]
+            return F.scaled_dot_product_attention(qg, k, v, scale=scale).to(q.dtype).view(q.shape)
+        qh = q.transpose(1, 2).to(dt)                                                    # [1, Hq, Tq, D]
+        if self._fresh:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            _, visible, _ = self._dense_keys(-1)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible[:, :1, :, :length], scale=scale,
+                                               enable_gqa=True)
+        return o.transpose(1, 2).to(q.dtype)
 
     # ------------------------------------------------------------------------------------- attention
-    def _attend(self, qg, k_cache, v_cache, rows, bias, n_keys: int, scale: float, scales, need_lse: bool):
-        """Attention of ``qg`` ``[B, Hkv, M, D]`` over the pool ``rows``: ``(out [B, Hkv, M, D], lse or None)``."""
+    def _prefill(self, q, k_cache, v_cache, scale: float, scales, window_left: int) -> torch.Tensor:
+        """Dense attention of ``q`` ``[B, Tq, Hq, D]`` (``Tq > 1``) with SDPA on the query heads as they are
+        (``enable_gqa``): causal when every row is a fresh prefill, else under the boolean mask of the step."""
+        rows, visible, n = self._dense_keys(window_left)
+        dt = q.dtype if q.dtype in _EXACT else torch.float32
+        k, v = self._gather_kv(k_cache, v_cache, rows, n, dt, scales)                   # [B, Hkv, n, D]
+        qh = q.transpose(1, 2).to(dt)                                                    # [B, Hq, Tq, D]
+        if self._fresh and window_left < 0:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # dense pages are the same for every KV head: one [B, 1, Tq, n] mask serves all query heads
+            mask = None if visible is None else visible[:, :1]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).to(q.dtype)
+
+    def _attend_grouped(self, qg, k_cache, v_cache, rows, bias, n_keys: int, scale: float, scales, need_lse: bool,
+                        recording: bool):
+        """Attention of ``qg`` ``[B, Hkv, M, D]`` over the pool ``rows``: ``(out [B, Hkv, M, D], lse or None)``.
+
+        Large steps run in cache-sized chunks merged by lse (not while autograd records: the chunks write into
+        preallocated partials); an lse, autograd or an SDPA that gives NaN for empty rows take the NaN-safe softmax
+        (:func:`~tinyattn.ops.attention.torch_impl.attend_rows`); everything else one SDPA call."""
         B, Hkv, M, D = qg.shape
-        chunk = chunked.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
+        chunk = None
+        if not recording and n_keys * B * Hkv * D * k_cache.element_size() >= attention_torch.MIN_BYTES:
+            chunk = attention_torch.chunk_keys(n_keys, B * Hkv, D, k_cache.element_size())
         if chunk is not None:                                          # a large step: in cache-sized chunks
             def gather(flat_rows, n):
                 return self._gather_kv(k_cache, v_cache, flat_rows, n, qg.dtype, scales)
-            return chunked.attend_chunked(qg, gather, rows.view(B, Hkv, n_keys), bias, scale, chunk)
+            return attention_torch.attend_chunked(qg, gather, rows.view(B, Hkv, n_keys), bias, scale, chunk)
         k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, qg.dtype, scales)
-        if need_lse or not _sdpa_zeroes_empty_rows():
+        if need_lse or recording or not _sdpa_zeroes_empty_rows():
             # the NaN-safe core with its lse (a query that sees no key: zeros and -inf)
-            return core.attend_rows(qg, k, v, None if bias is None else bias == 0, scale)
+            return attention_torch.attend_rows(qg, k, v, None if bias is None else bias == 0, scale)
         if bias is not None and bias.dtype != qg.dtype:    # fp64 SDPA with an fp32 mask is wrong on torch 2.13's CPU
             bias = bias.to(qg.dtype)
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale), None
 
+    def attend_backward(self, q4, k_cache, v_cache, page_indices, dout, dlse, scale: float, window_left: int):
+        """Gradients ``(dq, dk_cache, dv_cache)`` of :meth:`attend` (dense, or over canonical ``page_indices``) for
+        ``dout`` ``[B, Tq, Hq, D]`` and ``dlse`` ``[B, Tq, Hq]`` (or ``None``): the same rows and mask, then
+        :func:`~tinyattn.ops.attention.torch_impl.attend_rows_backward`, accumulated into pool-shaped gradients (a
+        page read by several rows or heads sums; slots never read get exactly 0)."""
+        step = self.step
+        Tq, Hkv, D = step.num_query_tokens, step.num_kv_heads, step.head_dim
+        dt = q4.dtype if q4.dtype in _EXACT else torch.float32
+        dk_pool = torch.zeros(k_cache.numel() // D, D, dtype=dt, device=q4.device)
+        dv_pool = torch.zeros(v_cache.numel() // D, D, dtype=dt, device=q4.device)
+        if not (step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0)):
+            if page_indices is None:
+                rows, bias, n_keys = self._dense_rows(window_left)
+            else:
+                rows, bias, n_keys = self._listed_rows(page_indices, window_left)
+            k, v = self._gather_kv(k_cache, v_cache, rows, n_keys, dt)
+            grads = attention_torch.attend_rows_backward(
+                group_queries(q4, Hkv, dt), k, v, None if bias is None else bias == 0, scale,
+                group_queries(dout, Hkv, dt), None if dlse is None else group_queries(dlse[..., None], Hkv, dt)[..., 0])
+            dq = ungroup(grads[0], Tq)
+            dk_pool.index_add_(0, rows, grads[1].reshape(-1, D))
+            dv_pool.index_add_(0, rows, grads[2].reshape(-1, D))
+        else:
+            dq = torch.zeros(q4.shape, dtype=dt, device=q4.device)
+        return (dq.to(q4.dtype).contiguous(), dk_pool.view(k_cache.shape).to(k_cache.dtype),
+                dv_pool.view(v_cache.shape).to(v_cache.dtype))
+
     def _gather_kv(self, k_cache, v_cache, rows, n_keys: int, dtype, scales=None):
         """K and V of the pool ``rows`` as ``[B, Hkv, n_keys, D]`` in the math ``dtype``; quantized pools
-        (``scales = (k_scale, v_scale)``) are dequantized row by row: ``row.float() * scale[page, head]``."""
+        (``scales = (k_scale, v_scale)``) are dequantized row by row: ``row.float() * scale[page, head]``.
+
+        Large gathers go into workspaces reused across layers and steps: a fresh large output at every call costs
+        page faults that triple the gather time on a CPU; the gathered K/V only live until the attention of the
+        same call returns. Small ones (the lookup costs more than it saves), huge ones and gathers autograd records
+        (``out=`` has no autograd) are plain ``index_select``.
+        """
         step = self.step
         B, Hkv, D = step.batch, step.num_kv_heads, step.head_dim
-        k = self._gather_rows("k", k_cache, rows)
-        v = self._gather_rows("v", v_cache, rows)
+        kv = []
+        for name, x in (("k", k_cache), ("v", v_cache)):
+            flat = x.view(-1, D) if x.is_contiguous() else x.reshape(-1, D)
+            numel = rows.shape[0] * D
+            if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES or (
+                    x.requires_grad and torch.is_grad_enabled()):
+                kv.append(flat.index_select(0, rows))
+                continue
+            buf = self._buffers.get(name)
+            if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:
+                buf = self._buffers[name] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+            kv.append(torch.index_select(flat, 0, rows, out=buf[:numel].view(rows.shape[0], D)))
+        k, v = kv
         if scales is None and k.dtype == dtype:
             return k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         if scales is not None:
@@ -262,21 +429,6 @@ class TorchPlan:
             v = quant.dequantize_rows(v, scales[1], idx, dtype)
         k, v = k.view(B, Hkv, n_keys, D), v.view(B, Hkv, n_keys, D)
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
-
-    def _gather_rows(self, name: str, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``x`` viewed as ``[-1, D]``, rows ``rows``, into a workspace reused across layers and steps.
-
-        A fresh large output at every call costs page faults that triple the gather time on a CPU; the
-        gathered K/V only live until the attention of the same call returns.
-        """
-        flat = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
-        numel = rows.shape[0] * flat.shape[1]
-        if numel < _WORKSPACE_MIN_BYTES // 8 or numel * flat.element_size() > _WORKSPACE_MAX_BYTES:
-            return flat.index_select(0, rows)    # small: the workspace lookup costs more than it saves
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != flat.dtype or buf.device != flat.device or buf.numel() < numel:
-            buf = self._buffers[name] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
-        return torch.index_select(flat, 0, rows, out=buf[:numel].view(rows.shape[0], flat.shape[1]))
 
     # ------------------------------------------------------------------ long windowed prefills
     def _query_blocks(self, window_left: int):
@@ -306,13 +458,12 @@ class TorchPlan:
             self._blocks[window_left] = blocks
         return self._blocks[window_left]
 
-    def _run_query_blocks(self, window_left, q, k_cache, v_cache, return_lse, out, scale, scales):
-        """:meth:`forward` of each query block (:meth:`_query_blocks`), outputs (and lse) concatenated over ``Tq``."""
+    def _attend_query_blocks(self, q, k_cache, v_cache, need_lse, scale, scales, window_left):
+        """:meth:`attend` of each query block (:meth:`_query_blocks`), concatenated over ``Tq``."""
         outs, lses = [], []
         for t0, t1, sub in self._blocks[window_left]:
-            r = sub.forward(q[:, t0:t1], k_cache, v_cache, None, None, None, return_lse, None, scale, scales,
-                            window_left)
-            outs.append(r[0] if return_lse else r)
-            if return_lse:
-                lses.append(r[1])
-        return core.finish_output(q, torch.cat(outs, 1), torch.cat(lses, 1) if return_lse else None, return_lse, out)
+            o, lse = sub.attend(q[:, t0:t1], k_cache, v_cache, None, None, None, need_lse, scale, scales,
+                                window_left)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs, 1), torch.cat(lses, 1) if need_lse else None

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from . import core
+from . import custom_ops
+from .attention import torch_impl as attention_torch
+from .attention import triton_impl as attention_triton
 from .plan_torch import TorchPlan
+from .selection import torch_impl as selection_torch
+from .selection import triton_impl as selection_triton
 from .spans import span
 from .step import Step
+from ..kernels import attention as attention_blocks
+from ..kernels import chunk_topk
 
 __all__ = ["TritonPlan"]
-
-
-def _kernels():
-    from .. import kernels        # imported lazily: a CPU-only user never needs triton
-    return kernels
 
 
 class TritonPlan:
@@ -42,21 +43,20 @@ class TritonPlan:
              max_pages_per_seq=None) -> None:
         """Copy the step's tables into the plan's buffers and size the workspaces (no host sync)."""
         self.step = step
-        k = _kernels()
         B, Hkv, Hq, Tq, D = step.batch, step.num_kv_heads, step.num_q_heads, step.num_query_tokens, step.head_dim
         graph = max_pages_per_seq is not None
         cap_b = max(max_batch or B, B)
-        P = max_pages_per_seq if graph else step.max_pages          # graph mode: one width for every step
+        width = max_pages_per_seq if graph else step.max_pages          # graph mode: one width for every step
         self._graph = graph
-        bt = self._buffer("block_table", (cap_b, P), torch.int32)[:B]
-        if P > step.max_pages:
+        bt = self._buffer("block_table", (cap_b, width), torch.int32)[:B]
+        if width > step.max_pages:
             bt[:, step.max_pages:].fill_(-1)                       # past every row's end: ignored by the kernels
         bt[:, : step.max_pages].copy_(block_table)
         self._bt32 = bt
         self._sl32 = self._buffer("seq_lens", (cap_b,), torch.int32)[:B]
         self._sl32.copy_(seq_lens)
         self.block_table, self.seq_lens = self._bt32, self._sl32
-        self._scores = self._buffer("scores", (cap_b, Hkv, P), torch.float32)[:B]
+        self._scores = self._buffer("scores", (cap_b, Hkv, width), torch.float32)[:B]
         self._lse = self._buffer("lse", (cap_b, Tq, Hq), torch.float32)[:B]
         budget = step.page_budget
         self._selected = None if budget is None else self._buffer("selected", (cap_b, Hkv, budget), torch.int32)[:B]
@@ -64,11 +64,11 @@ class TritonPlan:
         # are long; its candidate workspace is allocated here, never in forward()
         self._chunks = None
         if budget is not None:
-            num_sms = k.attention._num_sms(step.device)
-            if k.chunk_topk.use_two_stage(cap_b, Hkv, P, budget, num_sms):
-                self._chunks = k.chunk_topk.chunk_blocks(cap_b, Hkv, P, budget, Tq, Hq // Hkv, D, step.page_size,
+            num_sms = attention_blocks.num_sms(step.device)
+            if chunk_topk.use_two_stage(cap_b, Hkv, width, budget, num_sms):
+                self._chunks = chunk_topk.chunk_blocks(cap_b, Hkv, width, budget, Tq, Hq // Hkv, D, step.page_size,
                                                          num_sms)
-                shape = k.chunk_topk.workspace_shape(cap_b, Hkv, self._chunks)
+                shape = chunk_topk.workspace_shape(cap_b, Hkv, self._chunks)
                 self._ws_key = self._buffer("ws_key", shape, torch.int32)[:B]
                 self._ws_page = self._buffer("ws_page", shape, torch.int32)[:B]
         splits = {}
@@ -76,8 +76,9 @@ class TritonPlan:
             if (sparse and budget is None) or step.nothing:     # nothing to split (B or Tq = 0)
                 splits[sparse] = 1
                 continue
-            n_list = budget if sparse else P
-            splits[sparse] = k.attention.plan_num_splits(cap_b, Tq, Hq, Hkv, D, step.page_size, n_list, step.device)
+            n_list = budget if sparse else width
+            splits[sparse] = attention_blocks.plan_num_splits(cap_b, Tq, Hq, Hkv, D, step.page_size, n_list,
+                                                              step.device)
         self._splits = splits
         n = max(splits.values())
         self._ws_o = self._buffer("ws_o", (n, cap_b, Tq, Hq, D), torch.float32)[:, :B] if n > 1 else None
@@ -94,9 +95,24 @@ class TritonPlan:
         return buf[:numel].view(shape)
 
     # ------------------------------------------------------------------------------------------- run
+    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
+        """Attention of one layer; see :meth:`tinyattn.PagedAttentionPlan.run`. With autograd (or while
+        ``torch.compile`` traces): the plan's selection, then the custom op with its backward kernel
+        (:func:`tinyattn.ops.custom_ops.differentiable`); else :meth:`forward`."""
+        if torch.compiler.is_compiling() or custom_ops.needs_grad(q, k_cache, v_cache):
+            step = self.step
+            o, lse = custom_ops.differentiable(
+                q, k_cache, v_cache, self.block_table, self.seq_lens, page_size=step.page_size, backend=step.backend,
+                scale=scale, window_left=window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
+                selection=step.selection if step.selects else None, scales=scales, nothing=step.nothing,
+                select=None if torch.compiler.is_compiling() else self.select)
+            return attention_torch.finish_output(q, o, lse, return_lse, out)
+        return self.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
+                            window_left)
+
     def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                 window_left):
-        """Attention of one layer with no autograd; see :meth:`tinyattn.PagedAttentionPlan.run`."""
+        """Attention of one layer with no autograd (the kernels)."""
         step = self.step
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if q4.dtype == torch.float64:      # the kernels compute in fp32 at most: fp64 runs the reference-exact path
@@ -104,9 +120,10 @@ class TritonPlan:
                               window_left)
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
-            page_indices = core.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
+            page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            return core.finish_output(q, *core.empty_attention(q4, k_cache, v_cache), return_lse, out)
+            o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
+            return attention_torch.finish_output(q, o, lse, return_lse, out)
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if k_min is not None and step.selects:
             page_indices = self.select(q4, k_min, k_max, window_left)
@@ -123,37 +140,38 @@ class TritonPlan:
             lse = torch.empty_like(self._lse) if return_lse else self._lse   # the caller keeps a returned lse
             splits = self._splits[False] if not sparse else (
                 self._splits[True] if page_indices.shape[-1] == (step.page_budget or -1) else None)
-            _kernels().paged_attention(q4, k_cache, v_cache, self._bt32, self._sl32, page_indices=page_indices,
+            attention_triton.paged_attention(q4, k_cache, v_cache, self._bt32, self._sl32, page_indices=page_indices,
                                        scale=scale, out=o4, lse=lse, num_splits=splits,
                                        ws_o=self._ws_o, ws_lse=self._ws_lse,
                                        k_scale=None if scales is None else scales[0],
                                        v_scale=None if scales is None else scales[1], window_left=window_left)
-        return core.finish_output(q, o4, lse, return_lse, out)
+        return attention_torch.finish_output(q, o4, lse, return_lse, out)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, page_budget]`` (ascending, ``-1`` padded) of the Quest selection, written into
         the plan's selection buffer (rewritten by the next layer's call)."""
-        step, k = self.step, _kernels()
+        step = self.step
         opts = dict(page_size=step.page_size, page_budget=step.page_budget, num_sink_pages=step.num_sink_pages,
                     num_recent_pages=step.num_recent_pages)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
             if self._chunks is not None:       # fused bound + per-chunk top-k
-                k.chunk_topk.score_chunks(q4, k_min, k_max, self._bt32, self._sl32, ws_key=self._ws_key,
+                selection_triton.score_chunks(q4, k_min, k_max, self._bt32, self._sl32, ws_key=self._ws_key,
                                           ws_page=self._ws_page, window_left=window_left, meta=self._chunks, **opts)
             else:
-                k.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size, out=self._scores)
+                selection_triton.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size,
+                                             out=self._scores)
                 if window_left >= 0:
-                    core.mask_pages_before_window(self._scores, self._sl32, step.page_size, step.num_query_tokens,
-                                                  window_left)
+                    selection_torch.mask_pages_before_window(self._scores, self._sl32, step.page_size,
+                                                             step.num_query_tokens, window_left)
         with span("topk", scores=self._scores, seq_lens=self.seq_lens, page_budget=step.page_budget):
             if self._chunks is not None:       # merge of the chunks' candidates
-                k.chunk_topk.merge_chunks(self._ws_key, self._ws_page, self._sl32, max_pages=self._bt32.shape[1],
+                selection_triton.merge_chunks(self._ws_key, self._ws_page, self._sl32, max_pages=self._bt32.shape[1],
                                           num_query_tokens=step.num_query_tokens, out=self._selected,
                                           meta=self._chunks, **opts)
             else:
-                k.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens, out=self._selected,
-                               **opts)
+                selection_triton.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens,
+                                              out=self._selected, **opts)
         return self._selected
 
     def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
@@ -163,5 +181,5 @@ class TritonPlan:
         if self._torch_step is not self.step:
             self._torch.plan(self.step, self._bt32, self._sl32)
             self._torch_step = self.step
-        return self._torch.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
+        return self._torch.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
                                    window_left)

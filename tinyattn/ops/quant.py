@@ -1,4 +1,5 @@
-"""KV cache formats (vLLM's ``kv_cache_dtype``): names, storage dtypes, and per-(page, KV head) quantization.
+"""KV cache formats (vLLM's ``kv_cache_dtype``): names, storage dtypes, per-(page, KV head) quantization, and the
+dtypes page boxes may be stored in (``box_dtype``).
 
 =============  ========================  ==================================================================
 format         pool dtype                scales
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KV_CACHE_DTYPES", "QUANTIZED_DTYPES", "storage_dtype", "is_quantized", "qmax", "quantize",
+__all__ = ["KV_CACHE_DTYPES", "QUANTIZED_DTYPES", "BOX_DTYPES", "box_dtype_for", "storage_dtype", "is_quantized",
+           "qmax", "quantize",
            "dequantize", "dequantize_rows", "scale_rows"]
 
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")
@@ -40,6 +42,23 @@ def storage_dtype(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dtype:
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return model_dtype if kv_cache_dtype == "auto" else _STORAGE[kv_cache_dtype]
+
+
+#: ``box_dtype`` names of :class:`tinyattn.cache.PagedKVCache`: ``"auto"`` = the pool's dtype (fp32 for an int8 /
+#: fp8 pool), exact; the others round outward when narrower than the keys.
+BOX_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def box_dtype_for(box_dtype: str, pool_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The torch dtype of the boxes for the cache option ``box_dtype`` (a key of :data:`BOX_DTYPES`).
+
+    Raises ``ValueError`` naming the supported names for another value."""
+    if box_dtype not in BOX_DTYPES:
+        raise ValueError(f"box_dtype: expected one of {sorted(BOX_DTYPES)}, got {box_dtype!r}")
+    chosen = BOX_DTYPES[box_dtype]
+    if chosen is None:
+        return torch.float32 if quantized else pool_dtype
+    return chosen
 
 
 def is_quantized(x) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,8 +39,31 @@ def value_checks(enabled: bool):
         _VALUE_CHECKS = previous
 
 
-_Tensor = torch.Tensor
-_memo = threading.local()     # per thread and op: the last validated call (see recall / remember)
+#: the backends a ``backend=`` argument may name (DESIGN.md §4)
+BACKENDS = ("torch", "triton")
+
+_INTERPRET: bool | None = None
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1? Read once (the variable only counts when set before triton is imported); code that
+    sets it later, as the CLI does for ``--backend triton`` on a CPU, resets ``_INTERPRET`` to ``None``."""
+    global _INTERPRET
+    if _INTERPRET is None:
+        _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
+
+
+def resolve_backend(backend, device: torch.device) -> str:
+    """``"triton"`` for CUDA tensors or under ``TRITON_INTERPRET=1``, else ``"torch"``; validate a forced one."""
+    if backend is None:
+        return "triton" if device.type == "cuda" or _interpreting() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(f"backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before triton is "
+                         f"imported, got tensors on {device}")
+    return backend
 
 
 def value_checks_active() -> bool:
@@ -51,87 +75,8 @@ def value_checks_active() -> bool:
     return _VALUE_CHECKS
 
 
-class _Snapshot(NamedTuple):
-    """A CPU table's values at a validated call (see :func:`keep_tables`)."""
-    tensor: torch.Tensor        # the table itself (held: its id cannot be reused while the snapshot lives)
-    data_ptr: int
-    stride: tuple
-    shape: torch.Size
-    dtype: torch.dtype
-    view: object                # numpy view of its memory: re-reading it costs ~0.1 µs, torch.equal ~1.5 µs
-    data: bytes
-
-
-def same_tables(saved, tensors) -> bool:
-    """Whether ``tensors`` hold the same values as ``saved`` (snapshots kept by :func:`keep_tables`): CPU tables
-    only (comparing is well under a µs there; on a GPU it would be a host sync, so GPU tables never match)."""
-    if saved is None or len(saved) != len(tensors):
-        return False
-    for snap, t in zip(saved, tensors):    # a loop, not all(genexpr): this runs on every call of the ops
-        if t.shape != snap.shape or t.dtype != snap.dtype:
-            return False
-        if t is snap.tensor and t.data_ptr() == snap.data_ptr and t.stride() == snap.stride:
-            if snap.view.tobytes() != snap.data:          # written in place since (through any alias)
-                return False
-        else:                                              # another tensor: compare its values
-            view = _host_view(t)
-            if view is None or view.tobytes() != snap.data:
-                return False
-    return True
-
-
-def _host_view(t: torch.Tensor):
-    """A numpy view of a CPU tensor's values, or None (another device, or a dtype numpy cannot view)."""
-    if not t.is_cpu:
-        return None
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):     # e.g. bfloat16, requires_grad, conjugate views
-        return None
-
-
-def keep_tables(tensors) -> tuple | None:
-    """Snapshots of CPU tables to compare later calls with (:func:`same_tables`), or None for other devices."""
-    saved = []
-    for t in tensors:
-        view = _host_view(t)
-        if view is None:
-            return None
-        saved.append(_Snapshot(t, t.data_ptr(), t.stride(), t.shape, t.dtype, view, view.tobytes()))
-    return tuple(saved)
-
-
-def signature(*args) -> tuple:
-    """What an op's shape, dtype, device and option checks depend on: each tensor's shape, dtype and device, and
-    every other argument with its type (so ``True`` never stands for ``1``; a NaN never equals itself, so a
-    call with one is always checked)."""
-    return tuple([(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else (type(a), a) for a in args])
-
-
-def recall(op: str, sig: tuple, tables: tuple):
-    """What the last validated call of ``op`` on this thread returned, if it had this :func:`signature` and its
-    tables held these values; else ``None``.
-
-    An op called again and again on the same tables (a microbenchmark, one layer after another with the same
-    ``block_table``) is then checked once. The values are compared, not the tensors' identity or version
-    counters, so writes through ``.numpy()`` / ``torch.from_numpy`` buffers or ``.data`` are seen too. CPU tables
-    only: on a GPU a comparison would be a host sync, as the checks are, so they just run.
-    """
-    if torch.compiler.is_compiling():
-        return None
-    hit = getattr(_memo, op, None)
-    if hit is not None and hit[0] == sig and same_tables(hit[1], tables):
-        return hit[2]
-    return None
-
-
-def remember(op: str, sig: tuple, tables: tuple, result):
-    """Keep ``result`` of a call that passed every check (see :func:`recall`); returns ``result``. A call made
-    while the value checks were off (or traced) proves nothing about its tables and is not kept."""
-    saved = keep_tables(tables) if value_checks_active() else None
-    if saved is not None:
-        setattr(_memo, op, (sig, saved, result))
-    return result
+_Tensor = torch.Tensor
+_memo = threading.local()     # per thread: the box pairs check_boxes_filled passed (see there)
 
 
 def _dtype_name(dtype) -> str:
@@ -244,12 +189,12 @@ def check_table_values(block_table, seq_lens, page_size: int, num_pages: int | N
     return stats[3]
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
-                       v_scale=None) -> tuple[torch.Tensor, PagedShapes]:
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None, *,
+                       values: bool = True) -> tuple[torch.Tensor, PagedShapes]:
     """Validate the arguments shared by every attention op; return q as [B, Tq, Hq, D] and the sizes.
 
     The pools hold ``q``'s dtype, or int8 / float8_e4m3fn with ``k_scale`` and ``v_scale`` ``[num_pages, Hkv]``
-    fp32 (:mod:`tinyattn.ops.quant`)."""
+    fp32 (:mod:`tinyattn.ops.quant`). ``values``: also the table values (:func:`check_table_values`)."""
     q = check_query(q)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     B, Tq, Hq, D = q4.shape
@@ -259,7 +204,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
         expect_device(name, x, q.device, "q")
     check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), got {tuple(v_cache.shape)}")
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (that of k_cache), "
+                         f"got {tuple(v_cache.shape)}")
     num_pages, page_size, Hkv, Dk = k_cache.shape
     if D < 1:
         raise ValueError(f"q: expected head_dim D >= 1 in the last dim, got shape {tuple(q.shape)}")
@@ -270,7 +216,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale=None,
     if page_size < 1:
         raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
     check_tables(block_table, seq_lens, B, q.device)
-    check_table_values(block_table, seq_lens, page_size, num_pages)
+    if values:
+        check_table_values(block_table, seq_lens, page_size, num_pages)
     return q4, PagedShapes(B, Tq, Hq, Hkv, D, num_pages, page_size, block_table.shape[1])
 
 
@@ -341,7 +288,8 @@ def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim:
                             f"{', '.join(map(_dtype_name, others))} (narrower boxes rounded outward), "
                             f"got {_dtype_name(x.dtype)}")
         if x.dtype != k_min.dtype:
-            raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), got {_dtype_name(x.dtype)}")
+            raise TypeError(f"k_max: expected the dtype of k_min ({_dtype_name(k_min.dtype)}), "
+                            f"got {_dtype_name(x.dtype)}")
         expect_device(name, x, device, "q")
 
 
@@ -349,7 +297,7 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
     """With value checks on: every page in use (a valid page of a row, below ``seq_lens``) holds a bounding box
     that can be its keys': ``k_min <= k_max`` in every channel, no NaN, and the key in its slot 0 (always valid)
     inside the box. Boxes allocated with ``torch.empty`` (or NaN) and never filled by
-    :func:`tinyattn.update_page_metadata` fail here instead of selecting arbitrary pages (issue 28); zero-filled
+    :func:`tinyattn.update_page_metadata` fail here instead of selecting arbitrary pages; zero-filled
     ones fail the slot-0 test unless the keys are zero there too.
 
     Args: ``k_min``, ``k_max`` ``[num_pages, Hkv, D]``; ``k_cache`` ``[num_pages, page_size, Hkv, D]`` (int8 /
@@ -366,11 +314,13 @@ def check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, page_size: 
         ValueError naming ``k_min``/``k_max``, the physical page, KV head and channel, and saying to call
         ``update_page_metadata``.
     """
-    if not value_checks_active() or seq_lens.numel() == 0:
+    if not _VALUE_CHECKS or torch.compiler.is_compiling() or seq_lens.numel() == 0:   # value_checks_active()
         return
-    tensors = (k_min, k_max, k_cache, block_table, seq_lens)
     # inference tensors keep no version counter: those calls are always checked
-    seen = None if any(t.is_inference() for t in tensors) else tuple((t.data_ptr(), t._version) for t in tensors)
+    seen = None if (k_min.is_inference() or k_max.is_inference() or k_cache.is_inference() or
+                    block_table.is_inference() or seq_lens.is_inference()) else (
+        (k_min.data_ptr(), k_min._version), (k_max.data_ptr(), k_max._version), (k_cache.data_ptr(), k_cache._version),
+        (block_table.data_ptr(), block_table._version), (seq_lens.data_ptr(), seq_lens._version))
     passed = getattr(_memo, "boxes", None)
     if passed is None:
         passed = _memo.boxes = {}
@@ -522,10 +472,11 @@ def check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages
 
 
 def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
-                           num_sink_pages, num_recent_pages) -> dict:
+                           num_sink_pages, num_recent_pages, *, values: bool = True) -> dict:
     """The page arguments of ``sparse_paged_attention``: either ``page_indices``, or ``k_min``, ``k_max`` and
     ``page_budget`` together. Returns the selection rules ``{page_budget, num_sink_pages, num_recent_pages}``
-    (with ``page_indices``: its width and the rules the caller says it chose them under)."""
+    (with ``page_indices``: its width and the rules the caller says it chose them under). ``values``: also check
+    that the budget holds the pages of the ``Tq`` queries (a host sync)."""
     if page_indices is None:
         if k_min is None or k_max is None or page_budget is None:
             missing = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is None]
@@ -535,7 +486,8 @@ def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indic
                           box_dtype(q, k_cache), q.device)
         options = dict(zip(("page_budget", "num_sink_pages", "num_recent_pages"),
                            check_selection_options(page_budget, num_sink_pages, num_recent_pages)))
-        check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
+        if values:
+            check_query_pages_fit(seq_lens, shapes.num_query_tokens, shapes.page_size, options["page_budget"])
         return options
     given = [n for n, x in (("k_min", k_min), ("k_max", k_max), ("page_budget", page_budget)) if x is not None]
     if given:
@@ -583,3 +535,156 @@ def check_kernel_page_size(page_size: int) -> None:
     if page_size & (page_size - 1):
         raise ValueError(f"page_size: expected a power of two for the Triton backend (or backend='torch'), "
                          f"got {page_size}")
+
+
+def check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_scale, fill) -> None:
+    """Arguments of :func:`tinyattn.ops.api.write_kv`: shapes, dtypes and devices (no data-dependent check: no
+    host sync)."""
+    for name, x in (("k", k), ("v", v), ("slots", slots), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: expected the shape and dtype of k_cache {tuple(k_cache.shape)} {k_cache.dtype} "
+                         f"[num_pages, page_size, Hkv, D], got {tuple(v_cache.shape)} {v_cache.dtype}")
+    num_pages, _, Hkv, D = k_cache.shape
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slots: expected a 1-D int32/int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (slots.shape[0], Hkv, D):
+            raise ValueError(f"{name}: expected shape {(slots.shape[0], Hkv, D)} [N, Hkv, D], got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name}: expected a float tensor, got {x.dtype}")
+    if (k_min is None) != (k_max is None):
+        raise ValueError("k_min, k_max: expected both or neither")
+    if k_min is not None:
+        for name, x in (("k_min", k_min), ("k_max", k_max)):
+            if tuple(x.shape) != (num_pages, Hkv, D) or x.dtype != k_min.dtype:
+                raise ValueError(f"{name}: expected shape {(num_pages, Hkv, D)} of one dtype, got "
+                                 f"{tuple(x.shape)} {x.dtype}")
+    if k_cache.dtype in QUANTIZED_DTYPES:
+        for name, x, shape, dtype in (("k_scale", k_scale, (num_pages, Hkv), torch.float32),
+                                      ("v_scale", v_scale, (num_pages, Hkv), torch.float32),
+                                      ("fill", fill, (num_pages,), torch.int64)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
+                raise ValueError(f"{name}: expected a {dtype} tensor of shape {shape} for a {k_cache.dtype} pool, "
+                                 f"got {got}")
+    for name, x in (("k", k), ("v", v), ("slots", slots), ("v_cache", v_cache), ("k_min", k_min),
+                    ("k_max", k_max), ("k_scale", k_scale), ("v_scale", v_scale), ("fill", fill)):
+        if isinstance(x, torch.Tensor) and x.device != k_cache.device:
+            raise ValueError(f"{name}: expected a tensor on {k_cache.device} (k_cache's device), got {x.device}")
+
+
+class Call(NamedTuple):
+    """A checked call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
+    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:13]``); ``plan_args``: the keyword
+    arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step; ``num_pages``: the pool's pages
+    (the bound of the block-table ids, checked with the table values by :func:`check_step_values`)."""
+    backend: str
+    scale: float
+    window_left: int
+    step: tuple
+    plan_args: dict
+    num_pages: int
+
+
+_T = torch.Tensor
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX = (torch.int32, torch.int64)
+
+
+def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, window_left, page_budget=None,
+          num_sink_pages=0, num_recent_pages=1) -> Call:
+    """The :class:`Call` of checked arguments (``scale``, ``backend`` and ``window_left`` are checked here)."""
+    Tq = 1 if q.dim() == 3 else q.shape[1]
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    if scale is None:
+        scale = D ** -0.5
+    elif type(scale) is not float or scale != scale or abs(scale) == float("inf"):
+        scale = check_scale(scale, D)
+    if backend == "torch" or (backend is None and q.is_cpu and _INTERPRET is False):
+        backend = "torch"                      # the common CPU cases, without a call
+    else:
+        backend = resolve_backend(backend, q.device)
+    if type(window_left) is not int or window_left < -1:
+        window_left = check_window_left(window_left)
+    step = (q.device, B, max_pages, Hq, num_kv_heads, D, page_size, Tq, page_budget, num_sink_pages,
+            num_recent_pages, scale)
+    args = dict(num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size, num_query_tokens=Tq,
+                page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                scale=scale)
+    if backend == "triton":
+        check_kernel_page_size(page_size)
+    return Call(backend, scale, window_left, step, args, num_pages)
+
+
+def _plain_pools(q, k_cache, v_cache, block_table, seq_lens):
+    """The common case of :func:`check_paged_inputs`, tested inline (no call per argument): plain tensors, a float
+    pool of ``q``'s dtype, int tables, one device, matching sizes. ``False`` sends the call to the detailed
+    checks, which name what is wrong (or accept a less common case: quantized pools, subclasses)."""
+    return (type(q) is _T and type(k_cache) is _T and type(v_cache) is _T and type(block_table) is _T
+            and type(seq_lens) is _T and q.dim() in (3, 4) and q.dtype in _FLOATS and k_cache.dim() == 4
+            and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+            and block_table.dim() == 2 and seq_lens.dim() == 1 and block_table.dtype in _INDEX
+            and seq_lens.dtype in _INDEX and k_cache.device == q.device and v_cache.device == q.device
+            and block_table.device == q.device and seq_lens.device == q.device
+            and block_table.shape[0] == q.shape[0] == seq_lens.shape[0] and k_cache.shape[3] == q.shape[-1] >= 1
+            and k_cache.shape[1] >= 1 and k_cache.shape[2] >= 1 and q.shape[-2] % k_cache.shape[2] == 0)
+
+
+def check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, k_scale, v_scale,
+                    window_left) -> Call:
+    """The arguments of :func:`tinyattn.paged_attention` but the table values (:func:`check_step_values`, run when
+    a plan is made for new tables): shapes, dtypes, devices, KV format, scale, backend, window."""
+    if k_scale is None and v_scale is None and _plain_pools(q, k_cache, v_cache, block_table, seq_lens):
+        num_pages, page_size, Hkv, _ = k_cache.shape
+    else:
+        _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
+        num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
+    call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left)
+    if call.backend == "triton":
+        check_kv_backend(k_cache, call.backend)
+    return call
+
+
+def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
+                           num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left) -> Call:
+    """The arguments of :func:`tinyattn.sparse_paged_attention` but the table values: those of
+    :func:`check_attention`, the pages (listed, or boxes of the pool's shape and a budget that holds the forced
+    pages) and the window rule (no sink pages with a window and a selection by boxes). With ``page_indices`` the
+    plan has no budget: the list's width is the budget, and the forced-page counts only describe how the list was
+    chosen. The boxes' values are checked by :func:`check_boxes_filled`, the tables' by :func:`check_step_values`."""
+    if (page_indices is None and k_scale is None and v_scale is None and type(k_min) is _T
+            and type(k_max) is _T and type(page_budget) is int and type(num_sink_pages) is int
+            and type(num_recent_pages) is int and num_sink_pages >= 0 and num_recent_pages >= 0
+            and num_sink_pages + max(num_recent_pages, 1) <= page_budget
+            and (window_left == -1 or num_sink_pages == 0)
+            and _plain_pools(q, k_cache, v_cache, block_table, seq_lens) and k_min.dtype == k_max.dtype
+            and (k_min.dtype == k_cache.dtype or k_min.dtype in _FLOATS)
+            and k_min.shape == k_max.shape == (k_cache.shape[0], k_cache.shape[2], k_cache.shape[3])
+            and k_min.device == q.device and k_max.device == q.device):
+        num_pages, page_size, Hkv, _ = k_cache.shape
+        rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
+    else:
+        _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
+        rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
+                                       num_sink_pages, num_recent_pages, values=False)
+        if page_indices is None:
+            check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
+        else:
+            rules["page_budget"] = None
+        num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
+    call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left, **rules)
+    if call.backend == "triton":
+        check_kv_backend(k_cache, call.backend)
+    return call
+
+
+def check_step_values(block_table, seq_lens, call: Call) -> None:
+    """The data-dependent checks of an attention call (one host sync; skipped under :func:`value_checks`
+    ``(False)`` and while ``torch.compile`` traces): ``seq_lens`` within the table, the block-table ids of valid
+    pages within the pool, and a budget that holds the pages of the ``Tq`` queries."""
+    check_table_values(block_table, seq_lens, call.plan_args["page_size"], call.num_pages)
+    if call.plan_args["page_budget"] is not None:
+        check_query_pages_fit(seq_lens, call.plan_args["num_query_tokens"], call.plan_args["page_size"],
+                              call.plan_args["page_budget"])

@@ -387,7 +387,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                  for c in contexts for ps in page_sizes}
     n_samples = len(depths) * samples              # per (task, context)
     total = len(tasks) * n_samples * sum(1 + n for n in n_configs.values())
-    # shown also when stderr is no terminal (a log file, CI): one update per 30 s there (issue 28)
+    # shown also when stderr is no terminal (a log file, CI: a long run must show it is alive): one update per 30 s
     bar = tqdm(total=total, desc="retrieval", unit="sample-config", disable=not progress,
                mininterval=0.1 if sys.stderr.isatty() else 30)
     tallies: dict[tuple, _Tally] = {}

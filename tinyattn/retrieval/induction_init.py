@@ -142,7 +142,7 @@ def write_context_induction_circuit(model, *, nope_layer: int, tokenizer=None, o
 
     With no training, head 1 puts nearly all its attention on the asked needle's first digit and the first
     answer digit is right on 16 of 16 multikey prompts of 1024 tokens (the previous-token circuit: 0 of 16;
-    ``tests/test_retrieval.py``). Every other weight keeps its random initialisation.
+    ``tests/retrieval/test_retrieval.py``). Every other weight keeps its random initialisation.
     """
     from .tokenizer import CharTokenizer
 

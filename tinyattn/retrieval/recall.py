@@ -1,4 +1,4 @@
-"""Recall sequences for long-context fine-tuning: keys early, questions late (issue 14, item 3).
+"""Recall sequences for long-context fine-tuning: keys early, questions late.
 
 A sequence is BOS, TinyStories filler (:func:`tinyattn.retrieval.tasks.filler_text`) with ``num_keys`` needles
 ``The pass key of Tom is <48213>.`` (the ``multikey`` task's phrasing, :mod:`tinyattn.retrieval.tasks`) placed in

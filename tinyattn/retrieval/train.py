@@ -30,7 +30,7 @@ from tinyattn.models.config import LlamaConfig
 from .forward import full_forward
 from .induction_init import write_context_induction_circuit, write_induction_circuit
 from .recipe import MODEL_DEFAULTS, TrainConfig
-from .tasks import TASKS, Sample, filler_slice, make_sample, min_context_tokens
+from .tasks import Sample, filler_slice, make_sample, min_context_tokens
 from .tokenizer import CharTokenizer
 
 __all__ = ["TrainConfig", "default_model_config", "train", "answer_accuracy", "make_batch", "Batch", "COPY",

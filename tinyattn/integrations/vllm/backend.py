@@ -8,8 +8,8 @@ Per forward step:
 1. :meth:`TinyAttnMetadataBuilder.build` (once per step): groups the requests by query length and plans
    each group once (:func:`tinyattn.integrations.vllm.paging.plan_groups`): the decode rows as one decode
    step (Quest selection per request and KV head in sparse layers), each other query length as one dense,
-   causal (bottom-right) prefill group: through the paged op with ``Tq > 1`` when the rows have cached context,
-   causal SDPA over the step's own keys/values when they have none. This is the per-step plan of
+   causal (bottom-right) prefill group through the paged op with ``Tq > 1`` (rows with no cached context, a fresh
+   prefill, in a group of their own, whose plan attends with causal SDPA). This is the per-step plan of
    :class:`tinyattn.PagedAttentionPlan`. The step's tables are copied into buffers allocated once at
    capacity (:class:`~tinyattn.integrations.vllm.step_tables.StepTables`); every value read on the host is read
    here, once per step.
@@ -131,7 +131,7 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
         scales = {float(layer.impl.scale) for layer in layers.values()}
         self.scale = scales.pop() if len(scales) == 1 else self.head_dim ** -0.5   # layers pass their own
         self.backend = None if device.type == "cuda" else "torch"
-        self._attention: dict[int, PagedAttention] = {}
+        self._attention: dict[tuple[int, bool], PagedAttention] = {}   # per (Tq, fresh prefill)
         self._graph_attention: dict[int, PagedAttention] = {}      # decode plans per CUDA-graph batch size
         self.cuda_graphs = cuda_graphs_enabled()
         compilation = vllm_config.compilation_config
@@ -140,10 +140,11 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
         max_rows = max(vllm_config.scheduler_config.max_num_seqs, compilation.max_cudagraph_capture_size or 0)
         self.tables = StepTables(max_rows, max_pages, device=device)
 
-    def _make_attention(self, num_query_tokens: int) -> PagedAttention:
-        attn = self._attention.get(num_query_tokens)
+    def _make_attention(self, num_query_tokens: int, fresh: bool) -> PagedAttention:
+        attn = self._attention.get((num_query_tokens, fresh))
         if attn is None:
-            attn = self._attention[num_query_tokens] = PagedAttention(self.sparsity, backend=self.backend)
+            attn = PagedAttention(self.sparsity, backend=self.backend)
+            self._attention[(num_query_tokens, fresh)] = attn
         return attn
 
     def _graph_decode_rows(self, m: CommonAttentionMetadata) -> int | None:
@@ -164,7 +165,7 @@ class TinyAttnMetadataBuilder(AttentionMetadataBuilder[TinyAttnMetadata]):
             attn = self._graph_attention.get(decode_rows)
             if attn is None:
                 attn = self._graph_attention[decode_rows] = PagedAttention(self.sparsity, backend=self.backend)
-            make_attention = lambda tq: attn  # noqa: E731
+            make_attention = lambda tq, fresh: attn  # noqa: E731
         host_lens = m.seq_lens_cpu_upper_bound                 # exact for prefill rows, the ones it is read for
         groups = plan_groups(m.query_start_loc_cpu[: num_reqs + 1], m.block_table_tensor[:num_reqs],
                              m.seq_lens[:num_reqs], make_attention=make_attention,
@@ -252,5 +253,5 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
             return output
         _, k_cache, v_cache, boxes = self._pools(kv_cache)
         k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
-        return attend_groups(attn_metadata.groups, self._layer(layer), query, key, value, output, k_cache, v_cache,
+        return attend_groups(attn_metadata.groups, self._layer(layer), query, output, k_cache, v_cache,
                              k_min, k_max, self.scale, window_left=self.window_left)

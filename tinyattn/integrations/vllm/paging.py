@@ -26,9 +26,8 @@ other touched block's box grows with ``amin`` / ``amax``. It makes no host sync 
 
 :func:`plan_groups` splits a step's requests by query length (vLLM's mixed prefill/decode batches): all
 decode rows (1 query token) form one group planned as a decode step (sparse in sparse layers), every other
-query length one dense, causal group with ``Tq`` equal to that length (through the paged op when the rows have
-cached context: chunked prefill, prefix-cache hits; with causal SDPA over the step's own keys and values when
-they have none, a *fresh* prefill: the same keys, without the paged op's ``[Tq x seq_len]`` mask). A uniform
+query length one dense, causal group with ``Tq`` equal to that length, and a *fresh* prefill (rows with no cached
+context) a group of its own: its plan attends with causal SDPA rather than under a ``[Tq x seq_len]`` mask. A uniform
 single-token decode batch that vLLM padded for a CUDA graph (:func:`uniform_decode_rows`) is one decode group of
 all its rows, the padding rows (``seq_len`` 0, output 0) included, so that the plan covers what the graph replays.
 """
@@ -38,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from ...ops.kv_cache import torch_impl as kv_cache
 
 __all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "uniform_decode_rows", "plan_groups",
            "attend_groups"]
@@ -109,43 +109,40 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     if n == 0:
         return
     slots, key, value = slot_mapping[:n].to(torch.int64), key[:n], value[:n]
-    if key.dtype != k_cache.dtype:
-        key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     real = slots >= 0
     slots = slots.clamp_min(0)
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
-    rows = 2 * blocks * block_size + offsets                      # rows of the [-1, Hkv, D] pool views
+    rows = 2 * blocks * block_size + offsets                      # tinyattn slots: page 2b holds block b
     Hkv, D = k_cache.shape[-2], k_cache.shape[-1]
-    k_rows, v_rows = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-    # a real token ([1], on device; 0 when there is none): never a 0-dim index, which Python reads on the host
+    # a padding token rewrites the step's first real token (same row, same key and value), or, in a step of padding
+    # only, what its row already holds: no host sync to drop them, memory outside the real slots bit-identical.
+    # The first real token by index ([1], on device), never a 0-dim index, which Python reads on the host
     first = real.to(torch.int32).argmax().view(1)
     row, first_real = rows[first], real[first][:, None, None]
     mask = real[:, None, None]
-    key_w = torch.where(mask, key, torch.where(first_real, key[first], k_rows[row]))
-    value_w = torch.where(mask, value, torch.where(first_real, value[first], v_rows[row]))
+    key = torch.where(mask, key, torch.where(first_real, key[first], k_cache.view(-1, Hkv, D)[row].to(key.dtype)))
+    value = torch.where(mask, value,
+                        torch.where(first_real, value[first], v_cache.view(-1, Hkv, D)[row].to(value.dtype)))
     rows = torch.where(real, rows, row)
-    k_rows.index_copy_(0, rows, key_w)
-    v_rows.index_copy_(0, rows, value_w)
     if boxes is None:
+        kv_cache.write_kv(key, value, rows, k_cache, v_cache, None, None, None, None, None)
         return
-    spare = boxes.shape[0] - 2                                    # make_boxes' spare block: never read
-    box_rows = torch.where(real, 2 * blocks, spare)
-    # a block written from slot 0 is new (or reused): its box restarts empty before growing
-    started = torch.where(real & (offsets == 0), box_rows, spare)
-    boxes.index_fill_(0, started, float("inf"))
-    boxes.index_fill_(0, started + 1, float("-inf"))
-    key = key.to(boxes.dtype)
-    boxes.index_reduce_(0, box_rows, key, "amin")
-    boxes.index_reduce_(0, box_rows + 1, key, "amax")
+    # the boxes by vLLM block (row b of k_min / k_max: block b's; row num_blocks: the spare block padding tokens
+    # target, never read). vLLM reuses freed blocks without telling the backend; a block is filled from slot 0, so a
+    # block written from slot 0 is new (or reused): its box restarts empty before growing
+    k_min, k_max = boxes[0::2], boxes[1::2]
+    spare = k_min.shape[0] - 1
+    box_pages = torch.where(real, blocks, spare)
+    kv_cache.reset_boxes(k_min, k_max, torch.where(real & (offsets == 0), blocks, spare))
+    kv_cache.write_kv(key, value, rows, k_cache, v_cache, k_min, k_max, None, None, None, box_pages)
 
 
 @dataclass
 class Group:
     """Rows of one step with the same query length ``Tq``: ``tokens`` is a ``slice`` of the step's tokens when
     they are contiguous (decodes first, as vLLM orders them), else an index tensor; ``attn`` is the planned
-    :class:`tinyattn.layer.PagedAttention`, or ``None`` for a *fresh* prefill group (rows with no cached
-    context: ``seq_len == Tq``), which attends causally over the step's own keys and values."""
+    :class:`tinyattn.layer.PagedAttention`."""
 
     num_query_tokens: int
     num_rows: int
@@ -179,12 +176,13 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
 
     Decode rows (``Tq == 1``) form one group planned as a decode step. Prefill rows with cached context
     (chunked prefill, prefix-cache hits) form one dense group per query length through the paged op with
-    ``Tq > 1``; prefill rows without cached context (``seq_len == Tq``) one *fresh* group per length, no plan.
+    ``Tq > 1``; prefill rows without cached context (``seq_len == Tq``) one *fresh* group per length (its plan
+    attends with causal SDPA).
 
     Args:
         query_start_loc_cpu: ``[R + 1]`` host tensor, row ``r``'s tokens are ``[q[r], q[r+1])``.
         block_table: ``[R, max_blocks]`` vLLM block ids (device); seq_lens: ``[R]`` tokens incl. the queries.
-        make_attention: ``Tq -> PagedAttention`` (the builder keeps one per length to reuse its buffers).
+        make_attention: ``(Tq, fresh) -> PagedAttention`` (the builder keeps one per key to reuse its buffers).
         seq_lens_cpu: ``seq_lens`` on the host, exact for prefill rows (default: ``seq_lens``, copied).
         tables: a :class:`tinyattn.integrations.vllm.step_tables.StepTables`: the translated tables are copied
             into its persistent buffers and the plans made on views of them (default: new tensors).
@@ -198,7 +196,7 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
     if decode_rows is not None:
         if decode_rows != block_table.shape[0]:
             raise ValueError(f"decode_rows: expected the step's {block_table.shape[0]} rows, got {decode_rows}")
-        attn = make_attention(1)
+        attn = make_attention(1, False)
         attn.begin(all_bt, all_sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=1, decode=True, scale=scale, trusted=True,
                    max_batch=decode_rows, max_pages_per_seq=all_bt.shape[1])    # graph mode: fixed storage
@@ -222,56 +220,31 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
             tok = (torch.tensor([starts[r] for r in rows], dtype=torch.int64)[:, None] + torch.arange(tq)).reshape(-1)
             tokens = tok.to(device)
             idx = torch.tensor(rows, dtype=torch.int64, device=device)
-        if fresh:
-            groups.append(Group(tq, len(rows), tokens, None))
-            continue
         bt, sl = all_bt[idx], all_sl[idx]
-        attn = make_attention(tq)
+        attn = make_attention(tq, fresh)
         attn.begin(bt, sl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, num_query_tokens=tq, decode=tq == 1, scale=scale, trusted=True)
         groups.append(Group(tq, len(rows), tokens, attn))
     return groups
 
 
-def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  output: torch.Tensor, k_cache, v_cache, k_min, k_max, scale: float,
-                  window_left: int = -1) -> torch.Tensor:
+def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, output: torch.Tensor, k_cache, v_cache, k_min,
+                  k_max, scale: float, window_left: int = -1) -> torch.Tensor:
     """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
 
-    ``key`` / ``value`` ``[num_tokens, Hkv, D]``: the step's own (already written to the cache); fresh prefill
-    groups attend over them with causal SDPA (the same keys the paged op would gather, without the paged
-    op's ``[Tq x seq_len]`` mask). ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``.
-    ``window_left``: the layer's sliding window (a query at position ``p`` sees keys ``[p - window_left, p]``;
-    ``-1`` = none). A sliding layer attends densely over its window in every group and never selects, so it
-    reads no page wholly before the window: vLLM's sliding-window KV manager frees those blocks and reuses them
-    while the step's block table still lists them (stale ids).
+    The step's keys and values are already written to the cache; a fresh prefill group's plan attends over them
+    with causal SDPA (:class:`tinyattn.ops.plan_torch.TorchPlan`'s prefill route; the Triton kernel on a GPU).
+    ``k_min`` / ``k_max``: :func:`box_views` of the layer's boxes, or ``None``. ``window_left``: the layer's
+    sliding window (a query at position ``p`` sees keys ``[p - window_left, p]``; ``-1`` = none). A sliding layer
+    attends densely over its window in every group and never selects, so it reads no page wholly before the
+    window: vLLM's sliding-window KV manager frees those blocks and reuses them while the step's block table still
+    lists them (stale ids).
     """
     Hq, D = query.shape[-2], query.shape[-1]
     for g in groups:
         tq = g.num_query_tokens
         q = query[g.tokens]
-        if g.attn is None:
-            out = _causal_sdpa(q.view(g.num_rows, tq, Hq, D), key[g.tokens].view(g.num_rows, tq, -1, D),
-                               value[g.tokens].view(g.num_rows, tq, -1, D), scale, window_left)
-        else:
-            q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
-            out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale, window_left=window_left)
+        q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
+        out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale, window_left=window_left)
         output[g.tokens] = out.reshape(-1, Hq, D)
     return output
-
-
-def _causal_sdpa(q, k, v, scale, window_left: int = -1):
-    """``[R, T, Hq, D]`` causal attention over ``[R, T, Hkv, D]`` keys/values (GQA by repeating K/V heads), fp32 math
-    for half dtypes as the ops do; with ``window_left >= 0`` query ``i`` sees keys ``i - window_left <= j <= i``."""
-    Hq, Hkv = q.shape[2], k.shape[2]
-    dt = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    q, k, v = (x.transpose(1, 2).to(dt) for x in (q, k, v))                         # [R, H, T, D]
-    if Hq != Hkv:
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    if window_left < 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        i = torch.arange(q.shape[2], device=q.device)
-        visible = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window_left)     # [T, T]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    return out.transpose(1, 2)

@@ -1,0 +1,105 @@
+"""Loop references of scoring and selection: the Quest bound of every page, the pages a query's window hides, and
+the page selection (forced recent / sink pages, then the best bounds; NaN as ``-inf``; ties to the lower page).
+
+Simple loops per (row, KV head, page), written for clarity, not speed: the oracle of
+:mod:`tinyattn.ops.selection.torch_impl` and of the Triton kernels (``kernels/scoring.py``, ``kernels/topk.py``,
+``kernels/chunk_topk.py``). They share no code with those beyond argument validation. ``q`` of dtype float64 is
+scored in float64, everything else in float32.
+
+Method: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024,
+§3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2): ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i])``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validation as V
+
+__all__ = ["page_scores", "select_pages", "mask_pages_before_window"]
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
+    """Upper bound ub(q, j) = sum_i max(q_i k_min_i, q_i k_max_i), max over the GQA group and Tq queries.
+
+    Returns fp32 ``[B, Hkv, max_pages_per_seq]``, ``-inf`` for pages past each row's end.
+    """
+    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
+    B, Tq, Hq, D = q4.shape
+    Hkv = k_min.shape[1]
+    G = Hq // Hkv
+    dt = _math_dtype(q)
+    scores = torch.full((B, Hkv, block_table.shape[1]), float("-inf"), dtype=torch.float32)
+    for b in range(B):
+        for j in range(_cdiv(int(seq_lens[b]), page_size)):
+            phys = int(block_table[b, j])
+            for h in range(Hkv):
+                qg = q4[b, :, h * G:(h + 1) * G].to(dt).cpu().reshape(-1, D)            # [Tq*G, D]
+                lo, hi = k_min[phys, h].to(dt).cpu(), k_max[phys, h].to(dt).cpu()      # [D]
+                ub = torch.maximum(qg * lo, qg * hi).sum(-1)                          # [Tq*G]
+                scores[b, h, j] = ub.max().float()
+    return scores.to(q.device)
+
+
+def _forced_pages(n: int, first_query_page: int, num_sink_pages: int, num_recent_pages: int) -> list[int]:
+    """Pages kept before any score is read, in priority order: recent (newest first), then sinks."""
+    recent = max(num_recent_pages, 1, n - first_query_page)
+    order = list(range(n - 1, max(n - recent, 0) - 1, -1))
+    order += [j for j in range(min(num_sink_pages, n)) if j not in order]
+    return order
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
+                 num_query_tokens=1, backend=None):
+    """Top-``page_budget`` logical pages per (row, KV head): forced recent and sink pages, then best scores.
+
+    Returns int32 ``[B, Hkv, page_budget]``, ascending, ``-1`` padded. NaN scores count as ``-inf``; ties
+    (``-inf`` vs ``-inf`` and NaN vs ``-inf`` included) go to the lower page index.
+    """
+    opts = V.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
+                                 num_query_tokens)
+    page_size, page_budget, num_query_tokens = opts["page_size"], opts["page_budget"], opts["num_query_tokens"]
+    num_sink_pages, num_recent_pages = opts["num_sink_pages"], opts["num_recent_pages"]
+    B, Hkv, _ = scores.shape
+    out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32)
+    for b in range(B):
+        n_tokens = int(seq_lens[b])
+        n = _cdiv(n_tokens, page_size)
+        first_query_page = max(n_tokens - num_query_tokens, 0) // page_size
+        for h in range(Hkv):
+            if n <= page_budget:
+                keep = list(range(n))
+            else:
+                keep = _forced_pages(n, first_query_page, num_sink_pages, num_recent_pages)[:page_budget]
+                row = scores[b, h, :n].float().cpu()
+                row = torch.where(torch.isnan(row), float("-inf"), row)    # NaN counts as -inf (a tie with it)
+                ranked = sorted(range(n), key=lambda j: (-row[j].item(), j))
+                keep += [j for j in ranked if j not in keep][: page_budget - len(keep)]
+            keep = sorted(keep)
+            out[b, h, : len(keep)] = torch.tensor(keep, dtype=torch.int32)
+    return out.to(scores.device)
+
+
+
+def mask_pages_before_window(scores, seq_lens, *, page_size: int, num_query_tokens: int, window_left: int):
+    """``scores`` ``[B, Hkv, P]`` with ``-inf`` (in place) for every page wholly before the window of the row's
+    earliest query: its last key ``(j + 1) * page_size - 1`` precedes ``seq_len - Tq - window_left``. No-op for
+    ``window_left = -1``."""
+    if window_left < 0:
+        return scores
+    from ..attention.reference import window_start      # the window rule's reference (a query's first key)
+
+    for b in range(scores.shape[0]):
+        first_key = window_start(int(seq_lens[b]) - num_query_tokens, window_left)    # the earliest query's
+        for j in range(scores.shape[2]):
+            if (j + 1) * page_size - 1 < first_key:
+                scores[b, :, j] = float("-inf")
+    return scores

@@ -1,0 +1,126 @@
+"""The Triton form of scoring and selection: launchers of ``kernels/scoring.py`` (the Quest bound),
+``kernels/topk.py`` (one-stage selection, one program per (row, KV head)) and ``kernels/chunk_topk.py`` (the
+two-stage selection: fused bound + per-chunk top-k, then a merge).
+
+Launchers take canonical, validated tensors (int32 tables, preallocated outputs) and make one launch each, with
+keyword arguments; the block sizes come from the kernel modules' ``*_blocks`` functions (shared with the compile
+tier, :mod:`tinyattn.kernels.compile`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...kernels.chunk_topk import merge_chunks_kernel, score_chunk_topk_kernel
+from ...kernels.scoring import page_scores_kernel, score_blocks
+from ...kernels.topk import select_pages_kernel, topk_blocks
+
+__all__ = ["page_scores", "select_pages", "score_chunks", "merge_chunks", "score_and_select_pages"]
+
+
+def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, *, page_size: int, out: torch.Tensor) -> None:
+    """Write ``ub`` of every logical page into ``out`` ``[B, Hkv, max_pages]`` fp32.
+
+    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32;
+    seq_lens ``[B]`` int32. Pages ``j >= cdiv(seq_len, page_size)`` get ``-inf``.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k_min.shape[1]
+    max_pages = block_table.shape[1]
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or max_pages == 0:
+        return
+    meta = score_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size, max_pages)
+    grid = (batch, num_kv_heads, triton.cdiv(max_pages, meta["BP"]))
+    page_scores_kernel[grid](
+        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, out=out,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
+        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
+        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        stride_bt=block_table.stride(0),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_oj=out.stride(2),
+        MAXP=max_pages, TQ=num_queries, D=head_dim, **meta,
+    )
+
+
+def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, page_budget: int,
+                 num_sink_pages: int, num_recent_pages: int, num_query_tokens: int, out: torch.Tensor) -> None:
+    """Write the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``.
+
+    scores ``[B, Hkv, max_pages]`` fp32; seq_lens ``[B]`` int32 (including the ``num_query_tokens``).
+    """
+    batch, num_kv_heads, max_pages = scores.shape
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
+        return
+    meta = topk_blocks(max_pages, page_budget, page_size)
+    select_pages_kernel[(batch, num_kv_heads)](
+        scores=scores, seq_lens=seq_lens, out=out,
+        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
+        TQ=num_query_tokens, **meta,
+    )
+
+
+def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
+                 num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
+                 window_left: int = -1) -> None:
+    """Stage 1: each chunk's candidates (order keys, logical pages, ascending, -1 padded) into the workspace.
+
+    q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
+    ``[B]`` int32 (including the Tq queries). ``meta`` from :func:`chunk_blocks`; ``ws_key`` / ``ws_page``
+    ``workspace_shape(...)`` int32 with unit last stride (preallocated by the plan, overwritten).
+    ``window_left`` >= 0: pages wholly before the earliest query's window score ``-inf``.
+    """
+    batch, num_queries, _, head_dim = q.shape
+    num_kv_heads, max_pages = k_min.shape[1], block_table.shape[1]
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    assert ws_key.stride(-1) == 1 and ws_page.stride() == ws_key.stride()
+    assert ws_key.shape[-1] >= meta["NC"] * meta["KC"]
+    if batch == 0 or num_kv_heads == 0 or max_pages == 0 or page_budget == 0:
+        return
+    score_chunk_topk_kernel[(batch, num_kv_heads, meta["NC"])](
+        q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, ws_key=ws_key, ws_page=ws_page,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
+        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
+        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        stride_bt=block_table.stride(0), stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
+        MAXP=max_pages, TQ=num_queries, D=head_dim, BUDGET=page_budget, NUM_SINK=num_sink_pages,
+        NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], **meta["stage1"],
+    )
+
+
+def merge_chunks(ws_key: torch.Tensor, ws_page: torch.Tensor, seq_lens: torch.Tensor, *, max_pages: int,
+                 page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
+                 num_query_tokens: int, meta: dict, out: torch.Tensor) -> None:
+    """Stage 2: the selected logical pages ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) into ``out``."""
+    batch, num_kv_heads = out.shape[:2]
+    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
+        return
+    if max_pages == 0:              # stage 1 had no chunk to write: every slot is padding
+        out.fill_(-1)
+        return
+    merge_chunks_kernel[(batch, num_kv_heads)](
+        ws_key=ws_key, ws_page=ws_page, seq_lens=seq_lens, out=out,
+        stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        NCAND=meta["NC"] * meta["KC"], MAXP=max_pages, TQ=num_query_tokens, BUDGET=page_budget,
+        NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages, **meta["stage2"],
+    )
+
+
+def score_and_select_pages(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
+                           num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
+                           out: torch.Tensor, window_left: int = -1) -> None:
+    """``select_pages(page_scores(q, ...))`` into ``out`` ``[B, Hkv, page_budget]`` int32, in two launches
+    (:func:`score_chunks`, then :func:`merge_chunks`); arguments as theirs."""
+    opts = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                num_recent_pages=num_recent_pages, meta=meta)
+    score_chunks(q, k_min, k_max, block_table, seq_lens, ws_key=ws_key, ws_page=ws_page, window_left=window_left,
+                 **opts)
+    merge_chunks(ws_key, ws_page, seq_lens, max_pages=block_table.shape[1], num_query_tokens=q.shape[1], out=out,
+                 **opts)
