@@ -347,7 +347,7 @@ def max_logits(p: Problem, q: torch.Tensor | None = None):
     fp32 rounding error of a bound."""
     q = p.q if q is None else q
     B, Tq, Hq, D = q.shape
-    Hkv, S = p.num_kv_heads, p.page_size
+    Hkv, page_size = p.num_kv_heads, p.page_size
     G = Hq // Hkv
     best = torch.full((B, Hkv, p.block_table.shape[1]), -math.inf, dtype=torch.float64)
     mag = torch.zeros_like(best)
@@ -355,7 +355,7 @@ def max_logits(p: Problem, q: torch.Tensor | None = None):
         keys, _ = contiguous_kv(p, b)
         qg = q[b].double().reshape(Tq, Hkv, G, D)
         for j in range(p.num_valid_pages(b)):
-            page = keys[j * S:(j + 1) * S]                                           # [s, Hkv, D]
+            page = keys[j * page_size:(j + 1) * page_size]                                           # [s, Hkv, D]
             best[b, :, j] = torch.einsum("thgd,shd->hstg", qg, page).reshape(Hkv, -1).amax(1)
             mag[b, :, j] = torch.einsum("thgd,shd->hstg", qg.abs(), page.abs()).reshape(Hkv, -1).amax(1)
     return best, mag

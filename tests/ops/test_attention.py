@@ -97,20 +97,20 @@ def random_selection(p, budget: int, seed: int) -> torch.Tensor:
 def lowp_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale):
     """Attention done by PyTorch in the input dtype (logits, softmax and P @ V rounded): torch's own error."""
     B, Tq, Hq, D = q.shape
-    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     out = torch.zeros_like(q)
     for b in range(B):
         n_tok = int(seq_lens[b])
         for h in range(Hkv):
             if page_indices is None:
-                pages = range(n_pages(n_tok, S))
+                pages = range(n_pages(n_tok, page_size))
             else:
-                pages = [int(j) for j in page_indices[b, h] if 0 <= int(j) < n_pages(n_tok, S)]
+                pages = [int(j) for j in page_indices[b, h] if 0 <= int(j) < n_pages(n_tok, page_size)]
             if not pages:
                 continue
             phys = block_table[b, list(pages)].long()
-            pos = (torch.tensor(list(pages))[:, None] * S + torch.arange(S)).reshape(-1)
+            pos = (torch.tensor(list(pages))[:, None] * page_size + torch.arange(page_size)).reshape(-1)
             keep = pos < n_tok
             k = k_cache[phys, :, h].reshape(-1, D)[keep]
             v = v_cache[phys, :, h].reshape(-1, D)[keep]
@@ -207,10 +207,10 @@ def test_selecting_every_page_equals_dense(examples):
     @given(laid_out_problems(dtypes=("fp32", "fp16")), st.integers(0, 3))
     def check(case, extra):
         p, _ = case
-        B, Hkv, S = p.q.shape[0], p.num_kv_heads, p.page_size
+        B, Hkv, page_size = p.q.shape[0], p.num_kv_heads, p.page_size
         idx = torch.full((B, Hkv, p.block_table.shape[1] + extra), -1, dtype=torch.int32)
         for b in range(B):
-            n = n_pages(p.seq_lens[b], S)
+            n = n_pages(p.seq_lens[b], page_size)
             idx[b, :, :n] = torch.arange(n, dtype=torch.int32)
         scale = p.q.shape[-1] ** -0.5
         dense = run_attention(p, p.q, p.k_cache, p.v_cache, None, scale, num_splits=1)
@@ -228,8 +228,8 @@ def test_permuting_physical_pages_leaves_output_unchanged(examples):
     def check(case, sparse, seed):
         p, _ = case
         g = torch.Generator().manual_seed(seed)
-        P = p.k_cache.shape[0]
-        perm = torch.randperm(P, generator=g)  # page i moves to perm[i]
+        num_pages = p.k_cache.shape[0]
+        perm = torch.randperm(num_pages, generator=g)  # page i moves to perm[i]
         k2, v2 = torch.empty_like(p.k_cache), torch.empty_like(p.v_cache)
         k2[perm], v2[perm] = p.k_cache, p.v_cache
         bt2 = p.block_table.clone()
@@ -303,9 +303,9 @@ def test_pages_past_2_pow_31_elements():
     """64-bit offsets (CASES.md 3): the same pages at ids whose element offset exceeds 2**31 give the same answer."""
     p = make_problem(3, batch=2, seq_lens=[37, 20], page_size=8, num_kv_heads=2, group=2, head_dim=64,
                      num_query_tokens=2, dtype=torch.float16, poison=0.0)
-    P = p.k_cache.shape[0]
-    k_big, v_big, num_pages = big_pool(8, 2, 64, torch.float16, P)
-    base = num_pages - P  # every used id * page stride > 2**31
+    small_pool_pages = p.k_cache.shape[0]
+    k_big, v_big, num_pages = big_pool(8, 2, 64, torch.float16, small_pool_pages)
+    base = num_pages - small_pool_pages  # every used id * page stride > 2**31
     assert base * k_big.stride(0) > 2**31
     k_big[base:], v_big[base:] = p.k_cache, p.v_cache
     bt_big = p.block_table.clone()
@@ -319,10 +319,10 @@ def test_pages_past_2_pow_31_elements():
         attention_triton.paged_attention(p.q, k_big, v_big, bt_big, p.seq_lens, page_indices=idx, scale=scale, out=out, lse=lse)
         assert torch.equal(small[0], out) and torch.equal(small[1], lse)
     # metadata and scores read the same pool (and bounds with a page stride just as large)
-    lo, hi, _ = big_pool(8, 2, 64, torch.float16, P)
+    lo, hi, _ = big_pool(8, 2, 64, torch.float16, small_pool_pages)
     k_min, k_max = lo[:, 0], hi[:, 0]  # [num_pages, Hkv, D], page stride 2 * page_size * Hkv * D
     kv_cache_triton.update_page_metadata(k_big, bt_big, p.seq_lens, k_min, k_max)
-    ref_min, ref_max = torch.zeros(P, 2, 64, dtype=torch.float16), torch.zeros(P, 2, 64, dtype=torch.float16)
+    ref_min, ref_max = torch.zeros(small_pool_pages, 2, 64, dtype=torch.float16), torch.zeros(small_pool_pages, 2, 64, dtype=torch.float16)
     kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, ref_min, ref_max)
     used = bt_big[0, :5].long()
     assert torch.equal(k_min[used], ref_min[used - base]) and torch.equal(k_max[used], ref_max[used - base])
@@ -936,11 +936,11 @@ def test_window_covering_the_context_is_full_attention(backend):
 def test_windowed_decode_matches_a_plain_masked_softmax():
     """An independent formula: one contiguous sequence, softmax over the last ``window_left + 1`` keys."""
     torch.manual_seed(0)
-    n, S, D, W = 23, 4, 8, 6
+    n, page_size, D, W = 23, 4, 8, 6
     keys, values, q = torch.randn(n, D), torch.randn(n, D), torch.randn(D)
-    pages = -(-n // S)
-    k_cache = torch.zeros(pages, S, 1, D)
-    v_cache = torch.zeros(pages, S, 1, D)
+    pages = -(-n // page_size)
+    k_cache = torch.zeros(pages, page_size, 1, D)
+    v_cache = torch.zeros(pages, page_size, 1, D)
     k_cache.view(-1, D)[:n], v_cache.view(-1, D)[:n] = keys, values
     table = torch.arange(pages, dtype=torch.int32)[None]
     out = tinyattn.paged_attention(q.view(1, 1, D), k_cache, v_cache, table, torch.tensor([n], dtype=torch.int32),

@@ -55,15 +55,15 @@ def reference_grads(p, op, page_indices=None, seed=0):
 
 def read_slots(p, page_indices=None):
     """bool ``[num_pages, page_size, Hkv]``: the pool slots the forward reads (listed pages, valid slots)."""
-    S, Hkv = p.page_size, p.num_kv_heads
+    page_size, Hkv = p.page_size, p.num_kv_heads
     read = torch.zeros(p.k_cache.shape[:3], dtype=torch.bool)
     for b, n in enumerate(p.seq_lens.tolist()):
-        n_pages = -(-n // S)
+        n_pages = -(-n // page_size)
         for h in range(Hkv):
             pages = range(n_pages) if page_indices is None else [j for j in page_indices[b, h].tolist()
                                                                if 0 <= j < n_pages]
             for j in pages:
-                read[int(p.block_table[b, j]), : min(S, n - j * S), h] = True
+                read[int(p.block_table[b, j]), : min(page_size, n - j * page_size), h] = True
     return read
 
 
@@ -449,8 +449,8 @@ def test_triton_backward_keeps_its_own_selection():
     """Triton: the selection buffer is rewritten by the next call's kernel (no version bump), so a backward after
     another sparse call must still use its own pages: dq equals the reference's."""
     torch.manual_seed(1)
-    S, N = 4, 12
-    k, v = torch.randn(N, S, 1, 8), torch.randn(N, S, 1, 8)
+    page_size, N = 4, 12
+    k, v = torch.randn(N, page_size, 1, 8), torch.randn(N, page_size, 1, 8)
     bt = torch.arange(N, dtype=torch.int32).view(2, 6)
     sl = torch.tensor([23, 18], dtype=torch.int32)
     kmin, kmax = torch.zeros(N, 1, 8), torch.zeros(N, 1, 8)
@@ -490,8 +490,8 @@ def grads(fn, p, dtype, w, page_indices=None, backend=None):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_backward_with_a_window_matches_reference_autograd(backend, sparse):
     """dq, dk, dv against float64 autograd through the reference loops; pages before the window get exact zeros."""
-    S, W = 4, 5
-    p = make_problem(6, batch=2, seq_lens=[22, 9], page_size=S, num_kv_heads=2, group=2, head_dim=8,
+    page_size, W = 4, 5
+    p = make_problem(6, batch=2, seq_lens=[22, 9], page_size=page_size, num_kv_heads=2, group=2, head_dim=8,
                      num_query_tokens=3, poison=1e30)
     idx = None
     if sparse:
@@ -502,7 +502,7 @@ def test_backward_with_a_window_matches_reference_autograd(backend, sparse):
         assert not torch.isnan(a).any(), name
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
     for b, n in enumerate(p.seq_lens.tolist()):                     # pages wholly before the window: no gradient
-        for j in range((n - 3 - W) // S):
+        for j in range((n - 3 - W) // page_size):
             page = int(p.block_table[b, j])
             assert (got[1][page] == 0).all() and (got[2][page] == 0).all()
 

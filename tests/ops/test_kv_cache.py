@@ -259,22 +259,22 @@ def test_worst_case_page_tiny_first_token_then_huge(fmt, one_call):
     the error of every token stays within one step of the final scale (two roundings), and the box is exact for
     the stored keys."""
     torch.manual_seed(0)
-    S, Hkv, D = 8, 2, 16
-    c = PagedKVCache(2, Hkv, D, page_size=S, num_pages=4, kv_cache_dtype=fmt)
+    page_size, Hkv, D = 8, 2, 16
+    c = PagedKVCache(2, Hkv, D, page_size=page_size, num_pages=4, kv_cache_dtype=fmt)
     seq = c.add_sequence()
-    k = torch.randn(S + 3, Hkv, D)
+    k = torch.randn(page_size + 3, Hkv, D)
     k[0] *= 1e-4
     k[5] *= 1e4
     v = -2 * k
     if one_call:
-        c.write(1, c.extend([seq], S + 3), k, v)
+        c.write(1, c.extend([seq], page_size + 3), k, v)
     else:
-        for t in range(S + 3):
+        for t in range(page_size + 3):
             c.write(1, c.extend([seq], 1), k[t:t + 1], v[t:t + 1])
     page0 = c.pages(seq)[0]
     for x, pool, scales in ((k, c.k_cache[1], c.k_scale[1]), (v, c.v_cache[1], c.v_scale[1])):
         scale = scales[page0]                                                           # [Hkv]
-        exact = x[:S].abs().amax(dim=(0, 2)) / QMAX[fmt]
+        exact = x[:page_size].abs().amax(dim=(0, 2)) / QMAX[fmt]
         if fmt == "int8" or one_call:
             torch.testing.assert_close(scale, exact)
         else:                          # fp8 grows by powers of two from the first token's scale
@@ -282,7 +282,7 @@ def test_worst_case_page_tiny_first_token_then_huge(fmt, one_call):
             ratio = torch.log2(scale / (x[0].abs().amax(-1) / QMAX[fmt]))
             torch.testing.assert_close(ratio, ratio.round(), atol=1e-5, rtol=0)
         got = pool[page0].float() * scale[None, :, None]                               # [S, Hkv, D]
-        err = (got - x[:S]).abs()
+        err = (got - x[:page_size]).abs()
         assert torch.isfinite(got).all()
         rel = 1 / 127 if fmt == "int8" else 2 ** -3                                     # grid spacing / qmax
         step = scale[None, :, None] * (1.0 if fmt == "int8" else 448 * rel)
@@ -291,9 +291,9 @@ def test_worst_case_page_tiny_first_token_then_huge(fmt, one_call):
             assert (err[5] <= 0.5 * scale[:, None] * (1 + 1e-5)).all()
         else:                                            # e4m3: half a spacing (3 mantissa bits), subnormals
             assert (err[5] <= x[5].abs() * 2 ** -4 + scale[:, None] * 2 ** -9 + 1e-6).all()
-    keys = torch.cat([c.k_cache[1][p].float() * c.k_scale[1][p][None, :, None] for p in c.pages(seq)])[:S + 3]
+    keys = torch.cat([c.k_cache[1][p].float() * c.k_scale[1][p][None, :, None] for p in c.pages(seq)])[:page_size + 3]
     for j, p in enumerate(c.pages(seq)):
-        page_keys = keys[j * S:(j + 1) * S]
+        page_keys = keys[j * page_size:(j + 1) * page_size]
         assert torch.equal(c.k_min[1][p], page_keys.amin(0))
         assert torch.equal(c.k_max[1][p], page_keys.amax(0))
 
@@ -380,12 +380,12 @@ def test_refit_page_after_a_cut(fmt, box, valid):
     values do not move. Other pages, and slots past ``valid``, keep their codes; the box is the (outward-rounded)
     box of the kept keys, recomputed."""
     gen = torch.Generator().manual_seed(valid)
-    Hkv, D, S = 2, 16, 8
-    state = poisoned_pools(gen, fmt, box, 3, S, Hkv, D)
+    Hkv, D, page_size = 2, 16, 8
+    state = poisoned_pools(gen, fmt, box, 3, page_size, Hkv, D)
     take_page(state, 1)
-    x = torch.randn(S, Hkv, D, generator=gen)
+    x = torch.randn(page_size, Hkv, D, generator=gen)
     x[valid:] *= 100.0
-    reference.write_kv(x, -x, torch.arange(S, 2 * S), **state)               # page 1, full
+    reference.write_kv(x, -x, torch.arange(page_size, 2 * page_size), **state)               # page 1, full
     before = {k: v.clone() for k, v in state.items() if v is not None}
     kept = [state[pool][1, :valid].float() * state[scale][1][None, :, None]
             for pool, scale in (("k_cache", "k_scale"), ("v_cache", "v_scale"))]

@@ -227,8 +227,8 @@ def test_boxes_bound_every_dequantized_logit(fmt, chunks, seed):
     """Written in chunks of growing magnitude: boxes equal the dequantized keys' min/max, so the Quest bound is
     an upper bound of every q.k attention reads, and attention equals dequantize-then-reference."""
     g = torch.Generator().manual_seed(seed)
-    S, Hkv, D = 4, 2, 8
-    c = PagedKVCache(1, Hkv, D, page_size=S, num_pages=20, kv_cache_dtype=fmt)
+    page_size, Hkv, D = 4, 2, 8
+    c = PagedKVCache(1, Hkv, D, page_size=page_size, num_pages=20, kv_cache_dtype=fmt)
     seq = c.add_sequence()
     for i, n in enumerate(chunks):
         scale = float(10 ** (i % 4 - 2))
@@ -237,9 +237,9 @@ def test_boxes_bound_every_dequantized_logit(fmt, chunks, seed):
     keys = _dequantized_keys(c, seq)
     q = torch.randn(1, 2 * Hkv, D, generator=g)
     bt, sl = c.block_table([seq]), c.seq_lens([seq])
-    ub = reference.page_scores(q, c.k_min[0], c.k_max[0], bt, sl, page_size=S)        # [1, Hkv, P]
+    ub = reference.page_scores(q, c.k_min[0], c.k_max[0], bt, sl, page_size=page_size)        # [1, Hkv, P]
     for j, p in enumerate(c.pages(seq)):
-        page_keys = keys[j * S:(j + 1) * S]
+        page_keys = keys[j * page_size:(j + 1) * page_size]
         assert torch.equal(c.k_min[0][p], page_keys.amin(0)) and torch.equal(c.k_max[0][p], page_keys.amax(0))
         logits = torch.einsum("hgd,thd->hgt", q[0].view(Hkv, 2, D), page_keys)       # [Hkv, G, t]
         bound = ub[0, :, j]
@@ -257,8 +257,8 @@ def test_boxes_bound_every_dequantized_logit(fmt, chunks, seed):
 def test_page_operations_keep_scales(fmt):
     """fork, truncate, resize and a reused page keep the scales and exact boxes of a quantized cache."""
     torch.manual_seed(1)
-    S = 4
-    c = PagedKVCache(1, 1, 8, page_size=S, num_pages=8, kv_cache_dtype=fmt)
+    page_size = 4
+    c = PagedKVCache(1, 1, 8, page_size=page_size, num_pages=8, kv_cache_dtype=fmt)
     a = c.add_sequence()
     c.write(0, c.extend([a], 10), torch.randn(10, 1, 8) * 5, torch.randn(10, 1, 8))
     b = c.fork(a, 6)                                   # ends inside page 1: its box refit from 2 keys

@@ -32,19 +32,19 @@ from paged_problems import SLOW_TRITON, make_problem, relocate
 BACKENDS = ["torch", "triton"]
 
 
-def _problem(seed, B, Hq, Hkv, D, S, lens, Tq=1, dtype=torch.float32):
+def _problem(seed, B, Hq, Hkv, D, page_size, lens, Tq=1, dtype=torch.float32):
     """A pool with pages scattered by randperm, NaN in every slot no row owns, boxes from the reference."""
     g = torch.Generator().manual_seed(seed)
-    P = max(1, max(math.ceil(n / S) for n in lens) + 1)                # one spare table column per row
-    N = B * P + 3
+    max_pages_per_seq = max(1, max(math.ceil(n / page_size) for n in lens) + 1)                # one spare table column per row
+    N = B * max_pages_per_seq + 3
     perm = torch.randperm(N, generator=g)
-    table = perm[: B * P].view(B, P).to(torch.int32)
-    k = torch.full((N, S, Hkv, D), float("nan"), dtype=dtype)
-    v = torch.full((N, S, Hkv, D), float("nan"), dtype=dtype)
+    table = perm[: B * max_pages_per_seq].view(B, max_pages_per_seq).to(torch.int32)
+    k = torch.full((N, page_size, Hkv, D), float("nan"), dtype=dtype)
+    v = torch.full((N, page_size, Hkv, D), float("nan"), dtype=dtype)
     for b, n in enumerate(lens):
         for pos in range(n):
-            k[table[b, pos // S], pos % S] = torch.randn(Hkv, D, generator=g).to(dtype)
-            v[table[b, pos // S], pos % S] = torch.randn(Hkv, D, generator=g).to(dtype)
+            k[table[b, pos // page_size], pos % page_size] = torch.randn(Hkv, D, generator=g).to(dtype)
+            v[table[b, pos // page_size], pos % page_size] = torch.randn(Hkv, D, generator=g).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     k_min = torch.zeros(N, Hkv, D, dtype=dtype)
     k_max = torch.zeros(N, Hkv, D, dtype=dtype)
@@ -60,16 +60,16 @@ shapes = st.tuples(st.integers(1, 3), st.sampled_from([(2, 1), (4, 2), (6, 2), (
 @settings(deadline=None, max_examples=25)
 @given(shapes=shapes, data=st.data(), seed=st.integers(0, 2**16))
 def test_plan_run_matches_reference_torch(shapes, data, seed):
-    B, (Hq, Hkv), D, S = shapes
+    B, (Hq, Hkv), D, page_size = shapes
     Tq = data.draw(st.sampled_from([1, 1, 3]))
-    lens = [data.draw(st.integers(Tq, 6 * S)) for _ in range(B)]
+    lens = [data.draw(st.integers(Tq, 6 * page_size)) for _ in range(B)]
     budget = data.draw(st.integers(2, 6))
     sinks = data.draw(st.integers(0, 1))
-    q, k, v, table, sl, k_min, k_max = _problem(seed, B, Hq, Hkv, D, S, lens, Tq)
-    need = max(math.ceil(n / S) - (n - Tq) // S for n in lens)        # pages holding the queries
+    q, k, v, table, sl, k_min, k_max = _problem(seed, B, Hq, Hkv, D, page_size, lens, Tq)
+    need = max(math.ceil(n / page_size) - (n - Tq) // page_size for n in lens)        # pages holding the queries
     budget = max(budget, need + sinks)
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                                                    page_size=S, num_query_tokens=Tq, page_budget=budget,
+                                                    page_size=page_size, num_query_tokens=Tq, page_budget=budget,
                                                     num_sink_pages=sinks)
     qq = q[:, 0] if Tq == 1 else q
     dense_ref, dense_lse = reference.paged_attention(qq, k, v, table, sl, return_lse=True)
@@ -85,31 +85,31 @@ def test_plan_run_matches_reference_torch(shapes, data, seed):
 
 
 @settings(deadline=None, max_examples=30)
-@given(P=st.integers(1, 20), budget=st.integers(1, 8), sinks=st.integers(0, 2), recent=st.integers(0, 2),
+@given(num_valid_pages=st.integers(1, 20), budget=st.integers(1, 8), sinks=st.integers(0, 2), recent=st.integers(0, 2),
        seed=st.integers(0, 2**16), n_ties=st.integers(0, 3))
-def test_fused_selection_is_select_pages(P, budget, sinks, recent, seed, n_ties):
+def test_fused_selection_is_select_pages(num_valid_pages, budget, sinks, recent, seed, n_ties):
     """The plan's selection (the stable sort of the PyTorch path) keeps exactly the
     pages of the reference select_pages (ties to the lower page, NaN as -inf, forced recent and sink pages)."""
-    S, Hkv, D = 4, 2, 4
+    page_size, Hkv, D = 4, 2, 4
     if sinks + max(recent, 1) > budget:
         return
     g = torch.Generator().manual_seed(seed)
-    n = P * S - int(torch.randint(0, S, (1,), generator=g))
-    q, k, v, table, sl, k_min, k_max = _problem(seed, 1, 2, Hkv, D, S, [n])
+    n = num_valid_pages * page_size - int(torch.randint(0, page_size, (1,), generator=g))
+    q, k, v, table, sl, k_min, k_max = _problem(seed, 1, 2, Hkv, D, page_size, [n])
     # ties: copy some pages' boxes onto others, and one NaN box
     for _ in range(n_ties):
-        a, b = torch.randint(0, P, (2,), generator=g).tolist()
+        a, b = torch.randint(0, num_valid_pages, (2,), generator=g).tolist()
         k_min[table[0, a]], k_max[table[0, a]] = k_min[table[0, b]], k_max[table[0, b]]
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=2, num_kv_heads=Hkv, head_dim=D,
-                                                    page_size=S, page_budget=budget, num_sink_pages=sinks,
+                                                    page_size=page_size, page_budget=budget, num_sink_pages=sinks,
                                                     num_recent_pages=recent)
     if not plan.selects:
         return
     q0 = q[:, 0]
     plan.run(q0, k, v, k_min=k_min, k_max=k_max)
-    got = selection_torch.canonical_page_indices(plan._impl.select(q0[:, None], k_min, k_max), sl, S)
-    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=S)
-    want = reference.select_pages(scores, sl, page_size=S, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
+    got = selection_torch.canonical_page_indices(plan._impl.select(q0[:, None], k_min, k_max), sl, page_size)
+    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=page_size)
+    want = reference.select_pages(scores, sl, page_size=page_size, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(got.to(torch.int32), want)
 
 
@@ -216,23 +216,23 @@ def test_plan_rejects_bad_tables():
 def test_long_rows_select_like_select_pages(seed, budget, sinks, n_ties, B):
     """Rows of more than 64 pages take the packed-key top-k: the same pages as select_pages (ties to the lower
     page, a NaN bound as -inf), and the same output as the reference, with a row shorter than the other."""
-    S, Hkv, D = 2, 2, 4
+    page_size, Hkv, D = 2, 2, 4
     g = torch.Generator().manual_seed(seed)
     lens = [int(torch.randint(130, 180, (1,), generator=g)), 41][:B]
-    q, k, v, table, sl, k_min, k_max = _problem(seed, B, 4, Hkv, D, S, lens)
+    q, k, v, table, sl, k_min, k_max = _problem(seed, B, 4, Hkv, D, page_size, lens)
     for _ in range(n_ties):                        # equal boxes -> equal bounds
         a, b = torch.randint(0, 60, (2,), generator=g).tolist()
         k_min[table[0, a]], k_max[table[0, a]] = k_min[table[0, b]], k_max[table[0, b]]
     k_max[table[0, 3]] = float("nan")              # a NaN bound counts as -inf
     plan = PagedAttentionPlan(backend="torch").plan(table, sl, num_q_heads=4, num_kv_heads=Hkv, head_dim=D,
-                                                    page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
+                                                    page_size=page_size, page_budget=budget + sinks, num_sink_pages=sinks)
     q0 = q[:, 0]
     out = plan.run(q0, k, v, k_min=k_min, k_max=k_max)
     got = torch.sort(plan._impl.select(q0[:, None], k_min, k_max), dim=-1).values.to(torch.int32)
     assert "packed" in plan._impl._keys                    # the long-row form ran
-    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=S)
-    want = reference.select_pages(scores, sl, page_size=S, page_budget=budget + sinks, num_sink_pages=sinks)
-    n = (sl.long() + S - 1) // S
+    scores = reference.page_scores(q0, k_min, k_max, table, sl, page_size=page_size)
+    want = reference.select_pages(scores, sl, page_size=page_size, page_budget=budget + sinks, num_sink_pages=sinks)
+    n = (sl.long() + page_size - 1) // page_size
     got = torch.where(got < n[:, None, None], got, -1)                 # a short row pads with invalid pages
     got = torch.sort(torch.where(got < 0, 10**6, got), dim=-1).values
     assert torch.equal(torch.where(got == 10**6, -1, got), want)
@@ -257,15 +257,15 @@ def test_run_ignores_duplicate_pages_and_checks_q():
 def test_nan_bound_ties_with_a_real_minus_inf(pages):
     """NaN counts as -inf, ties to the lower page: a NaN page before a -inf page is kept first, on both selection
     forms, exactly as select_pages (a real -inf once became -FLT_MAX through nan_to_num and outranked NaN)."""
-    S = 2
-    q, k, v, table, sl, _, _ = _problem(9, 1, 2, 1, 4, S, [pages * S])
-    keys = selection_torch.selection_keys(sl, pages, page_size=S, page_budget=3, num_sink_pages=0, num_recent_pages=1,
+    page_size = 2
+    q, k, v, table, sl, _, _ = _problem(9, 1, 2, 1, 4, page_size, [pages * page_size])
+    keys = selection_torch.selection_keys(sl, pages, page_size=page_size, page_budget=3, num_sink_pages=0, num_recent_pages=1,
                             num_query_tokens=1)
     scores = torch.full((1, 1, pages), float("-inf"))           # every bound -inf ...
     scores[0, 0, 0] = float("nan")                               # ... but page 0's, NaN: ties with -inf, kept first
     scores[0, 0, 7] = float("inf")
     got = torch.sort(selection_torch.top_pages(scores, keys), dim=-1).values.to(torch.int32)
-    want = reference.select_pages(scores, sl, page_size=S, page_budget=3)
+    want = reference.select_pages(scores, sl, page_size=page_size, page_budget=3)
     assert torch.equal(got, want)
 
 
@@ -457,26 +457,26 @@ def test_graph_mode_steps_allocate_nothing_and_never_sync(monkeypatch):
     steps with new tables (other lengths, other pages) within the capacity allocate no tensor and read no value
     on the host, the buffers keep their storage (a captured CUDA graph stays valid), and every step equals the
     reference."""
-    cap_b, cap_p, S, budget = 2, 24, 4, 3
+    cap_b, cap_p, page_size, budget = 2, 24, 4, 3
     plans = tinyattn.PagedAttentionPlan(backend="triton")
     g = torch.Generator().manual_seed(0)
     num_pages = 64
-    k = torch.randn(num_pages, S, 2, 16, generator=g)
-    v = torch.randn(num_pages, S, 2, 16, generator=g)
+    k = torch.randn(num_pages, page_size, 2, 16, generator=g)
+    v = torch.randn(num_pages, page_size, 2, 16, generator=g)
     k_min, k_max = torch.empty(num_pages, 2, 16), torch.empty(num_pages, 2, 16)
     every = torch.arange(num_pages, dtype=torch.int32)[None].expand(1, -1).contiguous()
-    reference.update_page_metadata(k, every, torch.tensor([num_pages * S]), k_min, k_max)
+    reference.update_page_metadata(k, every, torch.tensor([num_pages * page_size]), k_min, k_max)
     out = torch.empty(cap_b, 4, 16)
     ptrs = None
     for step in range(4):
         lens = torch.randint(9, 60, (cap_b,), generator=g, dtype=torch.int32)
-        width = int(lens.max()) // S + 1 + step % 2                         # the table's width changes too
+        width = int(lens.max()) // page_size + 1 + step % 2                         # the table's width changes too
         table = torch.randperm(num_pages, generator=g, dtype=torch.int32)[: cap_b * width].view(cap_b, width)
         q = torch.randn(cap_b, 4, 16, generator=g)
         seen = []
         if step > 0:
             watch_host_calls(monkeypatch, seen)
-        plans.plan(table, lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=S, page_budget=budget,
+        plans.plan(table, lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=page_size, page_budget=budget,
                    trusted=True, max_batch=cap_b, max_pages_per_seq=cap_p)
         got = plans.run(q, k, v, k_min=k_min, k_max=k_max, out=out)
         monkeypatch.undo()

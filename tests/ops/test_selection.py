@@ -58,22 +58,22 @@ def selection_problems(draw, integer=True):
                      num_kv_heads=Hkv, group=G, head_dim=D, num_query_tokens=Tq,
                      spare_columns=draw(st.integers(0, 2)))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    P = p.k_cache.shape[0]
+    num_pages = p.k_cache.shape[0]
     if integer:
         # small integers: every bound is exact in fp32, many pages tie
         q = torch.randint(-2, 3, p.q.shape, generator=g).float()
-        lo = torch.randint(-2, 2, (P, Hkv, D), generator=g).float()
-        k_min, k_max = lo, lo + torch.randint(0, 2, (P, Hkv, D), generator=g).float()
+        lo = torch.randint(-2, 2, (num_pages, Hkv, D), generator=g).float()
+        k_min, k_max = lo, lo + torch.randint(0, 2, (num_pages, Hkv, D), generator=g).float()
     else:
         q = p.q
         k_min, k_max = p.bounds()
     # boxes of pages no row owns are poison (rows must never read them through ids past their end)
-    owned = torch.zeros(P, dtype=torch.bool)
+    owned = torch.zeros(num_pages, dtype=torch.bool)
     for b, n in enumerate(lens):
         owned[p.block_table[b, :-(-n // page_size)].long()] = True
     k_min[~owned], k_max[~owned] = math.inf, math.nan
     if draw(st.booleans()):  # a NaN box: the page scores NaN, which counts as -inf
-        j = int(torch.randint(0, P, (1,), generator=g))
+        j = int(torch.randint(0, num_pages, (1,), generator=g))
         k_min[j, 0, 0] = math.nan
     dtype = draw(st.sampled_from([torch.float32, torch.float16]))
     opts = dict(page_size=page_size, page_budget=draw(st.sampled_from([1, 2, 3, 5, 17, 20, max_pages + 2])),
@@ -141,8 +141,8 @@ def test_two_stage_equals_one_stage(examples):
 def test_all_ties_radix_and_short_rows():
     """Every page scores the same (the lowest pages win), a row of 0 tokens, a short row kept whole."""
     p = make_problem(0, batch=3, seq_lens=[40, 0, 7], page_size=1, num_kv_heads=2, group=2, head_dim=8)
-    P = p.k_cache.shape[0]
-    k_min, k_max = torch.zeros(P, 2, 8), torch.ones(P, 2, 8)
+    num_pages = p.k_cache.shape[0]
+    k_min, k_max = torch.zeros(num_pages, 2, 8), torch.ones(num_pages, 2, 8)
     opts = dict(page_size=1, page_budget=20, num_sink_pages=2, num_recent_pages=3)
     ref = reference.select_pages(reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=1),
                                  p.seq_lens, **opts)
@@ -240,15 +240,15 @@ def test_padding_never_outranks_a_real_minus_inf_score(backend):
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_selection_properties(backend, data):
-    B, Hkv, P = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    B, Hkv, max_pages_per_seq = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
     page_size = data.draw(st.sampled_from([1, 4, 16]))
-    lens = torch.tensor([data.draw(st.integers(0, P * page_size)) for _ in range(B)], dtype=torch.int32)
-    raw = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, float("-inf"), 3.5]), min_size=B * Hkv * P,
-                             max_size=B * Hkv * P))
-    scores = torch.tensor(raw).reshape(B, Hkv, P)
+    lens = torch.tensor([data.draw(st.integers(0, max_pages_per_seq * page_size)) for _ in range(B)], dtype=torch.int32)
+    raw = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, float("-inf"), 3.5]), min_size=B * Hkv * max_pages_per_seq,
+                             max_size=B * Hkv * max_pages_per_seq))
+    scores = torch.tensor(raw).reshape(B, Hkv, max_pages_per_seq)
     sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
     forced = sinks + max(recent, 1)                                  # a smaller budget raises (issue 15)
-    opts = dict(page_size=page_size, page_budget=data.draw(st.integers(forced, max(forced, P + 2))),
+    opts = dict(page_size=page_size, page_budget=data.draw(st.integers(forced, max(forced, max_pages_per_seq + 2))),
                 num_sink_pages=sinks, num_recent_pages=recent)
     got = tinyattn.select_pages(scores, lens, **opts, backend=backend)
     assert torch.equal(got, reference.select_pages(scores, lens, **opts))
@@ -267,15 +267,15 @@ def test_selection_properties(backend, data):
 @given(data=st.data())
 def test_large_budgets_with_ties_match_reference(backend, data):
     """Budgets above the kernel's radix-select threshold (16 pages), with ties, -inf and NaN scores."""
-    B, Hkv, P = 2, 2, data.draw(st.integers(20, 140))
-    lens = torch.tensor([data.draw(st.integers(0, 4 * P)) for _ in range(B)], dtype=torch.int32)
+    B, Hkv, max_pages_per_seq = 2, 2, data.draw(st.integers(20, 140))
+    lens = torch.tensor([data.draw(st.integers(0, 4 * max_pages_per_seq)) for _ in range(B)], dtype=torch.int32)
     pool = torch.tensor([0.0, 1.0, 2.0, -1.0, float("-inf"), float("nan"), 3.5, -0.0, 1e30])
-    choice = torch.tensor(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=B * Hkv * P,
-                                             max_size=B * Hkv * P)))
-    scores = torch.where(torch.rand(B, Hkv, P, generator=torch.Generator().manual_seed(P)) < 0.5,
-                         pool[choice].reshape(B, Hkv, P), torch.randn(B, Hkv, P))
+    choice = torch.tensor(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=B * Hkv * max_pages_per_seq,
+                                             max_size=B * Hkv * max_pages_per_seq)))
+    scores = torch.where(torch.rand(B, Hkv, max_pages_per_seq, generator=torch.Generator().manual_seed(max_pages_per_seq)) < 0.5,
+                         pool[choice].reshape(B, Hkv, max_pages_per_seq), torch.randn(B, Hkv, max_pages_per_seq))
     sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 20))
-    opts = dict(page_size=4, page_budget=data.draw(st.integers(max(17, sinks + max(recent, 1)), P + 3)),
+    opts = dict(page_size=4, page_budget=data.draw(st.integers(max(17, sinks + max(recent, 1)), max_pages_per_seq + 3)),
                 num_sink_pages=sinks, num_recent_pages=recent)
     got = tinyattn.select_pages(scores, lens, **opts, backend=backend)
     assert torch.equal(got, reference.select_pages(scores, lens, **opts))
@@ -292,20 +292,20 @@ def test_page_scores_match_reference_and_bound_every_key(examples):
     @given(laid_out_problems(dtypes=("fp32", "fp16", "bf16")))
     def check(case):
         p, layout = case
-        P, S, Hkv, D = p.k_cache.shape
+        num_pages, page_size, Hkv, D = p.k_cache.shape
         q = relayout(p.q, layout)
-        k_min, k_max = torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype), torch.zeros(P, Hkv, D, dtype=p.k_cache.dtype)
+        k_min, k_max = torch.zeros(num_pages, Hkv, D, dtype=p.k_cache.dtype), torch.zeros(num_pages, Hkv, D, dtype=p.k_cache.dtype)
         kv_cache_triton.update_page_metadata(p.k_cache, p.block_table, p.seq_lens, k_min, k_max)
         scores = torch.full((p.q.shape[0], Hkv, p.block_table.shape[1]), math.nan)
-        selection_triton.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=S, out=scores)
-        ref = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=S)
+        selection_triton.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=page_size, out=scores)
+        ref = reference.page_scores(p.q, k_min, k_max, p.block_table, p.seq_lens, page_size=page_size)
         torch.testing.assert_close(scores, ref, atol=1e-4, rtol=1e-5)
         # the bound: score >= q.k for every valid key of the page, every query token and head of the group
         G, Tq = p.q.shape[2] // Hkv, p.q.shape[1]
         for b in range(p.q.shape[0]):
             n_tok = int(p.seq_lens[b])
-            for j in range(num_valid_pages(n_tok, S)):
-                keys = p.k_cache[p.block_table[b, j].long(), : min(S, n_tok - j * S)].double()  # [s, Hkv, D]
+            for j in range(num_valid_pages(n_tok, page_size)):
+                keys = p.k_cache[p.block_table[b, j].long(), : min(page_size, n_tok - j * page_size)].double()  # [s, Hkv, D]
                 qg = p.q[b].double().view(Tq, Hkv, G, D)
                 logits = torch.einsum("thgd,shd->hstg", qg, keys).reshape(Hkv, -1).amax(1)  # [Hkv]
                 assert (scores[b, :, j].double() >= logits - 1e-4 * (1 + logits.abs())).all()
@@ -373,14 +373,14 @@ def test_selection_with_nan_inf_and_ties_matches_brute_force(impl, data):
     """Small budgets (the kernel's argmax loop) and budgets above 16 pages (its radix select)."""
     B, Hkv = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
     radix = data.draw(st.booleans())
-    P = data.draw(st.integers(18, 40) if radix else st.integers(1, 10))
+    max_pages_per_seq = data.draw(st.integers(18, 40) if radix else st.integers(1, 10))
     page_size = 4
-    lens = torch.tensor([data.draw(st.integers(0, P * page_size)) for _ in range(B)], dtype=torch.int32)
+    lens = torch.tensor([data.draw(st.integers(0, max_pages_per_seq * page_size)) for _ in range(B)], dtype=torch.int32)
     pool = st.sampled_from([NAN, NEG_INF, -1.0, 0.0, -0.0, 2.0, math.inf])
-    scores = torch.tensor(data.draw(st.lists(pool, min_size=B * Hkv * P, max_size=B * Hkv * P))).view(B, Hkv, P)
+    scores = torch.tensor(data.draw(st.lists(pool, min_size=B * Hkv * max_pages_per_seq, max_size=B * Hkv * max_pages_per_seq))).view(B, Hkv, max_pages_per_seq)
     sinks, recent = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
     low = sinks + max(recent, 1)
-    budget = data.draw(st.integers(max(low, 17), max(low, 17) + 6) if radix else st.integers(low, low + P))
+    budget = data.draw(st.integers(max(low, 17), max(low, 17) + 6) if radix else st.integers(low, low + max_pages_per_seq))
     opts = dict(page_size=page_size, page_budget=budget, num_sink_pages=sinks, num_recent_pages=recent)
     assert torch.equal(SELECTORS[impl](scores, lens, **opts), brute_force_select(scores, lens, **opts))
 
@@ -391,15 +391,15 @@ def test_selection_with_nan_inf_and_ties_matches_brute_force(impl, data):
 def test_pages_wholly_before_the_window_are_never_read(backend, num_query_tokens):
     """NaN in every page before the earliest query's window: the output is still the reference's. A walk or gather
     that read those pages would turn ``0 * NaN`` into NaN, so this proves that they are skipped."""
-    S, W = 4, 5
+    page_size, W = 4, 5
     lens = [30, 21]
-    p = make_problem(4, batch=2, seq_lens=lens, page_size=S, num_kv_heads=2, group=2, head_dim=8,
+    p = make_problem(4, batch=2, seq_lens=lens, page_size=page_size, num_kv_heads=2, group=2, head_dim=8,
                      num_query_tokens=num_query_tokens)
     ref = reference.paged_attention(*p.args, window_left=W)
     k, v = p.k_cache.clone(), p.v_cache.clone()
     for b, n in enumerate(lens):
         first_key = n - num_query_tokens - W
-        for j in range(first_key // S):                                      # wholly before every window
+        for j in range(first_key // page_size):                                      # wholly before every window
             k[int(p.block_table[b, j])] = float("nan")
             v[int(p.block_table[b, j])] = float("nan")
     out = tinyattn.paged_attention(p.q, k, v, p.block_table, p.seq_lens, window_left=W, backend=backend)
@@ -414,13 +414,13 @@ def _max_logit(p, magnitude: bool = False):
     """fp64 ``max_t q.k_t`` per (row, KV head, logical page), over the group's heads and the page's valid keys
     (and, with ``magnitude``, ``max_t |q|.|k_t|``: the scale of the fp32 rounding error of a score)."""
     B, Tq, Hq, D = p.q.shape
-    Hkv, S = p.num_kv_heads, p.page_size
+    Hkv, page_size = p.num_kv_heads, p.page_size
     out = torch.full((B, Hkv, p.block_table.shape[1]), -INF, dtype=torch.float64)
     mag = torch.zeros_like(out)
     for b in range(B):
         n = int(p.seq_lens[b])
-        for j in range(-(-n // S)):
-            keys = p.k_cache[int(p.block_table[b, j]), : min(S, n - j * S)].double()    # [t, Hkv, D]
+        for j in range(-(-n // page_size)):
+            keys = p.k_cache[int(p.block_table[b, j]), : min(page_size, n - j * page_size)].double()    # [t, Hkv, D]
             for h in range(Hkv):
                 qg = p.q[b, :, h * (Hq // Hkv):(h + 1) * (Hq // Hkv)].double().reshape(-1, D)
                 out[b, h, j] = (qg @ keys[:, h].T).max()
