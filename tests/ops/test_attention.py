@@ -158,7 +158,7 @@ def check_attention(p, out, lse, page_indices, scale, q, k, v):
 # ----------------------------------------------------------------------------------------------------------------
 # attention
 # ----------------------------------------------------------------------------------------------------------------
-@tiers(4, 20)
+@tiers(2, 20)
 def test_dense_attention_matches_reference(examples):
     @settings(max_examples=examples, deadline=None)
     @given(laid_out_problems(), st.sampled_from([None, 1, 2, 3, 7]), st.booleans())
