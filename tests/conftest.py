@@ -18,10 +18,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-# the shared helpers live in plain modules (tests/ is on sys.path: pyproject's ``pythonpath``); these names stay
-# importable from conftest for the test files not yet moved into their folders
-from paths import CKPT, KNOWN_GOOD, REPO, SAMPLE, TOKENIZER, VALID  # noqa: E402,F401
-from commands import run_subprocess  # noqa: E402,F401
+# the shared helpers live in plain modules (tests/ is on sys.path: pyproject's ``pythonpath``): a test module imports
+# them from there (with --import-mode=importlib it cannot import conftest or another test module)
+from paths import REPO  # noqa: E402
 
 
 # No test writes outside its tmp_path: what the package and its libraries would cache under $HOME or /tmp (SmolLM2's
