@@ -110,7 +110,6 @@ def test_bad_sizes_raise(kwargs, match):
         PagedKVCache(1, 1, 4, **kwargs)
 
 
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
 def test_a_cuda_cache_without_cuda_is_a_clear_value_error():
     with pytest.raises(ValueError, match=r"device: .*'cuda'.*no CUDA device.*device='cpu'"):

@@ -39,30 +39,6 @@ from paged_problems import (BACKENDS, SLOW_TRITON, empty_batch, interleave_kv, l
     problems, relayout, relocate, tiers, windows)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 ATOL_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -156,7 +132,7 @@ def check_attention(p, out, lse, page_indices, scale, q, k, v):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# attention
+# the Triton kernels against the reference (drawn problems), split-K, 64-bit offsets
 # ----------------------------------------------------------------------------------------------------------------
 @tiers(2, 20)
 def test_dense_attention_matches_reference(examples):
@@ -330,11 +306,6 @@ def test_pages_past_2_pow_31_elements():
     selection_triton.page_scores(p.q, k_min, k_max, bt_big, p.seq_lens, page_size=8, out=s_big)
     selection_triton.page_scores(p.q, ref_min, ref_max, p.block_table, p.seq_lens, page_size=8, out=s_small)
     assert torch.equal(s_big, s_small)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# metadata, scores, selection
-# ----------------------------------------------------------------------------------------------------------------
 
 
 # ---- the public ops against the reference: CASES.md kinds 1-7 (ragged tails, poisoned slots, empty rows, very negative

@@ -32,7 +32,6 @@ from paged_problems import (BACKENDS, QMAX, WRITE_BOXES, WRITE_FORMATS, make_pro
     take_page, tiers, write_steps)
 
 
-
 NARROW = [torch.bfloat16, torch.float16]
 INF = float("inf")
 

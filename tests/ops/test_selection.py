@@ -37,9 +37,6 @@ from paged_problems import (BACKENDS, SLOW_TRITON, brute_force_select, laid_out_
     relayout, tiers)
 
 
-
-
-
 CHUNKS = (1, 2, 4, 8, 64)
 
 
