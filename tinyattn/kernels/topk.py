@@ -197,7 +197,7 @@ def top_p_filter_kernel(
         b_e = tl.where(b_x == float("-inf"), 0.0, tl.exp((b_x - b_top) * SCALE))
         b_total += tl.sum(b_e, axis=0)
         b_forced += tl.sum(tl.where((o_j < s_end) | (o_j >= r_start), b_e, 0.0), axis=0)
-    b_inv = tl.where(b_total > 0, 1.0 / b_total, 0.0)
+    b_inv = tl.where(b_total > 0, 1.0 / tl.maximum(b_total, 1e-30), 0.0)  # b_total >= 1 unless all -inf
 
     p_c = sel + i_b * stride_cb + i_h * stride_ch
     o_k = tl.arange(0, BK)  # [BK] slots of the capacity
