@@ -14,6 +14,10 @@ Output: ascending page ids, ``-1`` padded. Grid ``(B, Hkv)``; one program holds 
 a ``[BP]`` tile of order-preserving int32 keys and picks the top pages with ``tl.argmax`` in a loop
 for small budgets (argmax breaks ties to the lowest index), or by a 32-pass radix select of the
 threshold key for budgets above ``RADIX_MIN_BUDGET``, then compacts with a cumsum.
+
+``top_p_filter_kernel`` prunes such a selection (or the two-stage one) to the fewest best pages whose estimated
+attention mass ``softmax(scale · score)``, with the forced pages', reaches ``top_p`` (Twilight, Lin et al., arXiv
+2502.02770), into a second buffer; fixed shapes, no sort.
 """
 import triton
 import triton.language as tl
