@@ -8,7 +8,9 @@ then its implementation runs (:class:`tinyattn.ops.plan_torch.TorchPlan`, :class
 While ``torch.compile`` traces, the same plan steps run inside custom ops (:mod:`tinyattn.ops.custom_ops`).
 
 Method: Quest (Tang et al., ICML 2024) and TinyServe (Liu & Yu, arXiv 2509.12211). The page bound
-is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``.
+is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``; its
+``gamma`` form is the box estimate ``q·c + gamma·|q|·r``; ``top_p`` is Twilight's adaptive budget (Lin et al., arXiv
+2502.02770).
 """
 
 from __future__ import annotations
@@ -162,6 +164,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             overlaps the window, so the budget goes to the window; when the window's pages fit the budget the
             result equals dense windowed attention), and ``num_sink_pages`` must be 0 (the window hides the
             first pages once it slides past them).
+        gamma: the page estimate of a selection by boxes, a number in ``[0, 1]``: :func:`page_scores`' ``gamma``
+            (``1.0``, the default: Quest's bound, bit for bit).
+        top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: ``page_budget`` becomes the
+            capacity, and the selection keeps, after the forced pages, the fewest best pages whose estimated
+            attention mass ``softmax(scale · score)`` (this call's ``scale``), with the forced pages', reaches
+            ``top_p`` (:func:`select_pages`). The result equals attention over the pages ``select_pages(
+            page_scores(..., gamma=gamma), ..., top_p=top_p, scale=scale)`` keeps. Fixed shapes, no host sync.
 
     Returns:
         ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
@@ -171,9 +180,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages or
         ``num_sink_pages + max(num_recent_pages, 1)`` pages; ``window_left`` not an int ``>= -1``, or
         ``num_sink_pages > 0`` with a window and a selection by boxes; boxes that do not hold their page's keys
-        (never filled by :func:`update_page_metadata`).
+        (never filled by :func:`update_page_metadata`); ``gamma`` outside ``[0, 1]`` or ``top_p`` outside
+        ``(0, 1]`` (``ValueError`` naming it; ``TypeError`` for a non-number), ``top_p`` with ``page_indices``,
+        ``top_p`` with a ``scale <= 0``.
 
-    Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
+    Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2); the box
+    estimate: issue 35 (Quest's slack shrunk by ``gamma``); top-p over the estimated attention mass: Twilight (Lin
+    et al., arXiv 2502.02770).
     """
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
@@ -210,20 +223,29 @@ def _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_
 
 # ------------------------------------------------------------------------------------------- scoring, selection
 def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, gamma=1.0, backend=None):
-    """Quest upper bound of ``q·k`` for every logical page: fp32 ``[B, Hkv, max_pages_per_seq]``.
+    """Quest upper bound of ``q·k`` for every logical page (or, with ``gamma < 1``, the box estimate): fp32
+    ``[B, Hkv, max_pages_per_seq]``.
 
     ``ub(q, j) = Σ_i max(q_i·k_min[j,h,i], q_i·k_max[j,h,i])`` (Quest §3.2; TinyServe eq. 2), maximised over
     the ``G = Hq / Hkv`` query heads of each KV head's group and over the ``Tq`` queries, so it bounds every
     logit the group can produce from page ``j``. Pages past a row's end score ``-inf``. Unscaled (no ``scale``).
 
+    With ``gamma`` in ``[0, 1)`` the box estimate ``Σ_i a_i·k_max_i + b_i·k_min_i``, ``a = (q + gamma|q|)/2``,
+    ``b = (q - gamma|q|)/2``, i.e. ``q·c + gamma·|q|·r`` (box centre ``c``, half-width ``r``), with the same max
+    over the group and the queries: ``0`` is the box centre's logit, and in between an estimate, not a bound, that
+    no longer ranks the widest boxes first (issue 35: on RULER ``niah_single_1`` Quest's slack buried the needle's
+    narrow page). ``gamma = 1`` (default) is Quest's bound bit for bit.
+
     Args:
         q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
         block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
+        gamma: the share of the box half-width, a number in ``[0, 1]``.
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
 
     Raises:
         TypeError / ValueError naming the argument (shapes, dtypes, devices, table values as
-        :func:`paged_attention`); ``page_size`` not a power of two on the Triton backend.
+        :func:`paged_attention`); ``page_size`` not a power of two on the Triton backend; ``gamma`` outside
+        ``[0, 1]`` (``ValueError``) or not a number (``TypeError``).
     """
     q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size, gamma)
     gamma = float(gamma)

@@ -231,7 +231,9 @@ class PagedAttentionPlan:
             q: ``[B, Hq, D]`` (decode) or ``[B, Tq, Hq, D]``, the dtype of the pool.
             k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` this layer's pool.
             k_min, k_max: ``[num_pages, Hkv, D]`` page boxes: select ``page_budget`` pages by the Quest bound
-                (when the plan has a budget and some row exceeds it), then attend to them.
+                (the box estimate of the plan's ``gamma``; pruned by its ``top_p``, whose mass uses this run's
+                ``scale``) when the plan has a budget and some row exceeds it (any row, with ``top_p < 1``), then
+                attend to them.
             page_indices: ``[B, Hkv, K]`` logical pages chosen elsewhere (e.g. a selection policy), ``-1``
                 padded; duplicates count once; exclusive with ``k_min``/``k_max``. Neither: dense attention.
             return_lse: also return fp32 lse ``[B, Hq]`` / ``[B, Tq, Hq]`` (natural log, ``-inf`` where a

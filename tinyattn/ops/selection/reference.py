@@ -7,7 +7,9 @@ Simple loops per (row, KV head, page), written for clarity, not speed: the oracl
 scored in float64, everything else in float32.
 
 Method: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024,
-§3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2): ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i])``.
+§3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2): ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i])``;
+with ``gamma < 1`` the box estimate ``q·c + gamma·|q|·r`` (issue 35); ``top_p``: Twilight's adaptive budget over the
+estimated attention mass (Lin et al., arXiv 2502.02770), the masses in fp64.
 """
 
 from __future__ import annotations

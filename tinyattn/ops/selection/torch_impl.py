@@ -10,7 +10,8 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
 - **Bound** (:func:`page_bounds`, Quest §3.2 / TinyServe eq. 2): two matmuls per KV head,
   ``q⁺·k_max + q⁻·k_min`` with ``q⁺ = max(q, 0)`` and ``q⁻ = min(q, 0)``, which equals
   ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` term by term, maximised over the group's query heads and the row's
-  queries. When the rows use most of the page pool (always the case for one sequence) the matmuls run over the
+  queries; with ``gamma < 1`` the same two matmuls take the box estimate's operands ``(q ± gamma|q|)/2``
+  (:func:`box_operands`). When the rows use most of the page pool (always the case for one sequence) the matmuls run over the
   pool's boxes in place (strided views, no copy) and the step's pages are picked afterwards, so the boxes are read
   exactly once; otherwise the rows' boxes are gathered first.
 - **Selection** (:func:`selection_keys` once per step, :func:`top_pages` per layer): forced pages (the recent /
