@@ -372,3 +372,24 @@ def test_the_plans_selection_is_the_reference_selection(seed, path, gamma, top_p
     selection_reference.mask_pages_before_window(scores, p.seq_lens, page_size=2, num_query_tokens=Tq, window_left=window)
     opts = dict(page_size=2, page_budget=budget, num_query_tokens=Tq)
     _assert_between_references(got, scores, p.seq_lens, opts, top_p, 0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_flow_through_the_pages_top_p_keeps(backend):
+    """Autograd (the torch forms; the Triton custom op with its backward kernel) over a top-p selection equals the
+    gradient over the same pages listed."""
+    p, k_min, k_max = _problem(9, (37, 50))
+    q = p.q[:, 0]
+    pages = tinyattn.select_pages(tinyattn.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=4,
+                                                       gamma=0.25, backend=backend),
+                                  p.seq_lens, page_size=4, page_budget=8, top_p=0.6, scale=0.25, backend=backend)
+    grads = []
+    for kw in (dict(k_min=k_min, k_max=k_max, page_budget=8, gamma=0.25, top_p=0.6), dict(page_indices=pages)):
+        x = q.clone().requires_grad_(True)
+        out = tinyattn.sparse_paged_attention(x, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale=0.25,
+                                              backend=backend, **kw)
+        out.square().sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+    assert grads[0].abs().sum() > 0
