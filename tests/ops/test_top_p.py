@@ -199,7 +199,8 @@ def _problem(seed, lens, Tq=1, group=2):
 
 
 @pytest.mark.parametrize("backend,stages", [("torch", 1), ("triton", 1), ("triton", 2)])
-@pytest.mark.parametrize("gamma,top_p,Tq", [(1.0, 0.6, 1), (0.25, 0.9, 1), (0.25, 0.5, 3), (0.0, 0.8, 2)])
+@pytest.mark.parametrize("gamma,top_p,Tq", [(1.0, 0.6, 1), pytest.param(0.25, 0.9, 1, marks=pytest.mark.slow),
+                                            (0.25, 0.5, 3), pytest.param(0.0, 0.8, 2, marks=pytest.mark.slow)])
 def test_sparse_attention_attends_the_pages_select_pages_keeps(backend, stages, gamma, top_p, Tq, monkeypatch):
     """``sparse_paged_attention(top_p=p)`` = attention over ``select_pages(page_scores(..., gamma), ..., top_p=p,
     scale)``'s pages (the same backend), and the reference; Triton's one- and two-stage selections both."""
