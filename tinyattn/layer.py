@@ -12,7 +12,8 @@ prefill (``decode=False``)              dense over every valid page (causal, bot
                                         policy (H2O) observes the attention mass in its sparse layers
 decode, layer ``< dense_layers``        dense
 decode, no ``page_budget``              dense
-decode, sparse layer, Quest             fused: score the page boxes, top-k, attend (one plan run)
+decode, sparse layer, Quest             fused: score the page boxes (``gamma``), top-k (capacity
+                                        ``page_budget``, pruned by ``top_p``), attend (one plan run)
 decode, sparse layer, other policy      ``policy.select`` -> pages -> attend; ``policy.observe``
 sliding layer (``window_left >= 0``)    dense over its window, prefill and decode alike: no selection,
                                         whatever the budget or policy (it already reads at most
@@ -39,7 +40,7 @@ import torch
 
 from .ops import quant
 from .ops.plan import PagedAttentionPlan
-from .ops.validation import check_selection_options, check_window_left
+from .ops.validation import check_gamma, check_selection_options, check_top_p, check_window_left
 
 __all__ = ["SparsityConfig", "PagedAttention", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
            "default_num_sink_pages"]
@@ -79,10 +80,21 @@ class SparsityConfig:
         policy: how pages are chosen: a name of :data:`tinyattn.selection.POLICIES` (``"quest"``, the
             default, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a
             :class:`tinyattn.selection.SelectionPolicy` instance; stored as an instance.
+        gamma: the page estimate of the ``quest`` selection, a number in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each
+            page's key box (centre ``c``, half-width ``r``); ``1`` (default) is Quest's bound, ``0.25`` the box
+            estimate issue 35 measured on RULER (:func:`tinyattn.page_scores`).
+        top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps,
+            after the forced pages, the fewest best pages whose estimated attention mass (``softmax(scale ·
+            score)``) reaches ``top_p``, ``page_budget`` being the capacity (Twilight, arXiv 2502.02770;
+            :func:`tinyattn.select_pages`).
+
+    ``gamma`` and ``top_p`` are settings of the ``quest`` selection (the fused plan's), not policies of their own:
+    they combine freely with the budget and each other, and run on every path that runs Quest's fused selection.
 
     Raises:
         ValueError for a bad option, or ``num_sink_pages + max(num_recent_pages, 1) > page_budget`` (the ops'
-        rule and message).
+        rule and message); ``gamma`` / ``top_p`` outside their ranges, or set with a policy other than ``quest``
+        (``TypeError`` for a non-number).
     """
 
     page_budget: int | None = None
@@ -90,11 +102,18 @@ class SparsityConfig:
     num_recent_pages: int = 1
     dense_layers: int = 0
     policy: object = "quest"
+    gamma: float = 1.0
+    top_p: float | None = None
 
     def __post_init__(self):
         from .selection import get_policy
 
         object.__setattr__(self, "policy", get_policy(self.policy))
+        object.__setattr__(self, "gamma", float(check_gamma(self.gamma)))
+        object.__setattr__(self, "top_p", check_top_p(self.top_p))
+        if (self.gamma != 1.0 or self.top_p is not None) and not self.policy.fused:
+            raise ValueError(f"policy: gamma and top_p are settings of the 'quest' selection, got policy="
+                             f"{self.policy.name!r} with gamma={self.gamma}, top_p={self.top_p}")
         for name in ("num_recent_pages", "dense_layers", "num_sink_pages"):
             v = getattr(self, name)
             if name == "num_sink_pages" and v is None:     # unset: the default recipe, from the checked fields
@@ -147,7 +166,7 @@ class PagedAttention:
         s = self.sparsity
         return (f"PagedAttention(page_budget={s.page_budget}, num_sink_pages={s.num_sink_pages}, "
                 f"num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
-                f"policy={s.policy.name!r}, backend={self.backend!r})")
+                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, backend={self.backend!r})")
 
     def begin(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
               head_dim: int, page_size: int, num_query_tokens: int = 1, decode: bool | None = None,
@@ -172,7 +191,8 @@ class PagedAttention:
                        head_dim=head_dim, page_size=page_size, num_query_tokens=num_query_tokens,
                        page_budget=budget, num_sink_pages=s.num_sink_pages if budget else 0,
                        num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted,
-                       max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
+                       max_batch=max_batch, max_pages_per_seq=max_pages_per_seq,
+                       gamma=s.gamma if budget else 1.0, top_p=s.top_p if budget else None)
         self.seq_ids = seq_ids
         self._fused = s.policy.fused and self.metrics is None
         return self
@@ -257,9 +277,19 @@ class PagedAttention:
         """A policy other than fused Quest (or metrics on): select, attend to the pages, observe, record."""
         from .selection import page_attention_mass
 
-        policy = self.sparsity.policy
+        policy, s = self.sparsity.policy, self.sparsity
         ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max, scale)
-        idx = policy.select(ctx)
+        if policy.fused and (s.gamma != 1.0 or s.top_p is not None):      # quest with metrics: the plan's rule
+            from .ops import api
+
+            scores = api.page_scores(q, k_min, k_max, ctx.block_table, ctx.seq_lens, page_size=ctx.page_size,
+                                     gamma=s.gamma, backend=self.backend)
+            idx = api.select_pages(scores, ctx.seq_lens, page_size=ctx.page_size, page_budget=s.page_budget,
+                                   num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
+                                   num_query_tokens=ctx.num_query_tokens, backend=self.backend, top_p=s.top_p,
+                                   scale=ctx.scale)
+        else:
+            idx = policy.select(ctx)
         out = self.plan.run(q, k_cache, v_cache, page_indices=idx, scale=ctx.scale)
         if policy.stateful:
             policy.observe(ctx, idx, page_attention_mass(q, k_cache, ctx.block_table, ctx.seq_lens,

@@ -10,8 +10,10 @@ tier share). Their launchers live beside the reference and torch forms of their 
 - ``metadata.page_minmax_kernel``        per-page key bounding boxes (Quest, Tang et al., ICML 2024)
   and ``kv_write.kv_write_kernel``       the step's K/V into the pool + box growth (+ int8 / fp8 scale growth and
   re-quantization) in one launch per layer: launched by :mod:`tinyattn.ops.kv_cache.triton_impl`
-- ``scoring.page_scores_kernel``         upper bound of q.k per page (Quest eq.; TinyServe eq. 2),
-  ``topk.select_pages_kernel``           recent + sink + top-k page selection, one program per (row, KV head), and
+- ``scoring.page_scores_kernel``         upper bound of q.k per page (Quest eq.; TinyServe eq. 2), or the box
+                                         estimate ``q.c + gamma |q|.r`` (issue 35),
+  ``topk.select_pages_kernel``           recent + sink + top-k page selection, one program per (row, KV head),
+  ``topk.top_p_filter_kernel``           the top-p pruning of a selection over the estimated mass (Twilight), and
   ``chunk_topk``                         the same selection in two stages for small batches / long rows: launched
   by :mod:`tinyattn.ops.selection.triton_impl`
 - ``attention.attn_fwd_kernel``          fused dense / sparse paged attention with split-K merge, and

@@ -51,12 +51,15 @@ def score_chunk_topk_kernel(
     seq_lens,  # [B] int32
     ws_key,  # [B, Hkv, NC * KC] int32 order keys of the candidates
     ws_page,  # [B, Hkv, NC * KC] int32 logical pages of the candidates, -1 padded
+    scores,  # [B, Hkv, MAXP] fp32, written when SCORES (top-p reads every valid page's score): else unused
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_np, stride_nh, stride_nd,
     stride_xp, stride_xh, stride_xd,
     stride_bt,
     stride_wb, stride_wh,
+    stride_sb, stride_sh,
     MAXP, TQ, D, BUDGET, NUM_SINK, NUM_RECENT, WINDOW, KC,
+    GAMMA,  # fp32 share of the box half-width (1: Quest's bound)
     G: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BM: tl.constexpr,
@@ -66,6 +69,7 @@ def score_chunk_topk_kernel(
     BKC: tl.constexpr,
     RADIX: tl.constexpr,
     BITS: tl.constexpr = 1,  # radix digit width (radix_bits)
+    SCORES: tl.constexpr = False,  # also score the forced pages and write every valid page's score (top-p)
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -82,10 +86,12 @@ def score_chunk_topk_kernel(
     for sub in range(CHUNK // BP):
         o_jb = i_c * CHUNK + sub * BP + tl.arange(0, BP)  # [BP]
         m_jb = (o_jb >= s_end) & (o_jb < r_start)
+        if SCORES:  # the forced pages' scores too: their mass counts towards top_p
+            m_jb = o_jb < n
         o_p = tl.load(p_bt + o_jb, mask=m_jb, other=0).to(tl.int64)  # [BP] physical pages
         b_sb = _page_bounds(p_qb, k_min, k_max, o_p, m_jb, i_h,
                             stride_qt, stride_qh, stride_qd, stride_np, stride_nh, stride_nd,
-                            stride_xp, stride_xh, stride_xd, TQ, D, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
+                            stride_xp, stride_xh, stride_xd, TQ, D, GAMMA, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
         # place the BP bounds at [sub * BP, (sub + 1) * BP) of the chunk tile, in registers
         b_rep = tl.reshape(tl.broadcast_to(b_sb[None, :], (CHUNK // BP, BP)), (CHUNK,))  # [CHUNK]
         b_s = tl.where(o_c // BP == sub, b_rep, b_s)
@@ -93,6 +99,8 @@ def score_chunk_topk_kernel(
     # selection_torch.mask_pages_before_window; WINDOW = -1: no window, first = -1 hides nothing)
     first = _window_start(seq_len - TQ, WINDOW)
     b_s = tl.where((o_j + 1) * PAGE_SIZE <= first, float("-inf"), b_s)
+    if SCORES:
+        tl.store(scores + i_b * stride_sb + i_h * stride_sh + o_j, b_s, mask=o_j < MAXP)
     b_key = _order_key(b_s)  # [CHUNK]
 
     m_top = _top_mask(b_key, m_pool, o_c, rest, RADIX=RADIX, BITS=BITS)  # at most min(rest, CHUNK) <= KC pages

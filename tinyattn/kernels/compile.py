@@ -87,7 +87,7 @@ def scoring_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, t
     meta = scoring.score_blocks(tq, group, head_dim, page_size, max_pages=4096)
     ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", out="fp32")
     return _spec(f"scores[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group}]",
-                 scoring.page_scores_kernel, ptrs, meta)
+                 scoring.page_scores_kernel, ptrs, meta, floats=("GAMMA",))
 
 
 def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
@@ -96,19 +96,29 @@ def topk_specs(max_pages: int, budget: int, page_size: int) -> Spec:
     return _spec(f"topk[P={max_pages},K={budget},S={page_size}]", topk.select_pages_kernel, ptrs, meta)
 
 
+def top_p_specs(max_pages: int, budget: int, page_size: int) -> Spec:
+    """The top-p filter of a capacity selection (``topk.top_p_filter_kernel``)."""
+    meta = topk.top_p_blocks(max_pages, budget, page_size)
+    ptrs = dict(scores="fp32", sel="i32", seq_lens="i32", out="i32")
+    return _spec(f"top_p_filter[P={max_pages},K={budget},S={page_size}]", topk.top_p_filter_kernel, ptrs, meta,
+                 floats=("TOP_P", "SCALE"))
+
+
 def chunk_topk_specs(dtype: str, bound_dtype: str, head_dim: int, page_size: int, tq: int, group: int,
-                     batch: int, num_kv_heads: int, max_pages: int, budget: int) -> List[Spec]:
-    """The two-stage selection (``chunk_topk``) as the plan launches it for these sizes: stage 1 and the merge."""
+                     batch: int, num_kv_heads: int, max_pages: int, budget: int, top_p: bool = False) -> List[Spec]:
+    """The two-stage selection (``chunk_topk``) as the plan launches it for these sizes: stage 1 and the merge
+    (``top_p``: stage 1 also writes every valid page's score, ``SCORES``, and the filter follows)."""
     meta = chunk_topk.chunk_blocks(batch, num_kv_heads, max_pages, budget, tq, group, head_dim, page_size)
     tag = f"B={batch},Hkv={num_kv_heads},P={max_pages},K={budget}"
     ptrs = dict(q=dtype, k_min=bound_dtype, k_max=bound_dtype, block_table="i32", seq_lens="i32", ws_key="i32",
-                ws_page="i32")
+                ws_page="i32", scores="fp32")
     one = _spec(f"chunk_topk[{dtype},{bound_dtype},D={head_dim},S={page_size},Tq={tq},G={group},{tag},"
-                f"chunk={meta['stage1']['CHUNK']}]", chunk_topk.score_chunk_topk_kernel, ptrs, meta["stage1"])
+                f"chunk={meta['stage1']['CHUNK']}{',scores' if top_p else ''}]", chunk_topk.score_chunk_topk_kernel,
+                ptrs, dict(meta["stage1"], SCORES=top_p), floats=("GAMMA",))
     ptrs = dict(ws_key="i32", ws_page="i32", seq_lens="i32", out="i32")
     two = _spec(f"merge_chunks[S={page_size},{tag},cand={meta['NC'] * meta['KC']}]",
                 chunk_topk.merge_chunks_kernel, ptrs, meta["stage2"])
-    return [one, two]
+    return [one, two] + ([top_p_specs(max_pages, budget, page_size)] if top_p else [])
 
 
 def attention_specs(dtype: str, head_dim: int, page_size: int, tq: int, group: int, sparse: bool,
@@ -191,6 +201,8 @@ def representative() -> Iterator[Spec]:
     yield from chunk_topk_specs("bf16", "bf16", 128, 16, 1, 4, 1, 8, 2048, 128)
     yield from chunk_topk_specs("bf16", "fp32", 128, 16, 1, 4, 1, 8, 8192, 128)
     yield from chunk_topk_specs("fp16", "fp16", 64, 1, 4, 3, 2, 2, 300, 5)      # argmax loops, Tq = 4, G = 3
+    yield from chunk_topk_specs("bf16", "bf16", 128, 16, 1, 4, 1, 8, 2048, 128, top_p=True)   # top-p, 32K
+    yield top_p_specs(128, 32, 16)                                           # top-p after the one-stage select
     yield from extra()
     yield kv_write_specs("bf16", "bf16", 128, 16)
     yield kv_write_specs("i8", "fp32", 64, 16)

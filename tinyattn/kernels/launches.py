@@ -12,7 +12,8 @@ time or memory: pools are ``torch.empty`` (never touched), and only the small ta
 
 :data:`SHAPES` is the table: the runtime's models (stories260K: 8 / 4 heads, head_dim 8; SmolLM2-135M: 9 / 3
 heads, head_dim 64), the benchmarks (32 / 8 heads, D = 128, page 16, 32K-128K, budgets 128-256 pages, B = 1 and
-8) and the vLLM backend (blocks of 16 and 32, fp8 KV). Each row runs the step's ops with ``backend="triton"``:
+8), the vLLM backend (blocks of 16 and 32, fp8 KV) and the selection's box estimate with top-p (issue 35).
+Each row runs the step's ops with ``backend="triton"``:
 the fused KV write, the page boxes, the sparse decode (scores, selection, attention), the dense decode and, for
 rows with ``prefill > 1``, a dense prefill. Rows marked ``default`` form the subset the test suite compiles.
 """
@@ -42,6 +43,8 @@ class Shape(NamedTuple):
     kv_cache_dtype: str = "auto"
     box_dtype: str = "auto"
     default: bool = False  # in the test suite's subset
+    gamma: float = 1.0     # the sparse decode's page estimate (1: Quest's bound)
+    top_p: float | None = None  # the sparse decode's adaptive budget (None: the whole page_budget)
 
 
 K = 1024
@@ -61,6 +64,10 @@ SHAPES = (
     Shape("vllm-block16", 32, 8, 128, 16, "bf16", 4 * K, 8, 64, prefill=512, default=True),
     Shape("vllm-block32", 32, 8, 128, 32, "bf16", 4 * K, 8, 32, prefill=512),
     Shape("vllm-block16-fp8", 32, 8, 128, 16, "bf16", 4 * K, 8, 64, kv_cache_dtype="fp8_e4m3", default=True),
+    # issue 35: the box estimate and top-p, on the two-stage path (B = 1) and after the one-stage select (B * Hkv
+    # programs fill the GPU)
+    Shape("bench-32K-top-p", 32, 8, 128, 16, "bf16", 32 * K, 1, 128, gamma=0.25, top_p=0.9, default=True),
+    Shape("b32-2K-top-p", 32, 8, 128, 16, "bf16", 2 * K, 32, 32, gamma=0.25, top_p=0.9, default=True),
 )
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -158,7 +165,8 @@ def run_shape(shape: Shape) -> None:
         _in_phase("sparse decode")
         with tinyattn.value_checks(False):   # the kernels do not run: the boxes were never filled (the box check)
             tinyattn.sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, k_min=k_min, k_max=k_max,
-                                            page_budget=shape.page_budget, backend="triton", **scales)
+                                            page_budget=shape.page_budget, backend="triton", gamma=shape.gamma,
+                                            top_p=shape.top_p, **scales)
     _in_phase("dense decode")
     tinyattn.paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="triton", **scales)
     if shape.prefill > 1:

@@ -4,7 +4,10 @@ Quest (Tang et al., ICML 2024, eq. 1) and TinyServe (arXiv 2509.12211, eq. 2)::
 
     ub(q, j) = sum_i max(q_i * k_min[j, i], q_i * k_max[j, i])  >=  max_{t in page j} q . k_t
 
-Each term is the largest value ``q_i * k_i`` can take in ``[k_min_i, k_max_i]``, hence the bound.
+Each term is the largest value ``q_i * k_i`` can take in ``[k_min_i, k_max_i]``, hence the bound. With a share
+``gamma < 1`` of the half-width the kernels compute the box estimate ``q·c + gamma·|q|·r`` instead (box centre
+``c``, half-width ``r``; ``= Σ_i a_i k_max_i + b_i k_min_i``, ``a = (q + gamma|q|)/2``, ``b = (q - gamma|q|)/2``):
+no longer a bound, a sharper ranking (docs/api.md, ``gamma``).
 For GQA the score of KV head ``h`` is the max over its ``G = Hq // Hkv`` query heads and the
 ``Tq`` query tokens: still an upper bound of every logit the group can produce on that page.
 
@@ -34,12 +37,15 @@ def _page_bounds(
     stride_np, stride_nh, stride_nd,
     stride_xp, stride_xh, stride_xd,
     TQ, D,
+    GAMMA,  # fp32 share of the box half-width (1: Quest's bound)
     G: tl.constexpr,
     BM: tl.constexpr,
     BP: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """``[BP]`` Quest bound of pages ``o_p`` for the ``TQ * G`` queries of KV head ``i_h`` (max over them).
+    """``[BP]`` Quest bound of pages ``o_p`` for the ``TQ * G`` queries of KV head ``i_h`` (max over them); with
+    ``GAMMA < 1`` the box estimate ``Σ_i a_i·k_max_i + b_i·k_min_i``, ``a = (q + GAMMA|q|)/2``,
+    ``b = (q - GAMMA|q|)/2`` (a runtime branch: no recompilation per value, and ``GAMMA = 1`` runs today's tile).
 
     Shared by ``page_scores_kernel`` and the fused chunk kernel of ``chunk_topk.py``, so that both compute
     every bound with the same tiles and the same order of the channel sum.
@@ -63,11 +69,17 @@ def _page_bounds(
         o_hq = i_h * G + o_m % G
         p_q = p_qb + o_t[:, None] * stride_qt + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
-        b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
-        b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
-        # a NaN in a box gives a NaN bound, as in the reference (torch.maximum), even where q_i == 0 makes the
-        # other side 0; max and reductions drop NaN on a GPU and in the interpreter, so it is carried in m_nan
-        b_ub = tl.sum(tl.maximum(b_lo, b_hi, propagate_nan=tl.PropagateNan.ALL), axis=2)  # [BM, BP]
+        if GAMMA == 1.0:
+            b_lo = b_q[:, None, :] * b_min[None, :, :]  # [BM, BP, BD]
+            b_hi = b_q[:, None, :] * b_max[None, :, :]  # [BM, BP, BD]
+            # a NaN in a box gives a NaN bound, as in the reference (torch.maximum), even where q_i == 0 makes the
+            # other side 0; max and reductions drop NaN on a GPU and in the interpreter, so it is carried in m_nan
+            b_ub = tl.sum(tl.maximum(b_lo, b_hi, propagate_nan=tl.PropagateNan.ALL), axis=2)  # [BM, BP]
+        else:
+            b_g = GAMMA * tl.abs(b_q)
+            b_a = (b_q + b_g) * 0.5  # [BM, BD] against k_max
+            b_b = (b_q - b_g) * 0.5  # [BM, BD] against k_min
+            b_ub = tl.sum(b_a[:, None, :] * b_max[None, :, :] + b_b[:, None, :] * b_min[None, :, :], axis=2)
         m_nan = tl.maximum(m_nan, tl.max((m_m[:, None] & (b_ub != b_ub)).to(tl.int32), axis=0))
         # padded query rows would score 0 and could beat a negative bound: exclude them (and NaN, flagged above)
         b_ub = tl.where(m_m[:, None] & (b_ub == b_ub), b_ub, float("-inf"))
@@ -90,6 +102,7 @@ def page_scores_kernel(
     stride_bt,
     stride_ob, stride_oh, stride_oj,
     MAXP, TQ, D,
+    GAMMA,  # fp32 (1: Quest's bound)
     G: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BM: tl.constexpr,
@@ -106,7 +119,7 @@ def page_scores_kernel(
     o_p = tl.load(block_table + i_b * stride_bt + o_j, mask=m_j, other=0).to(tl.int64)  # [BP]
     b_s = _page_bounds(q + i_b * stride_qb, k_min, k_max, o_p, m_j, i_h,
                        stride_qt, stride_qh, stride_qd, stride_np, stride_nh, stride_nd,
-                       stride_xp, stride_xh, stride_xd, TQ, D, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
+                       stride_xp, stride_xh, stride_xd, TQ, D, GAMMA, G=G, BM=BM, BP=BP, BD=BD)  # [BP]
     p_o = out + i_b * stride_ob + i_h * stride_oh + o_j * stride_oj
     tl.store(p_o, b_s, mask=o_j < MAXP)
 

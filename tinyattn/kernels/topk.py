@@ -14,6 +14,10 @@ Output: ascending page ids, ``-1`` padded. Grid ``(B, Hkv)``; one program holds 
 a ``[BP]`` tile of order-preserving int32 keys and picks the top pages with ``tl.argmax`` in a loop
 for small budgets (argmax breaks ties to the lowest index), or by a 32-pass radix select of the
 threshold key for budgets above ``RADIX_MIN_BUDGET``, then compacts with a cumsum.
+
+``top_p_filter_kernel`` prunes such a selection (or the two-stage one) to the fewest best pages whose estimated
+attention mass ``softmax(scale · score)``, with the forced pages', reaches ``top_p`` (Twilight, Lin et al., arXiv
+2502.02770), into a second buffer; fixed shapes, no sort.
 """
 import triton
 import triton.language as tl
@@ -145,3 +149,101 @@ def topk_blocks(max_pages: int, page_budget: int, page_size: int) -> dict:
     """Constexprs of ``select_pages_kernel`` (shared with compile.py)."""
     return dict(PAGE_SIZE=page_size, BP=triton.next_power_of_2(max(max_pages, 1)),
                 BK=triton.next_power_of_2(max(page_budget, 1)), RADIX=page_budget > RADIX_MIN_BUDGET)
+
+
+@triton.jit
+def top_p_filter_kernel(
+    scores,  # [B, HKV, MAXP] fp32: the scores the capacity was selected by (masked by a window if any)
+    sel,  # [B, HKV, BUDGET] int32: the capacity selection, ascending, -1 padded
+    seq_lens,  # [B] int32
+    out,  # [B, HKV, BUDGET] int32: the pages top-p keeps, ascending, -1 padded (not sel: no in-place race)
+    stride_sb, stride_sh, stride_sj,
+    stride_cb, stride_ch, stride_ck,
+    stride_ob, stride_oh, stride_ok,
+    MAXP, BUDGET, NUM_SINK, NUM_RECENT, TQ,
+    TOP_P,  # fp32 in (0, 1]; >= 1 keeps the capacity
+    SCALE,  # fp32 > 0: softmax scale of the estimated mass
+    PAGE_SIZE: tl.constexpr,
+    BP: tl.constexpr,  # pages per pass over the row (its softmax normaliser)
+    BK: tl.constexpr,  # next_pow2(BUDGET): the capacity's slots
+    BJ: tl.constexpr,  # slots per block of the pairwise "mass ranked above me" sum
+):
+    """Top-p over a capacity selection (Twilight, Lin et al., arXiv 2502.02770), one program per (row, KV head).
+
+    Mass of a page: ``exp(SCALE * (s - s_max)) / Σ`` over the row's valid pages (NaN as ``-inf``, ``+inf`` as
+    ``FLT_MAX``; all ``-inf``: 0). The forced pages (recent / query pages, sinks: the rule of ``_forced_ranges``
+    without its short-row shortcut) are kept and their mass ``F`` counted; a scored page of the selection is kept
+    while ``F`` plus the mass of the selected scored pages ranked above it (score descending, ties to the lower page,
+    NaN as ``-inf``: ``_order_key``) is below ``TOP_P``. The "ranked above" sums are pairwise, ``[BK, BJ]`` tiles
+    (no sort: a fixed number of passes whatever the scores). Kept pages are compacted in ascending order.
+    """
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens + i_b)
+    n = tl.minimum((seq_len + PAGE_SIZE - 1) // PAGE_SIZE, MAXP)
+    first_q = tl.maximum(seq_len - TQ, 0) // PAGE_SIZE
+    n_recent = tl.minimum(tl.maximum(tl.maximum(NUM_RECENT, 1), n - first_q), BUDGET)
+    s_end = tl.minimum(NUM_SINK, BUDGET - n_recent)
+    r_start = n - n_recent
+    p_s = scores + i_b * stride_sb + i_h * stride_sh
+
+    # the row's softmax normaliser (two passes: max, then sum) and the forced pages' share of it
+    b_top = tl.full([], float("-inf"), tl.float32)
+    for j0 in range(0, n, BP):
+        o_j = j0 + tl.arange(0, BP)
+        b_x = _mass_logit(tl.load(p_s + o_j * stride_sj, mask=o_j < n, other=float("-inf")))
+        b_top = tl.maximum(b_top, tl.max(b_x, axis=0))
+    b_total = tl.zeros([], tl.float32)
+    b_forced = tl.zeros([], tl.float32)
+    for j0 in range(0, n, BP):
+        o_j = j0 + tl.arange(0, BP)
+        b_x = _mass_logit(tl.load(p_s + o_j * stride_sj, mask=o_j < n, other=float("-inf")))
+        b_e = tl.where(b_x == float("-inf"), 0.0, tl.exp((b_x - b_top) * SCALE))
+        b_total += tl.sum(b_e, axis=0)
+        b_forced += tl.sum(tl.where((o_j < s_end) | (o_j >= r_start), b_e, 0.0), axis=0)
+    b_inv = tl.where(b_total > 0, 1.0 / tl.maximum(b_total, 1e-30), 0.0)  # b_total >= 1 unless all -inf
+
+    p_c = sel + i_b * stride_cb + i_h * stride_ch
+    o_k = tl.arange(0, BK)  # [BK] slots of the capacity
+    b_page = tl.load(p_c + o_k * stride_ck, mask=o_k < BUDGET, other=-1)  # [BK]
+    m_valid = (b_page >= 0) & (b_page < n)
+    m_forced = m_valid & ((b_page < s_end) | (b_page >= r_start))
+    m_scored = m_valid & ~m_forced
+    b_key = _order_key(tl.load(p_s + b_page * stride_sj, mask=m_scored, other=float("-inf")))  # [BK]
+    b_above = tl.zeros([BK], tl.float32)  # mass of the selected scored pages ranked above each slot
+    for k0 in range(0, BUDGET, BJ):
+        o_c = k0 + tl.arange(0, BJ)  # [BJ]
+        b_pc = tl.load(p_c + o_c * stride_ck, mask=o_c < BUDGET, other=-1)
+        m_c = (b_pc >= 0) & (b_pc < n) & (b_pc >= s_end) & (b_pc < r_start)
+        b_sc = tl.load(p_s + b_pc * stride_sj, mask=m_c, other=float("-inf"))
+        b_xc = _mass_logit(b_sc)
+        b_mc = tl.where(m_c & (b_xc != float("-inf")), tl.exp((b_xc - b_top) * SCALE) * b_inv, 0.0)  # [BJ]
+        b_kc = _order_key(b_sc)
+        m_above = (b_kc[None, :] > b_key[:, None]) | ((b_kc[None, :] == b_key[:, None]) &
+                                                      (b_pc[None, :] < b_page[:, None]))  # [BK, BJ]
+        b_above += tl.sum(tl.where(m_above, b_mc[None, :], 0.0), axis=1)
+    keep = m_forced | (m_scored & ((b_forced * b_inv + b_above < TOP_P) | (TOP_P >= 1.0)))
+
+    o_pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # [BK] ascending: sel is ascending
+    n_kept = tl.sum(keep.to(tl.int32), axis=0)
+    p_o = out + i_b * stride_ob + i_h * stride_oh
+    tl.store(p_o + o_pos * stride_ok, b_page, mask=keep)
+    tl.store(p_o + o_k * stride_ok, tl.full([BK], -1, tl.int32), mask=(o_k >= n_kept) & (o_k < BUDGET))
+
+
+@triton.jit
+def _mass_logit(b_s):
+    """A score as the estimated mass reads it: NaN as ``-inf``, ``+inf`` as ``FLT_MAX``."""
+    b_s = tl.where(b_s != b_s, float("-inf"), b_s)
+    return tl.minimum(b_s, 3.4028234663852886e38)
+
+
+# elements of the pairwise [BK, BJ] tile of top_p_filter_kernel
+TOP_P_TILE = 4096
+
+
+def top_p_blocks(max_pages: int, page_budget: int, page_size: int) -> dict:
+    """Constexprs of ``top_p_filter_kernel`` (shared with compile.py)."""
+    bk = triton.next_power_of_2(max(page_budget, 1))
+    return dict(PAGE_SIZE=page_size, BP=min(triton.next_power_of_2(max(max_pages, 1)), 1024), BK=bk,
+                BJ=max(1, min(bk, TOP_P_TILE // bk)))

@@ -528,6 +528,11 @@ class LlamaRuntime:
             cannot be captured (a model off CUDA, the torch backend, an int8 / fp8 cache, a policy other than
             Quest, selection metrics) they run eagerly after one warning here; prefill, and steps under a
             profiler, always run eagerly. Costs one extra KV page per :meth:`generate` (the padding rows').
+        gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
+            key box; ``1`` (default) is Quest's bound (:class:`SparsityConfig`).
+        top_p: ``None`` (default) or a number in ``(0, 1]``: the ``quest`` selection keeps the fewest best pages
+            whose estimated attention mass reaches ``top_p``, ``page_budget`` being the capacity
+            (:class:`SparsityConfig`). The read statistics of :meth:`generate` still count the capacity.
 
     Example::
 
@@ -540,7 +545,8 @@ class LlamaRuntime:
     def __init__(self, model: LlamaModel, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
+                 gamma: float = 1.0, top_p: float | None = None):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
@@ -560,7 +566,7 @@ class LlamaRuntime:
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                        num_recent_pages=num_recent_pages, dense_layers=dense_layers,
-                                       policy=policy)
+                                       policy=policy, gamma=gamma, top_p=top_p)
         self.selection_metrics = bool(selection_metrics)
         if dense_layers > model.config.n_layers:
             raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
@@ -580,7 +586,8 @@ class LlamaRuntime:
         s = self.sparsity
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
-                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, backend={self.backend!r}, "
+                f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, "
+                f"backend={self.backend!r}, "
                 f"kv_cache_dtype={self.kv_cache_dtype!r}, box_dtype={self.box_dtype!r}, "
                 f"cuda_graphs={self.cuda_graphs})")
 

@@ -8,7 +8,9 @@ then its implementation runs (:class:`tinyattn.ops.plan_torch.TorchPlan`, :class
 While ``torch.compile`` traces, the same plan steps run inside custom ops (:mod:`tinyattn.ops.custom_ops`).
 
 Method: Quest (Tang et al., ICML 2024) and TinyServe (Liu & Yu, arXiv 2509.12211). The page bound
-is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``.
+is Quest §3.2 / TinyServe eq. 2: ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i]) ≥ max_{t∈j} q·k_t``; its
+``gamma`` form is the box estimate ``q·c + gamma·|q|·r``; ``top_p`` is Twilight's adaptive budget (Lin et al., arXiv
+2502.02770).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _planned(op: str, call: checks.Call, block_table, seq_lens):
         plan = PagedAttentionPlan(backend=call.backend)
         setattr(_plans, key, plan)
     step = plan.step
-    if (step is not None and step[1:13] == call.step and block_table.is_cpu and
+    if (step is not None and step[1:15] == call.step and block_table.is_cpu and
             torch.equal(plan._impl.block_table, block_table) and torch.equal(plan._impl.seq_lens, seq_lens)):
         if not plan._unchecked or not checks.value_checks_active():
             return plan._impl                  # the same tables, their values checked when it was planned
@@ -137,7 +139,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1, gamma=1.0,
+                           top_p=None):
     """Query-aware sparse paged attention: attend only to the selected pages of each (row, KV head).
 
     Either pass ``page_indices`` (``[B, Hkv, K]`` logical pages, e.g. from :func:`select_pages`), or pass
@@ -161,6 +164,13 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             overlaps the window, so the budget goes to the window; when the window's pages fit the budget the
             result equals dense windowed attention), and ``num_sink_pages`` must be 0 (the window hides the
             first pages once it slides past them).
+        gamma: the page estimate of a selection by boxes, a number in ``[0, 1]``: :func:`page_scores`' ``gamma``
+            (``1.0``, the default: Quest's bound, bit for bit).
+        top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: ``page_budget`` becomes the
+            capacity, and the selection keeps, after the forced pages, the fewest best pages whose estimated
+            attention mass ``softmax(scale · score)`` (this call's ``scale``), with the forced pages', reaches
+            ``top_p`` (:func:`select_pages`). The result equals attention over the pages ``select_pages(
+            page_scores(..., gamma=gamma), ..., top_p=top_p, scale=scale)`` keeps. Fixed shapes, no host sync.
 
     Returns:
         ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
@@ -170,13 +180,17 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         ``k_min``/``k_max``/``page_budget`` are given, or the budget cannot hold the ``Tq`` query pages or
         ``num_sink_pages + max(num_recent_pages, 1)`` pages; ``window_left`` not an int ``>= -1``, or
         ``num_sink_pages > 0`` with a window and a selection by boxes; boxes that do not hold their page's keys
-        (never filled by :func:`update_page_metadata`).
+        (never filled by :func:`update_page_metadata`); ``gamma`` outside ``[0, 1]`` or ``top_p`` outside
+        ``(0, 1]`` (``ValueError`` naming it; ``TypeError`` for a non-number), ``top_p`` with ``page_indices``,
+        ``top_p`` with a ``scale <= 0``.
 
-    Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2).
+    Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2); the box
+    estimate: issue 35 (Quest's slack shrunk by ``gamma``); top-p over the estimated attention mass: Twilight (Lin
+    et al., arXiv 2502.02770).
     """
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
-                                         v_scale, window_left)
+                                         v_scale, window_left, gamma, top_p)
     if torch.compiler.is_compiling():
         return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
                          k_scale, v_scale)
@@ -198,7 +212,7 @@ def _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_
     selection_rules = None
     if args["page_budget"] is not None:
         selection_rules = dict(page_budget=args["page_budget"], num_sink_pages=args["num_sink_pages"],
-                               num_recent_pages=args["num_recent_pages"])
+                               num_recent_pages=args["num_recent_pages"], gamma=args["gamma"], top_p=args["top_p"])
     o, lse = custom_ops.differentiable(
         q, k_cache, v_cache, block_table, seq_lens, page_size=args["page_size"], backend=call.backend,
         scale=call.scale, window_left=call.window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
@@ -208,44 +222,55 @@ def _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_
 
 
 # ------------------------------------------------------------------------------------------- scoring, selection
-def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
-    """Quest upper bound of ``q·k`` for every logical page: fp32 ``[B, Hkv, max_pages_per_seq]``.
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, gamma=1.0, backend=None):
+    """Quest upper bound of ``q·k`` for every logical page (or, with ``gamma < 1``, the box estimate): fp32
+    ``[B, Hkv, max_pages_per_seq]``.
 
     ``ub(q, j) = Σ_i max(q_i·k_min[j,h,i], q_i·k_max[j,h,i])`` (Quest §3.2; TinyServe eq. 2), maximised over
     the ``G = Hq / Hkv`` query heads of each KV head's group and over the ``Tq`` queries, so it bounds every
     logit the group can produce from page ``j``. Pages past a row's end score ``-inf``. Unscaled (no ``scale``).
 
+    With ``gamma`` in ``[0, 1)`` the box estimate ``Σ_i a_i·k_max_i + b_i·k_min_i``, ``a = (q + gamma|q|)/2``,
+    ``b = (q - gamma|q|)/2``, i.e. ``q·c + gamma·|q|·r`` (box centre ``c``, half-width ``r``), with the same max
+    over the group and the queries: ``0`` is the box centre's logit, and in between an estimate, not a bound, that
+    no longer ranks the widest boxes first (issue 35: on RULER ``niah_single_1`` Quest's slack buried the needle's
+    narrow page). ``gamma = 1`` (default) is Quest's bound bit for bit.
+
     Args:
         q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``. k_min, k_max: ``[num_pages, Hkv, D]``.
         block_table, seq_lens: as in :func:`paged_attention`. page_size: tokens per page (int >= 1).
+        gamma: the share of the box half-width, a number in ``[0, 1]``.
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
 
     Raises:
         TypeError / ValueError naming the argument (shapes, dtypes, devices, table values as
-        :func:`paged_attention`); ``page_size`` not a power of two on the Triton backend.
+        :func:`paged_attention`); ``page_size`` not a power of two on the Triton backend; ``gamma`` outside
+        ``[0, 1]`` (``ValueError``) or not a number (``TypeError``).
     """
-    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
+    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size, gamma)
+    gamma = float(gamma)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         checks.check_kernel_page_size(page_size)
     with span("score", q=q4, k_min=k_min, block_table=block_table, seq_lens=seq_lens, page_size=page_size):
         if torch.compiler.is_compiling():      # the opaque custom op (its body launches Triton or decides on the host)
-            return custom_ops.page_scores_op(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
-        return run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend)
+            return custom_ops.page_scores_op(q4, k_min, k_max, block_table, seq_lens, page_size, backend, gamma)
+        return run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size, backend, gamma)
 
 
-def run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size: int, backend: str) -> torch.Tensor:
+def run_page_scores(q4, k_min, k_max, block_table, seq_lens, page_size: int, backend: str,
+                    gamma: float = 1.0) -> torch.Tensor:
     """The body of :func:`page_scores` on validated inputs (q ``[B, Tq, Hq, D]``)."""
     if backend == "torch" or q4.dtype == torch.float64:
-        return selection.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size)
+        return selection.page_scores(q4, k_min, k_max, block_table, seq_lens, page_size=page_size, gamma=gamma)
     out = torch.empty(q4.shape[0], k_min.shape[1], block_table.shape[1], dtype=torch.float32, device=q4.device)
     _selection_kernels().page_scores(q4, k_min, k_max, _int32(block_table), _int32(seq_lens), page_size=page_size,
-                                     out=out)
+                                     out=out, gamma=gamma)
     return out
 
 
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
-                 num_query_tokens=1, backend=None):
+                 num_query_tokens=1, backend=None, top_p=None, scale=None):
     """Keep ``page_budget`` logical pages per (row, KV head): int32 ``[B, Hkv, page_budget]``.
 
     Kept, in this order until the budget is full: the last ``max(num_recent_pages, 1)`` valid pages (the
@@ -255,36 +280,58 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
     padded, never a duplicate, never a page past the row's end. The token budget is ``page_budget * page_size``.
     NaN scores count as ``-inf`` (ties with it go to the lower page index).
 
+    **Top-p** (``top_p`` in ``(0, 1]``, with ``scale``): ``page_budget`` is then the capacity. Each page's estimated
+    attention mass is ``softmax(scale · scores)`` over the row's valid pages (per KV head; NaN and ``-inf`` weigh 0,
+    ``+inf`` counts as ``FLT_MAX``); after the forced pages (recent / query pages, sinks, whose mass counts first)
+    the fewest highest-scoring pages whose mass, with the forced pages', reaches ``top_p`` are kept, at most
+    ``page_budget`` in all. A row whose scores are all ``-inf`` keeps its capacity; ``top_p=1.0`` keeps the
+    capacity (the pages of ``top_p=None``). The output keeps its shape (ascending, ``-1`` padded): no host sync, no
+    data-dependent shape, CUDA-graph safe. Rows that fit the budget are pruned too.
+
     Args:
         scores: fp32 ``[B, Hkv, max_pages_per_seq]`` (from :func:`page_scores`). seq_lens: ``[B]`` int.
         page_size, page_budget (>= 1), num_sink_pages (>= 0), num_recent_pages (>= 0), num_query_tokens (>= 1): ints.
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
+        top_p: ``None`` (keep ``page_budget`` pages) or the estimated mass to reach, a number in ``(0, 1]``.
+        scale: the softmax scale of the mass, a finite number > 0; required with ``top_p`` (``head_dim ** -0.5``
+            for the logit-like :func:`page_scores`, the attention's own ``scale`` if it has one).
 
     Raises:
         ValueError when ``num_sink_pages + max(num_recent_pages, 1) > page_budget`` or the budget cannot hold the
-        pages of the ``num_query_tokens`` queries; TypeError / ValueError naming the argument otherwise.
+        pages of the ``num_query_tokens`` queries; ``top_p`` outside ``(0, 1]``, ``top_p`` without ``scale``, a
+        ``scale`` <= 0 with it; TypeError / ValueError naming the argument otherwise.
 
-    Source: Quest (Tang et al., ICML 2024, §3.3); sink pages: StreamingLLM (Xiao et al., ICLR 2024).
+    Source: Quest (Tang et al., ICML 2024, §3.3); sink pages: StreamingLLM (Xiao et al., ICLR 2024); top-p over the
+    estimated attention mass: Twilight (Lin et al., arXiv 2502.02770).
     """
     options = checks.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages,
-                                         num_recent_pages, num_query_tokens)
+                                         num_recent_pages, num_query_tokens, top_p, scale)
     backend = resolve_backend(backend, scores.device)
     with span("topk", scores=scores, seq_lens=seq_lens, page_budget=options["page_budget"]):
         run = custom_ops.select_pages_op if torch.compiler.is_compiling() else run_select_pages
         return run(scores, seq_lens, options["page_size"], options["page_budget"], options["num_sink_pages"],
-                   options["num_recent_pages"], options["num_query_tokens"], backend)
+                   options["num_recent_pages"], options["num_query_tokens"], backend, options["top_p"],
+                   1.0 if options["scale"] is None else options["scale"])
 
 
 def run_select_pages(scores, seq_lens, page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
-                     num_query_tokens: int, backend: str) -> torch.Tensor:
+                     num_query_tokens: int, backend: str, top_p: float | None = None,
+                     scale: float = 1.0) -> torch.Tensor:
     """The body of :func:`select_pages` on validated inputs."""
     options = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                    num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
     if backend == "torch":
-        return selection.select_pages(scores, seq_lens, **options)
+        return selection.select_pages(scores, seq_lens, top_p=top_p, scale=scale, **options)
+    kernels = _selection_kernels()
+    scores, seq_lens = scores.contiguous(), _int32(seq_lens)
     out = torch.empty(*scores.shape[:2], page_budget, dtype=torch.int32, device=scores.device)
-    _selection_kernels().select_pages(scores.contiguous(), _int32(seq_lens), **options, out=out)
-    return out
+    kernels.select_pages(scores, seq_lens, **options, out=out)
+    if top_p is None:
+        return out
+    kept = torch.empty_like(out)
+    options.pop("page_budget")
+    kernels.top_p_filter(scores, out, seq_lens, top_p=top_p, scale=scale, out=kept, **options)
+    return kept
 
 
 # ------------------------------------------------------------------------------------------- the page pool

@@ -5,7 +5,8 @@
 - ``tinyattn::paged_attention_bwd(dout, dlse, q, k_cache, v_cache, block_table, seq_lens, page_indices, out, lse,
   scale, backend, window_left) -> (dq, dk_cache, dv_cache)``;
 - ``tinyattn::select_pages_planned(q, k_min, k_max, block_table, seq_lens, page_size, page_budget, num_sink_pages,
-  num_recent_pages, window_left, backend) -> page_indices``: the plan's selection (one or two stages, as in eager);
+  num_recent_pages, window_left, backend, gamma, top_p, scale) -> page_indices``: the plan's selection (one or two
+  stages, as in eager; the box estimate ``gamma``, the top-p pruning with its softmax ``scale``);
 - ``tinyattn::page_scores`` and ``tinyattn::select_pages``: the stand-alone public ops under ``torch.compile``.
 
 Every body is a call into a plan implementation (:class:`tinyattn.ops.plan_torch.TorchPlan`,
@@ -154,52 +155,56 @@ def attention(q4: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
 @torch.library.custom_op("tinyattn::select_pages_planned", mutates_args=())
 def select_pages_planned(q: Tensor, k_min: Tensor, k_max: Tensor, block_table: Tensor, seq_lens: Tensor,
                          page_size: int, page_budget: int, num_sink_pages: int, num_recent_pages: int,
-                         window_left: int, backend: str) -> Tensor:
+                         window_left: int, backend: str, gamma: float = 1.0, top_p: Optional[float] = None,
+                         scale: float = 1.0) -> Tensor:
     """The plan's selection (:meth:`TorchPlan.select` / :meth:`TritonPlan.select`): ``[B, Hkv, page_budget]`` int32
-    logical pages, canonical (ascending, ``-1`` padded), of q ``[B, Tq, Hq, D]``."""
+    logical pages, canonical (ascending, ``-1`` padded), of q ``[B, Tq, Hq, D]`` (``gamma``: the page estimate;
+    ``top_p`` with the softmax ``scale`` of its mass)."""
     from .selection.torch_impl import canonical_page_indices
 
     plan = _plan_for(backend, q, k_min.shape[1], page_size, block_table, seq_lens, page_budget=page_budget,
-                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
+                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, gamma=gamma, top_p=top_p)
     B, Hkv = q.shape[0], k_min.shape[1]
     if not plan.step.selects or plan.step.nothing:      # every valid page fits the budget
         from .attention.torch_impl import dense_page_indices
         pages = dense_page_indices(plan.seq_lens, Hkv, block_table.shape[1], page_size)[..., :page_budget]
         return torch.nn.functional.pad(pages, (0, page_budget - pages.shape[-1]), value=-1).contiguous()
-    pages = plan._impl.select(q, k_min, k_max, window_left)
+    pages = plan._impl.select(q, k_min, k_max, window_left, scale=scale)
     return canonical_page_indices(pages, plan.seq_lens, page_size).reshape(B, Hkv, page_budget)
 
 
 @select_pages_planned.register_fake
 def _(q, k_min, k_max, block_table, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
-      window_left, backend):
+      window_left, backend, gamma=1.0, top_p=None, scale=1.0):
     return q.new_empty((q.shape[0], k_min.shape[1], page_budget), dtype=torch.int32)
 
 
 @torch.library.custom_op("tinyattn::page_scores", mutates_args=())
 def page_scores_op(q: Tensor, k_min: Tensor, k_max: Tensor, block_table: Tensor, seq_lens: Tensor,
-                   page_size: int, backend: str) -> Tensor:
+                   page_size: int, backend: str, gamma: float = 1.0) -> Tensor:
     """The public :func:`tinyattn.page_scores` under ``torch.compile`` (validated inputs, q ``[B, Tq, Hq, D]``)."""
     from .api import run_page_scores
-    return run_page_scores(q, k_min, k_max, block_table, seq_lens, page_size, backend)
+    return run_page_scores(q, k_min, k_max, block_table, seq_lens, page_size, backend, gamma)
 
 
 @page_scores_op.register_fake
-def _(q, k_min, k_max, block_table, seq_lens, page_size, backend):
+def _(q, k_min, k_max, block_table, seq_lens, page_size, backend, gamma=1.0):
     return q.new_empty((q.shape[0], k_min.shape[1], block_table.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("tinyattn::select_pages", mutates_args=())
 def select_pages_op(scores: Tensor, seq_lens: Tensor, page_size: int, page_budget: int, num_sink_pages: int,
-                    num_recent_pages: int, num_query_tokens: int, backend: str) -> Tensor:
+                    num_recent_pages: int, num_query_tokens: int, backend: str, top_p: Optional[float] = None,
+                    scale: float = 1.0) -> Tensor:
     """The public :func:`tinyattn.select_pages` under ``torch.compile`` (validated inputs)."""
     from .api import run_select_pages
     return run_select_pages(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
-                            num_query_tokens, backend)
+                            num_query_tokens, backend, top_p, scale)
 
 
 @select_pages_op.register_fake
-def _(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens, backend):
+def _(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens, backend,
+      top_p=None, scale=1.0):
     return scores.new_empty((scores.shape[0], scores.shape[1], page_budget), dtype=torch.int32)
 
 
@@ -212,7 +217,7 @@ def differentiable(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
     Selection first, without gradient: ``select(q4, k_min, k_max, window_left)`` (the plan's own, eager) or, when
     ``None``, :func:`select_pages_planned` (the same plan selection as a custom op: the compiled route); then
     :func:`paged_attention_fwd` over the canonical pages, with its backward. ``selection``: ``page_budget``,
-    ``num_sink_pages``, ``num_recent_pages`` when boxes select (``None``: every valid page fits the budget, or no
+    ``num_sink_pages``, ``num_recent_pages``, ``gamma``, ``top_p`` when boxes select (``None``: every valid page fits the budget, or no
     budget). ``scales``: ``(k_scale, v_scale)`` of an int8 / fp8 pool (dequantized whole: the custom op reads
     float pools). Returns ``(out [B, Tq, Hq, D], lse [B, Tq, Hq] fp32)``.
     """
@@ -226,11 +231,13 @@ def differentiable(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
         k_cache, v_cache = dequantize(k_cache, scales[0], dt), dequantize(v_cache, scales[1], dt)
     if page_indices is None and k_min is not None and selection is not None and not nothing:
         if select is not None:
-            page_indices = select(q4.detach(), k_min, k_max, window_left)
+            page_indices = select(q4.detach(), k_min, k_max, window_left, scale=scale)
         else:
             page_indices = select_pages_planned(q4.detach(), k_min, k_max, block_table, seq_lens, page_size,
                                                 selection["page_budget"], selection["num_sink_pages"],
-                                                selection["num_recent_pages"], window_left, backend)
+                                                selection["num_recent_pages"], window_left, backend,
+                                                float(selection.get("gamma", 1.0)), selection.get("top_p"),
+                                                float(scale))
     if page_indices is not None and page_indices.shape[-1]:
         # canonical (ascending, de-duplicated, -1 past the end); also a copy of the Triton selection buffer,
         # which the next layer rewrites behind autograd's back

@@ -84,7 +84,7 @@ class PagedAttentionPlan:
         s = self.step
         return (f"PagedAttentionPlan(backend={s.backend!r}, batch={s.batch}, num_query_tokens={s.num_query_tokens}, "
                 f"heads={s.num_q_heads}/{s.num_kv_heads}, head_dim={s.head_dim}, page_size={s.page_size}, "
-                f"page_budget={s.page_budget})")
+                f"page_budget={s.page_budget}, gamma={s.gamma}, top_p={s.top_p})")
 
     # the planned step's values, read by the attention layer and the selection policies
     @property
@@ -124,7 +124,8 @@ class PagedAttentionPlan:
              head_dim: int, page_size: int, num_query_tokens: int = 1, page_budget: int | None = None,
              num_sink_pages: int = 0, num_recent_pages: int = 1, scale: float | None = None,
              num_pages: int | None = None, trusted: bool = False, max_batch: int | None = None,
-             max_pages_per_seq: int | None = None) -> "PagedAttentionPlan":
+             max_pages_per_seq: int | None = None, gamma: float = 1.0,
+             top_p: float | None = None) -> "PagedAttentionPlan":
         """Validate the step's tables and settings, copy them into the plan, build what the layers reuse; returns
         ``self``.
 
@@ -147,6 +148,14 @@ class PagedAttentionPlan:
                 values, so :meth:`run` makes no allocation (with ``out=``), no host sync and no data-dependent
                 shape, and can be captured in a CUDA graph and replayed after each new :meth:`plan` (vLLM's
                 persistent-buffer pattern). ``B <= max_batch`` and ``max_pages_per_seq`` >= the table's width.
+            gamma: the page estimate of a selection by boxes, a number in ``[0, 1]``: ``Σ_i a_i·k_max_i +
+                b_i·k_min_i`` with ``a = (q + gamma|q|)/2``, ``b = (q - gamma|q|)/2`` (``= q·c + gamma·|q|·r``, box
+                centre ``c`` and half-width ``r``); ``1`` (default) is Quest's bound (§3.2), bit for bit.
+            top_p: ``None`` (default: keep ``page_budget`` pages) or a number in ``(0, 1]``: after the forced pages,
+                keep the fewest best-scoring pages whose estimated attention mass (``softmax(scale · score)`` over
+                the row's valid pages), with the forced pages', reaches ``top_p``; ``page_budget`` stays the
+                capacity (Twilight, Lin et al., arXiv 2502.02770). The mass uses the softmax scale :meth:`run`
+                attends with. ``1.0`` keeps the capacity (the same pages as ``None``).
 
         Raises:
             TypeError / ValueError naming the argument, the expected and the actual value.
@@ -173,10 +182,13 @@ class PagedAttentionPlan:
         if page_budget is not None:
             page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
                 page_budget, num_sink_pages, num_recent_pages)
+        gamma, top_p = float(V.check_gamma(gamma)), V.check_top_p(top_p)
         backend = resolve_backend(self._backend_arg, block_table.device)
         if backend == "triton":
             V.check_kernel_page_size(page_size)
         scale = V.check_scale(scale, head_dim)
+        if top_p is not None:
+            V.check_top_p_scale(scale)
         # the rows' lengths on the host: free on a CPU; on a GPU one sync, skipped for trusted tables (and in graph
         # mode, whose plan() must not read values on the host on any device: then every layer with boxes selects)
         graph = max_pages_per_seq is not None
@@ -186,11 +198,14 @@ class PagedAttentionPlan:
             self._check_values(block_table, seq_lens, page_size, num_pages, num_query_tokens, page_budget)
         elif page_budget is not None and num_query_tokens > 1 and lens is not None:
             V.check_query_pages_fit_host(list(lens), num_query_tokens, page_size, page_budget)
+        # with top_p < 1 a row that fits the budget is pruned too: every step with pages selects
+        prunes = top_p is not None and top_p < 1.0
         selects = page_budget is not None and (
-            lens is None or max((cdiv_pages(n, page_size) for n in lens), default=0) > page_budget)
+            lens is None or max((cdiv_pages(n, page_size) for n in lens), default=0) > (0 if prunes else page_budget))
         nothing = batch == 0 or num_query_tokens == 0 or width == 0 or (lens is not None and not any(lens))
         step = Step(backend, block_table.device, batch, width, num_q_heads, num_kv_heads, head_dim, page_size,
-                    num_query_tokens, page_budget, num_sink_pages, num_recent_pages, scale, lens, selects, nothing)
+                    num_query_tokens, page_budget, num_sink_pages, num_recent_pages, scale, gamma, top_p, lens,
+                    selects, nothing)
         impl = self._impls.get(backend)
         if impl is None:
             impl = self._impls[backend] = _implementation(backend)()
@@ -216,7 +231,9 @@ class PagedAttentionPlan:
             q: ``[B, Hq, D]`` (decode) or ``[B, Tq, Hq, D]``, the dtype of the pool.
             k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` this layer's pool.
             k_min, k_max: ``[num_pages, Hkv, D]`` page boxes: select ``page_budget`` pages by the Quest bound
-                (when the plan has a budget and some row exceeds it), then attend to them.
+                (the box estimate of the plan's ``gamma``; pruned by its ``top_p``, whose mass uses this run's
+                ``scale``) when the plan has a budget and some row exceeds it (any row, with ``top_p < 1``), then
+                attend to them.
             page_indices: ``[B, Hkv, K]`` logical pages chosen elsewhere (e.g. a selection policy), ``-1``
                 padded; duplicates count once; exclusive with ``k_min``/``k_max``. Neither: dense attention.
             return_lse: also return fp32 lse ``[B, Hq]`` / ``[B, Tq, Hq]`` (natural log, ``-inf`` where a
@@ -249,6 +266,8 @@ class PagedAttentionPlan:
             if window_left >= 0 and k_min is not None and step.page_budget is not None:
                 V.check_window_selection(window_left, step.num_sink_pages)
         scale = step.scale if scale is None else V.check_scale(scale, step.head_dim)
+        if step.top_p is not None and scale <= 0:
+            V.check_top_p_scale(scale)
         scales = None
         if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)

@@ -131,9 +131,11 @@ class TorchPlan:
             qg = group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
-            page_indices = self.select(q4, k_min, k_max, window_left, qg)
-            rows, bias, n_keys = self._selected_rows(page_indices, window_left)
+            page_indices, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
+            rows, bias, n_keys = self._selected_rows(page_indices, window_left, keep)
             if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
+                if keep is not None:
+                    page_indices = torch.where(keep, page_indices, -1)
                 page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
                 selection = step.selection
         elif page_indices is not None:
@@ -157,9 +159,16 @@ class TorchPlan:
             o = (o if o.dtype == q.dtype else o.to(q.dtype)).view(q.shape)
         return o, None if lse is None or not need_lse else ungroup(lse, Tq)
 
-    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
+    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
-        than ``K`` valid pages also lists pages past its end, which the tables hide)."""
+        than ``K`` valid pages also lists pages past its end, which the tables hide; with top-p the pages it drops
+        read ``-1``). ``scale``: the softmax scale of top-p's mass (``None``: the plan's)."""
+        pages, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
+        return pages if keep is None else torch.where(keep, pages, -1)
+
+    def _select_ranked(self, q4, k_min, k_max, window_left: int, qg, scale):
+        """``(pages [B, Hkv, K] in rank order, keep [B, Hkv, K] bool or None)``: the capacity's pages and, with
+        top-p, which of them it keeps (:func:`~tinyattn.ops.selection.torch_impl.top_p_keep`)."""
         step = self.step
         if qg is None:
             qg = group_queries(q4, step.num_kv_heads, q4.dtype if q4.dtype in _EXACT else torch.float32)
@@ -173,16 +182,21 @@ class TorchPlan:
                                                          step.page_size)
             every = all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens)
             self._phys = (phys, None if every else valid)          # no mask to apply when every page is valid
-        if _spans.recorder is None and window_left < 0:              # the decode layer: no span, no window
-            return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys),
-                                             self._keys)
+        top_p = step.top_p if step.top_p is not None and step.top_p < 1.0 else None
+        if _spans.recorder is None and window_left < 0 and top_p is None:      # the decode layer: no span, no window
+            return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys,
+                                                                         step.gamma), self._keys), None
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
-            scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys)      # [B, Hkv, pages]
+            scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys, step.gamma)   # [B, Hkv, pages]
             scores = selection_torch.mask_pages_before_window(scores, self.seq_lens, step.page_size,
                                                               step.num_query_tokens, window_left)
         with span("topk", scores=scores, seq_lens=self.seq_lens, page_budget=step.page_budget):
-            return selection_torch.top_pages(scores, self._keys)
+            pages = selection_torch.top_pages(scores, self._keys)
+            if top_p is None:
+                return pages, None
+            return pages, selection_torch.top_p_keep(scores, pages, self._keys, top_p,
+                                                     step.scale if scale is None else scale)
 
     # ------------------------------------------------------------------------------ rows and masks
     def _page_tables(self, pages: torch.Tensor, window_left: int):
@@ -253,7 +267,7 @@ class TorchPlan:
             self._tables[key] = (rows, None if visible is None else self._grouped(self._additive(visible)), n)
         return self._tables[key]
 
-    def _selected_rows(self, pages: torch.Tensor, window_left: int):
+    def _selected_rows(self, pages: torch.Tensor, window_left: int, keep: torch.Tensor | None = None):
         """Rows and mask of the pages a selection kept (:meth:`select`, rank order), gathered from the step's tables
         of every page.
 
@@ -261,7 +275,8 @@ class TorchPlan:
         pages first, then sinks, then scored pages, then pages past a short row's end;
         :func:`~tinyattn.ops.selection.torch_impl.top_pages`), and only recent pages and invalid ones hide slots. So
         it is the mask of the template selection made with equal scores, gathered once per step; a window's mask
-        depends on the pages and is gathered per call."""
+        depends on the pages and is gathered per call. ``keep`` ``[B, Hkv, K]`` (top-p): the pages it drops are
+        hidden whole (the shapes stay the capacity's)."""
         key = ("sparse", window_left)
         step = self.step
         B, Hkv, page_size = step.batch, step.num_kv_heads, step.page_size
@@ -276,7 +291,11 @@ class TorchPlan:
             self._tables[key] = (rows, bias, fixed)
         rows, bias, fixed = self._tables[key]
         rows = rows.gather(2, pages[..., None].expand(B, Hkv, K, page_size))                 # [B, Hkv, K, page_size]
-        return rows.view(-1), fixed if fixed is not None else self._gathered_bias(bias, pages), K * page_size
+        bias = fixed if fixed is not None else self._gathered_bias(bias, pages)              # [B, Hkv, M, K * ps]
+        if keep is not None:
+            dropped = torch.where(keep, 0.0, NEG_INF)[:, :, None, :, None].expand(B, Hkv, 1, K, page_size)
+            bias = bias + dropped.reshape(B, Hkv, 1, K * page_size).to(bias.dtype)
+        return rows.view(-1), bias, K * page_size
 
     def _gathered_bias(self, bias: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """The ``[B, Hkv, Tq, pages, page_size]`` mask table at ``pages`` ``[B, Hkv, K]``, as SDPA's

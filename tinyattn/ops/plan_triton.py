@@ -60,6 +60,9 @@ class TritonPlan:
         self._lse = self._buffer("lse", (cap_b, Tq, Hq), torch.float32)[:B]
         budget = step.page_budget
         self._selected = None if budget is None else self._buffer("selected", (cap_b, Hkv, budget), torch.int32)[:B]
+        # top-p prunes the capacity selection into a second buffer (the filter reads one and writes the other)
+        self._top_p = step.top_p if budget is not None and step.top_p is not None and step.top_p < 1.0 else None
+        self._kept = None if self._top_p is None else self._buffer("kept", (cap_b, Hkv, budget), torch.int32)[:B]
         # selection in two stages (kernels/chunk_topk.py) when B * Hkv programs would leave the GPU idle or rows
         # are long; its candidate workspace is allocated here, never in forward()
         self._chunks = None
@@ -126,7 +129,7 @@ class TritonPlan:
             return attention_torch.finish_output(q, o, lse, return_lse, out)
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if k_min is not None and step.selects:
-            page_indices = self.select(q4, k_min, k_max, window_left)
+            page_indices = self.select(q4, k_min, k_max, window_left, scale=scale)
             selection = step.selection
         elif page_indices is not None:
             selection = dict(step.selection, page_budget=page_indices.shape[-1])
@@ -147,9 +150,11 @@ class TritonPlan:
                                        v_scale=None if scales is None else scales[1], window_left=window_left)
         return attention_torch.finish_output(q, o4, lse, return_lse, out)
 
-    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
+    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, page_budget]`` (ascending, ``-1`` padded) of the Quest selection, written into
-        the plan's selection buffer (rewritten by the next layer's call)."""
+        the plan's selection buffer (rewritten by the next layer's call). With top-p the capacity selection is then
+        pruned into a second buffer (``kernels/topk.py::top_p_filter_kernel``; the two-stage path has its stage 1
+        write every valid page's score for it); ``scale``: the softmax scale of its mass (``None``: the plan's)."""
         step = self.step
         opts = dict(page_size=step.page_size, page_budget=step.page_budget, num_sink_pages=step.num_sink_pages,
                     num_recent_pages=step.num_recent_pages)
@@ -157,10 +162,12 @@ class TritonPlan:
                   page_size=step.page_size):
             if self._chunks is not None:       # fused bound + per-chunk top-k
                 selection_triton.score_chunks(q4, k_min, k_max, self._bt32, self._sl32, ws_key=self._ws_key,
-                                          ws_page=self._ws_page, window_left=window_left, meta=self._chunks, **opts)
+                                              ws_page=self._ws_page, window_left=window_left, meta=self._chunks,
+                                              gamma=step.gamma, scores=None if self._top_p is None else self._scores,
+                                              **opts)
             else:
                 selection_triton.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size,
-                                             out=self._scores)
+                                             out=self._scores, gamma=step.gamma)
                 if window_left >= 0:
                     selection_torch.mask_pages_before_window(self._scores, self._sl32, step.page_size,
                                                              step.num_query_tokens, window_left)
@@ -172,7 +179,13 @@ class TritonPlan:
             else:
                 selection_triton.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens,
                                               out=self._selected, **opts)
-        return self._selected
+            if self._top_p is None:
+                return self._selected
+            selection_triton.top_p_filter(self._scores, self._selected, self._sl32, page_size=step.page_size,
+                                          num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
+                                          num_query_tokens=step.num_query_tokens, top_p=self._top_p,
+                                          scale=step.scale if scale is None else scale, out=self._kept)
+        return self._kept
 
     def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
         """fp64 inputs on the Triton backend run the torch backend's plan (the kernels compute in fp32 at most)."""

@@ -17,6 +17,9 @@ __all__ = ["Step"]
 class Step(NamedTuple):
     """One step's sizes (DESIGN.md §2 names) and selection rules.
 
+    ``gamma``: the share of the box half-width in the page estimate (``1``: Quest's bound); ``top_p``: the estimated
+    attention mass a selection keeps (``None``: the whole ``page_budget``).
+
     ``lens``: the rows' ``seq_lens`` on the host, or ``None`` when planning made no host sync (trusted tables on a
     GPU); ``selects``: some row holds more than ``page_budget`` pages (or unknown: ``lens`` is ``None``);
     ``nothing``: no query sees any key (empty batch, no query token, all rows empty).
@@ -35,6 +38,8 @@ class Step(NamedTuple):
     num_sink_pages: int
     num_recent_pages: int
     scale: float
+    gamma: float
+    top_p: float | None
     lens: tuple | None
     selects: bool
     nothing: bool
@@ -46,6 +51,7 @@ class Step(NamedTuple):
 
     @property
     def selection(self) -> dict:
-        """The selection rules as keyword arguments (``page_budget``, ``num_sink_pages``, ``num_recent_pages``)."""
+        """The selection rules as keyword arguments (``page_budget``, ``num_sink_pages``, ``num_recent_pages``,
+        ``gamma``, ``top_p``)."""
         return dict(page_budget=self.page_budget, num_sink_pages=self.num_sink_pages,
-                    num_recent_pages=self.num_recent_pages)
+                    num_recent_pages=self.num_recent_pages, gamma=self.gamma, top_p=self.top_p)

@@ -427,8 +427,11 @@ def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale=
     return num_pages, page_size, Hkv, D
 
 
-def check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size) -> tuple[torch.Tensor, int]:
-    """Arguments of ``page_scores``; returns q as ``[B, Tq, Hq, D]`` and ``page_size``."""
+def check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size,
+                         gamma=1.0) -> tuple[torch.Tensor, int]:
+    """Arguments of ``page_scores`` (``gamma`` included: :func:`check_gamma`); returns q as ``[B, Tq, Hq, D]`` and
+    ``page_size``."""
+    check_gamma(gamma)
     q = check_query(q)
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     page_size = expect_int("page_size", page_size, 1)
@@ -446,8 +449,17 @@ def check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size) -> t
 
 
 def check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
-                        num_query_tokens) -> dict:
-    """Arguments of ``select_pages``; returns its keyword options as checked ints."""
+                        num_query_tokens, top_p=None, scale=None) -> dict:
+    """Arguments of ``select_pages``; returns its keyword options as checked ints (and ``top_p``, ``scale``: the
+    softmax scale of the mass, required with ``top_p``, a finite number > 0)."""
+    top_p = check_top_p(top_p)
+    if top_p is not None:
+        if scale is None:
+            raise ValueError(f"scale: expected the softmax scale of the estimated mass with top_p={top_p} (e.g. "
+                             f"head_dim ** -0.5 for page_scores' logits), got None")
+        scale = check_top_p_scale(scale)
+    elif scale is not None:
+        scale = check_scale(scale, 1)
     expect_tensor("scores", scores)
     expect_dim("scores", scores, (3,), "[B, Hkv, max_pages_per_seq]")
     expect_dtype("scores", scores, (torch.float32,))
@@ -468,7 +480,7 @@ def check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages
                              f"page_size), got range [{low}, {top}]")
     check_query_pages_fit(seq_lens, num_query_tokens, page_size, page_budget)
     return dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
-                num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens)
+                num_recent_pages=num_recent_pages, num_query_tokens=num_query_tokens, top_p=top_p, scale=scale)
 
 
 def check_sparse_selection(shapes: PagedShapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
@@ -530,6 +542,44 @@ def check_scale(scale, head_dim: int) -> float:
     return scale
 
 
+def check_gamma(gamma) -> float:
+    """``gamma``: the share of the box half-width in the page estimate (``q·c + gamma·|q|·r``), a real in ``[0, 1]``
+    (``1``: Quest's bound). Raises ``TypeError`` for a non-real (bool included), ``ValueError`` outside ``[0, 1]``."""
+    if type(gamma) is float and 0.0 <= gamma <= 1.0:         # the common case, without the slow ABC check
+        return gamma
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
+        raise TypeError(f"gamma: expected a real number in [0, 1] (1 = Quest's bound), got {type(gamma).__name__}")
+    gamma = float(gamma)
+    if not 0.0 <= gamma <= 1.0:                              # NaN fails too
+        raise ValueError(f"gamma: expected a number in [0, 1] (1 = Quest's bound), got {gamma}")
+    return gamma
+
+
+def check_top_p(top_p) -> float | None:
+    """``top_p``: ``None`` (a fixed budget) or the estimated attention mass to reach, a real in ``(0, 1]``.
+    Raises ``TypeError`` for a non-real (bool included), ``ValueError`` outside ``(0, 1]``."""
+    if top_p is None or (type(top_p) is float and 0.0 < top_p <= 1.0):
+        return top_p
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p: expected None or a real number in (0, 1], got {type(top_p).__name__}")
+    top_p = float(top_p)
+    if not 0.0 < top_p <= 1.0:                               # NaN fails too
+        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p}")
+    return top_p
+
+
+def check_top_p_scale(scale) -> float:
+    """The softmax scale of a top-p selection's estimated mass: a finite real ``> 0``."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number > 0 with top_p (the softmax scale of the estimated mass), "
+                        f"got {type(scale).__name__}")
+    scale = float(scale)
+    if not (0.0 < scale < float("inf")):
+        raise ValueError(f"scale: expected a finite number > 0 with top_p (the softmax scale of the estimated "
+                         f"mass), got {scale}")
+    return scale
+
+
 def check_kernel_page_size(page_size: int) -> None:
     """The Triton kernels tile pages with ``tl.arange(0, page_size)``: a power of two (vLLM uses 8/16/32)."""
     if page_size & (page_size - 1):
@@ -577,7 +627,7 @@ def check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_s
 
 class Call(NamedTuple):
     """A checked call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
-    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:13]``); ``plan_args``: the keyword
+    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:15]``); ``plan_args``: the keyword
     arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step; ``num_pages``: the pool's pages
     (the bound of the block-table ids, checked with the table values by :func:`check_step_values`)."""
     backend: str
@@ -594,8 +644,9 @@ _INDEX = (torch.int32, torch.int64)
 
 
 def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, window_left, page_budget=None,
-          num_sink_pages=0, num_recent_pages=1) -> Call:
-    """The :class:`Call` of checked arguments (``scale``, ``backend`` and ``window_left`` are checked here)."""
+          num_sink_pages=0, num_recent_pages=1, gamma=1.0, top_p=None) -> Call:
+    """The :class:`Call` of checked arguments (``scale``, ``backend`` and ``window_left`` are checked here;
+    ``gamma`` and ``top_p`` by the caller)."""
     Tq = 1 if q.dim() == 3 else q.shape[1]
     B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     if scale is None:
@@ -608,11 +659,13 @@ def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, wind
         backend = resolve_backend(backend, q.device)
     if type(window_left) is not int or window_left < -1:
         window_left = check_window_left(window_left)
+    if top_p is not None and scale <= 0:
+        check_top_p_scale(scale)
     step = (q.device, B, max_pages, Hq, num_kv_heads, D, page_size, Tq, page_budget, num_sink_pages,
-            num_recent_pages, scale)
+            num_recent_pages, scale, gamma, top_p)
     args = dict(num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size, num_query_tokens=Tq,
                 page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                scale=scale)
+                scale=scale, gamma=gamma, top_p=top_p)
     if backend == "triton":
         check_kernel_page_size(page_size)
     return Call(backend, scale, window_left, step, args, num_pages)
@@ -648,7 +701,8 @@ def check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, 
 
 
 def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
-                           num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left) -> Call:
+                           num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left,
+                           gamma=1.0, top_p=None) -> Call:
     """The arguments of :func:`tinyattn.sparse_paged_attention` but the table values: those of
     :func:`check_attention`, the pages (listed, or boxes of the pool's shape and a budget that holds the forced
     pages) and the window rule (no sink pages with a window and a selection by boxes). With ``page_indices`` the
@@ -662,16 +716,24 @@ def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indi
             and _plain_pools(q, k_cache, v_cache, block_table, seq_lens) and k_min.dtype == k_max.dtype
             and (k_min.dtype == k_cache.dtype or k_min.dtype in _FLOATS)
             and k_min.shape == k_max.shape == (k_cache.shape[0], k_cache.shape[2], k_cache.shape[3])
-            and k_min.device == q.device and k_max.device == q.device):
+            and k_min.device == q.device and k_max.device == q.device
+            and type(gamma) is float and 0.0 <= gamma <= 1.0
+            and (top_p is None or (type(top_p) is float and 0.0 < top_p <= 1.0))):
         num_pages, page_size, Hkv, _ = k_cache.shape
-        rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages)
+        rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                     gamma=gamma, top_p=top_p)
     else:
+        gamma, top_p = check_gamma(gamma), check_top_p(top_p)
         _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
         rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                        num_sink_pages, num_recent_pages, values=False)
         if page_indices is None:
             check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
+            rules.update(gamma=gamma, top_p=top_p)
         else:
+            if top_p is not None:
+                raise ValueError(f"top_p: expected None with page_indices (top_p prunes a selection by boxes: pass "
+                                 f"k_min, k_max and page_budget), got {top_p}")
             rules["page_budget"] = None
         num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
     call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left, **rules)

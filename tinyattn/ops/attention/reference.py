@@ -106,7 +106,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
 
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
-                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1):
+                           return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1, gamma=1.0,
+                           top_p=None):
     """Attention over the selected logical pages only. See :func:`tinyattn.sparse_paged_attention`.
 
     Duplicated page ids in ``page_indices`` raise ``ValueError`` here (the fast paths ignore them). Quantized
@@ -119,15 +120,19 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     V.check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget, num_sink_pages,
                              num_recent_pages)
     window_left = V.check_window_left(window_left)
+    V.check_gamma(gamma)
+    top_p = V.check_top_p(top_p)
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
     if page_indices is None:
         V.check_window_selection(window_left, num_sink_pages)
-        scores = selection.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size)
+        scores = selection.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size,
+                                       gamma=gamma)
         selection.mask_pages_before_window(scores, seq_lens, page_size=shapes.page_size,
                                            num_query_tokens=shapes.num_query_tokens, window_left=window_left)
         page_indices = selection.select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
                                     num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                                    num_query_tokens=shapes.num_query_tokens)
+                                    num_query_tokens=shapes.num_query_tokens, top_p=top_p,
+                                    scale=scale if top_p is not None else None)
 
     def selected(b, h):
         n = _cdiv(int(seq_lens[b]), shapes.page_size)

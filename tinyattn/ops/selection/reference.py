@@ -7,10 +7,14 @@ Simple loops per (row, KV head, page), written for clarity, not speed: the oracl
 scored in float64, everything else in float32.
 
 Method: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024,
-§3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2): ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i])``.
+§3.2) and TinyServe (Liu & Yu, arXiv 2509.12211, eq. 2): ``ub(q, j) = Σ_i max(q_i·k_min[j,i], q_i·k_max[j,i])``;
+with ``gamma < 1`` the box estimate ``q·c + gamma·|q|·r`` (issue 35); ``top_p``: Twilight's adaptive budget over the
+estimated attention mass (Lin et al., arXiv 2502.02770), the masses in fp64.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,12 +31,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=None):
-    """Upper bound ub(q, j) = sum_i max(q_i k_min_i, q_i k_max_i), max over the GQA group and Tq queries.
+def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, gamma=1.0, backend=None):
+    """Upper bound ub(q, j) = sum_i max(q_i k_min_i, q_i k_max_i), max over the GQA group and Tq queries; with
+    ``gamma < 1`` the box estimate ``sum_i a_i k_max_i + b_i k_min_i``, ``a = (q + gamma|q|)/2``,
+    ``b = (q - gamma|q|)/2`` (``= q·c + gamma·|q|·r``: box centre ``c``, half-width ``r``).
 
     Returns fp32 ``[B, Hkv, max_pages_per_seq]``, ``-inf`` for pages past each row's end.
     """
-    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size)
+    q4, page_size = V.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size, gamma)
+    gamma = float(gamma)
     B, Tq, Hq, D = q4.shape
     Hkv = k_min.shape[1]
     G = Hq // Hkv
@@ -44,7 +51,11 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, backend=No
             for h in range(Hkv):
                 qg = q4[b, :, h * G:(h + 1) * G].to(dt).cpu().reshape(-1, D)            # [Tq*G, D]
                 lo, hi = k_min[phys, h].to(dt).cpu(), k_max[phys, h].to(dt).cpu()      # [D]
-                ub = torch.maximum(qg * lo, qg * hi).sum(-1)                          # [Tq*G]
+                if gamma == 1.0:                                                     # Quest's bound
+                    ub = torch.maximum(qg * lo, qg * hi).sum(-1)                      # [Tq*G]
+                else:                                                                 # the box estimate
+                    pos, neg = (qg + gamma * qg.abs()) / 2, (qg - gamma * qg.abs()) / 2     # a, b
+                    ub = (pos * hi + neg * lo).sum(-1)                                # [Tq*G]
                 scores[b, h, j] = ub.max().float()
     return scores.to(q.device)
 
@@ -57,17 +68,34 @@ def _forced_pages(n: int, first_query_page: int, num_sink_pages: int, num_recent
     return order
 
 
+def _masses(row: torch.Tensor, scale: float) -> list[float]:
+    """``softmax(scale · row)`` of one row's valid pages in fp64, NaN as ``-inf`` and ``+inf`` as ``FLT_MAX``
+    (computed as ``exp(scale · (s - s_max)) / Σ``); all zeros when every score is ``-inf``."""
+    x = [float(v) for v in row.tolist()]
+    flt_max = float(torch.finfo(torch.float32).max)
+    x = [float("-inf") if v != v else min(v, flt_max) for v in x]
+    top = max(x, default=float("-inf"))
+    if top == float("-inf"):
+        return [0.0] * len(x)
+    e = [0.0 if v == float("-inf") else math.exp(scale * (v - top)) for v in x]
+    total = sum(e)
+    return [v / total for v in e]
+
+
 def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, num_recent_pages=1,
-                 num_query_tokens=1, backend=None):
-    """Top-``page_budget`` logical pages per (row, KV head): forced recent and sink pages, then best scores.
+                 num_query_tokens=1, top_p=None, scale=None, backend=None):
+    """Top-``page_budget`` logical pages per (row, KV head): forced recent and sink pages, then best scores; with
+    ``top_p`` only the fewest best pages whose mass ``softmax(scale · scores)`` (over the row's valid pages), with
+    the forced pages', reaches ``top_p`` (Twilight, arXiv 2502.02770), within ``page_budget``.
 
     Returns int32 ``[B, Hkv, page_budget]``, ascending, ``-1`` padded. NaN scores count as ``-inf``; ties
     (``-inf`` vs ``-inf`` and NaN vs ``-inf`` included) go to the lower page index.
     """
     opts = V.check_select_inputs(scores, seq_lens, page_size, page_budget, num_sink_pages, num_recent_pages,
-                                 num_query_tokens)
+                                 num_query_tokens, top_p, scale)
     page_size, page_budget, num_query_tokens = opts["page_size"], opts["page_budget"], opts["num_query_tokens"]
     num_sink_pages, num_recent_pages = opts["num_sink_pages"], opts["num_recent_pages"]
+    top_p, scale = opts["top_p"], opts["scale"]
     B, Hkv, _ = scores.shape
     out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32)
     for b in range(B):
@@ -75,7 +103,10 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
         n = _cdiv(n_tokens, page_size)
         first_query_page = max(n_tokens - num_query_tokens, 0) // page_size
         for h in range(Hkv):
-            if n <= page_budget:
+            if top_p is not None:
+                keep = _top_p_pages(scores[b, h, :n].float().cpu(), n, first_query_page, page_budget, num_sink_pages,
+                                    num_recent_pages, top_p, scale)
+            elif n <= page_budget:
                 keep = list(range(n))
             else:
                 keep = _forced_pages(n, first_query_page, num_sink_pages, num_recent_pages)[:page_budget]
@@ -87,6 +118,22 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages=0, 
             out[b, h, : len(keep)] = torch.tensor(keep, dtype=torch.int32)
     return out.to(scores.device)
 
+
+
+def _top_p_pages(row, n, first_query_page, page_budget, num_sink_pages, num_recent_pages, top_p, scale) -> list:
+    """The top-p rule on one (row, KV head): the forced pages (within the budget) and their mass first, then the
+    scored pages in rank order while the mass kept so far is below ``top_p`` and the budget has room."""
+    keep = _forced_pages(n, first_query_page, num_sink_pages, num_recent_pages)[:page_budget]
+    mass = _masses(row, scale)
+    kept = sum(mass[j] for j in keep)
+    clean = torch.where(torch.isnan(row), float("-inf"), row)
+    ranked = sorted((j for j in range(n) if j not in keep), key=lambda j: (-clean[j].item(), j))
+    for j in ranked:
+        if len(keep) >= page_budget or (kept >= top_p and top_p < 1.0):
+            break
+        keep.append(j)
+        kept += mass[j]
+    return keep
 
 
 def mask_pages_before_window(scores, seq_lens, *, page_size: int, num_query_tokens: int, window_left: int):

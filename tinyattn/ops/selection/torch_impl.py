@@ -10,7 +10,8 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
 - **Bound** (:func:`page_bounds`, Quest §3.2 / TinyServe eq. 2): two matmuls per KV head,
   ``q⁺·k_max + q⁻·k_min`` with ``q⁺ = max(q, 0)`` and ``q⁻ = min(q, 0)``, which equals
   ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` term by term, maximised over the group's query heads and the row's
-  queries. When the rows use most of the page pool (always the case for one sequence) the matmuls run over the
+  queries; with ``gamma < 1`` the same two matmuls take the box estimate's operands ``(q ± gamma|q|)/2``
+  (:func:`box_operands`). When the rows use most of the page pool (always the case for one sequence) the matmuls run over the
   pool's boxes in place (strided views, no copy) and the step's pages are picked afterwards, so the boxes are read
   exactly once; otherwise the rows' boxes are gathered first.
 - **Selection** (:func:`selection_keys` once per step, :func:`top_pages` per layer): forced pages (the recent /
@@ -19,6 +20,9 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
   take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then
   ``max_pages - 1 - j``),
   much cheaper than sorting thousands of pages. Both encode the one order above.
+- **Top-p** (:func:`top_p_keep`, Twilight's adaptive budget): over the capacity's pages in rank order, the masses
+  ``softmax(scale · score)`` gathered, an exclusive ``cumsum`` of the scored pages' after the forced pages' mass, and
+  a mask: fixed shapes ``[B, Hkv, page_budget]``, no host sync.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import torch
 from ..attention.torch_impl import first_window_key
 from ..layout import NEG_INF, group_queries, math_dtype, num_valid_pages
 
-__all__ = ["float_order_key", "canonical_page_indices", "physical_pages", "page_bounds", "page_scores",
-           "mask_pages_before_window", "selection_keys", "top_pages", "select_pages"]
+__all__ = ["float_order_key", "canonical_page_indices", "physical_pages", "box_operands", "page_bounds", "page_scores",
+           "mask_pages_before_window", "selection_keys", "top_pages", "top_p_keep", "select_pages"]
 
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
@@ -50,16 +54,30 @@ def physical_pages(block_table: torch.Tensor, seq_lens: torch.Tensor,
     return torch.where(valid, block_table.to(torch.int64), 0), valid
 
 
+def box_operands(q: torch.Tensor, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two query operands of the box estimate: ``(a, b)`` with ``a = (q + gamma|q|)/2`` (read against
+    ``k_max``) and ``b = (q - gamma|q|)/2`` (against ``k_min``), so ``a·k_max + b·k_min = q·c + gamma·|q|·r``.
+
+    ``gamma = 1``: ``(q⁺, q⁻)`` as ``clamp`` computes them (Quest's bound, bit for bit; the formula gives the same
+    values in floating point: ``(q + |q|)/2`` is ``q`` or ``0`` exactly while ``2|q|`` does not overflow)."""
+    if gamma == 1.0:
+        return q.clamp(min=0), q.clamp(max=0)
+    g = q.abs().mul_(gamma)
+    return (q + g).mul_(0.5), (q - g).mul_(0.5)
+
+
 def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys: torch.Tensor,
-                valid: torch.Tensor | None) -> torch.Tensor:
-    """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages: fp32 ``[B, Hkv, max_pages]``, ``-inf``
-    where not ``valid``.
+                valid: torch.Tensor | None, gamma: float = 1.0) -> torch.Tensor:
+    """Quest bound ``Σ_i max(q_i·k_min_i, q_i·k_max_i)`` of logical pages (``gamma = 1``), or the box estimate
+    ``Σ_i a_i·k_max_i + b_i·k_min_i`` (:func:`box_operands`): fp32 ``[B, Hkv, max_pages]``, ``-inf`` where not
+    ``valid``.
 
     Args:
         qg: ``[B, Hkv, M, D]`` grouped queries (:func:`group_queries`, ``M = Tq * G``), fp32 or fp64.
         k_min, k_max: ``[num_pages, Hkv, D]`` boxes (any float dtype; computed in ``qg``'s dtype).
         phys, valid: ``[B, max_pages]`` from :func:`physical_pages`; ``valid=None`` when every page is valid (a plan
             knows).
+        gamma: the share of the half-width, in ``[0, 1]`` (``1``: Quest's bound).
     """
     B, Hkv, M, D = qg.shape
     max_pages, N = phys.shape[1], k_min.shape[0]
@@ -73,7 +91,8 @@ def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys
         if lo.dtype != dt:
             lo, hi = lo.to(dt), hi.to(dt)
         # two bmm + add_: baddbmm over these strided views ran 1.4x slower (docs/benchmarks.md)
-        ub = torch.bmm(qp.clamp(max=0), lo).add_(torch.bmm(qp.clamp(min=0), hi))      # [Hkv, B*M, N]
+        pos, neg = box_operands(qp, gamma)
+        ub = torch.bmm(neg, lo).add_(torch.bmm(pos, hi))                                # [Hkv, B*M, N]
         ub = (ub if M == 1 else ub.view(Hkv, B, M, N).amax(2)).view(Hkv, B, N)         # [Hkv, B, N]
         scores = torch.gather(ub, 2, phys[None].expand(Hkv, B, max_pages)).transpose(0, 1)      # [B, Hkv, max_pages]
     else:
@@ -83,16 +102,17 @@ def page_bounds(qg: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys
         hi = k_max.reshape(-1, D).index_select(0, rows).view(B * Hkv, max_pages, D)
         if lo.dtype != dt:
             lo, hi = lo.to(dt), hi.to(dt)
-        scores = torch.bmm(lo, qt.clamp(max=0)).add_(torch.bmm(hi, qt.clamp(min=0))).amax(-1).view(B, Hkv, max_pages)
+        pos, neg = box_operands(qt, gamma)
+        scores = torch.bmm(lo, neg).add_(torch.bmm(hi, pos)).amax(-1).view(B, Hkv, max_pages)
     scores = scores if scores.dtype == torch.float32 else scores.float()
     return scores if valid is None else scores.masked_fill(~valid[:, None, :], NEG_INF)
 
 
-def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size):
+def page_scores(q4, k_min, k_max, block_table, seq_lens, *, page_size, gamma=1.0):
     """The public ``page_scores`` on validated inputs: fp32 ``[B, Hkv, max_pages]`` (:func:`page_bounds`)."""
     phys, valid = physical_pages(block_table, seq_lens, page_size)
     qg = group_queries(q4, k_min.shape[1], math_dtype(q4))
-    return page_bounds(qg, k_min, k_max, phys, valid).contiguous()
+    return page_bounds(qg, k_min, k_max, phys, valid, gamma).contiguous()
 
 
 def selection_keys(seq_lens: torch.Tensor, num_pages: int, *, page_size: int, page_budget: int,
@@ -149,9 +169,36 @@ def top_pages(scores: torch.Tensor, keys: dict) -> torch.Tensor:
     return torch.topk(key, keys["K"], dim=-1, largest=True, sorted=True).indices
 
 
-def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens):
+def top_p_keep(scores: torch.Tensor, ranked: torch.Tensor, keys: dict, top_p: float, scale: float) -> torch.Tensor:
+    """Which of the capacity's pages ``ranked`` ``[B, Hkv, K]`` (rank order, :func:`top_pages`) the top-p rule keeps:
+    bool ``[B, Hkv, K]`` (Twilight, Lin et al., arXiv 2502.02770: top-p over the estimated attention mass).
+
+    A page's estimated mass is ``softmax(scale · score)`` over the row's valid pages (NaN as ``-inf``, ``+inf`` as
+    ``FLT_MAX``; computed as ``exp(scale · (s - s_max)) / Σ``; a row whose scores are all ``-inf`` weighs 0
+    everywhere). The forced pages of the capacity are kept and their mass ``F`` counted first; a scored page at rank
+    ``i`` is kept while ``F`` plus the mass of the scored pages ranked before it is below ``top_p``: the fewest best
+    pages whose mass, with the forced pages', reaches ``top_p``. ``top_p >= 1`` keeps the capacity. Fixed shapes,
+    no host sync."""
+    if top_p >= 1.0:
+        return torch.ones(ranked.shape, dtype=torch.bool, device=ranked.device)
+    valid, forced = keys["valid"], keys["forced"] & keys["valid"]                      # [B, 1, P]
+    x = scores.float().nan_to_num(nan=NEG_INF, posinf=_FLT_MAX, neginf=NEG_INF).masked_fill(~valid, NEG_INF)
+    top = x.amax(-1, keepdim=True)                                                     # [B, Hkv, 1]
+    e = torch.where(x == NEG_INF, 0.0, ((x - top) * scale).exp())                     # [B, Hkv, P]
+    total = e.sum(-1, keepdim=True)
+    mass = torch.where(total > 0, e / total, 0.0).gather(-1, ranked)                   # [B, Hkv, K] in rank order
+    is_forced = forced.expand(*scores.shape[:2], -1).gather(-1, ranked)
+    scored = torch.where(is_forced, 0.0, mass)
+    before = scored.cumsum(-1)
+    before = torch.cat([torch.zeros_like(before[..., :1]), before[..., :-1]], -1)       # exclusive: ranked above
+    reached = torch.where(is_forced, mass, 0.0).sum(-1, keepdim=True) + before
+    return is_forced | (reached < top_p)
+
+
+def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, num_recent_pages, num_query_tokens,
+                 top_p=None, scale=1.0):
     """The public ``select_pages`` on validated inputs: int32 ``[B, Hkv, page_budget]``, ascending, ``-1``
-    padded (:func:`selection_keys` + :func:`top_pages`)."""
+    padded (:func:`selection_keys` + :func:`top_pages`, then :func:`top_p_keep` with ``top_p``)."""
     B, Hkv, max_pages = scores.shape
     if B * Hkv * max_pages == 0:                                                                # no page to keep
         return torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
@@ -160,8 +207,11 @@ def select_pages(scores, seq_lens, *, page_size, page_budget, num_sink_pages, nu
                           num_query_tokens=num_query_tokens)
     chosen = top_pages(scores, keys)
     n = num_valid_pages(seq_lens.to(scores.device), page_size)[:, None, None]
+    keep = chosen < n
+    if top_p is not None:
+        keep &= top_p_keep(scores, chosen, keys, top_p, scale)
     # max_pages stands for "none": it sorts last
-    chosen = torch.sort(torch.where(chosen < n, chosen, max_pages), dim=-1).values
+    chosen = torch.sort(torch.where(keep, chosen, max_pages), dim=-1).values
     out = torch.full((B, Hkv, page_budget), -1, dtype=torch.int32, device=scores.device)
     out[..., : keys["K"]] = torch.where(chosen < max_pages, chosen, -1).to(torch.int32)
     return out

@@ -1,6 +1,7 @@
-"""The Triton form of scoring and selection: launchers of ``kernels/scoring.py`` (the Quest bound),
-``kernels/topk.py`` (one-stage selection, one program per (row, KV head)) and ``kernels/chunk_topk.py`` (the
-two-stage selection: fused bound + per-chunk top-k, then a merge).
+"""The Triton form of scoring and selection: launchers of ``kernels/scoring.py`` (the Quest bound, or the box
+estimate with ``gamma < 1``), ``kernels/topk.py`` (one-stage selection, one program per (row, KV head), and the top-p
+filter of a capacity selection) and ``kernels/chunk_topk.py`` (the two-stage selection: fused bound + per-chunk
+top-k, then a merge; with top-p stage 1 also writes every valid page's score, which the filter reads).
 
 Launchers take canonical, validated tensors (int32 tables, preallocated outputs) and make one launch each, with
 keyword arguments; the block sizes come from the kernel modules' ``*_blocks`` functions (shared with the compile
@@ -13,14 +14,15 @@ import triton
 
 from ...kernels.chunk_topk import merge_chunks_kernel, score_chunk_topk_kernel
 from ...kernels.scoring import page_scores_kernel, score_blocks
-from ...kernels.topk import select_pages_kernel, topk_blocks
+from ...kernels.topk import select_pages_kernel, top_p_blocks, top_p_filter_kernel, topk_blocks
 
-__all__ = ["page_scores", "select_pages", "score_chunks", "merge_chunks", "score_and_select_pages"]
+__all__ = ["page_scores", "select_pages", "top_p_filter", "score_chunks", "merge_chunks", "score_and_select_pages"]
 
 
 def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, *, page_size: int, out: torch.Tensor) -> None:
-    """Write ``ub`` of every logical page into ``out`` ``[B, Hkv, max_pages]`` fp32.
+                seq_lens: torch.Tensor, *, page_size: int, out: torch.Tensor, gamma: float = 1.0) -> None:
+    """Write ``ub`` of every logical page (the box estimate with ``gamma < 1``) into ``out`` ``[B, Hkv, max_pages]``
+    fp32.
 
     q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32;
     seq_lens ``[B]`` int32. Pages ``j >= cdiv(seq_len, page_size)`` get ``-inf``.
@@ -40,7 +42,7 @@ def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block
         stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
         stride_bt=block_table.stride(0),
         stride_ob=out.stride(0), stride_oh=out.stride(1), stride_oj=out.stride(2),
-        MAXP=max_pages, TQ=num_queries, D=head_dim, **meta,
+        MAXP=max_pages, TQ=num_queries, D=head_dim, GAMMA=float(gamma), **meta,
     )
 
 
@@ -67,13 +69,15 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int
 def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
                  num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
-                 window_left: int = -1) -> None:
+                 window_left: int = -1, gamma: float = 1.0, scores: torch.Tensor | None = None) -> None:
     """Stage 1: each chunk's candidates (order keys, logical pages, ascending, -1 padded) into the workspace.
 
     q ``[B, Tq, Hq, D]``; k_min/k_max ``[num_pages, Hkv, D]``; block_table ``[B, max_pages]`` int32; seq_lens
     ``[B]`` int32 (including the Tq queries). ``meta`` from :func:`chunk_blocks`; ``ws_key`` / ``ws_page``
     ``workspace_shape(...)`` int32 with unit last stride (preallocated by the plan, overwritten).
-    ``window_left`` >= 0: pages wholly before the earliest query's window score ``-inf``.
+    ``window_left`` >= 0: pages wholly before the earliest query's window score ``-inf``. ``scores``: a
+    ``[B, Hkv, max_pages]`` fp32 buffer (unit last stride) that also receives the score of every valid page (the
+    forced ones included; what :func:`top_p_filter` reads), or ``None``.
     """
     batch, num_queries, _, head_dim = q.shape
     num_kv_heads, max_pages = k_min.shape[1], block_table.shape[1]
@@ -82,14 +86,19 @@ def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, bloc
     assert ws_key.shape[-1] >= meta["NC"] * meta["KC"]
     if batch == 0 or num_kv_heads == 0 or max_pages == 0 or page_budget == 0:
         return
+    if scores is not None:
+        assert scores.stride(-1) == 1 and tuple(scores.shape) == (batch, num_kv_heads, max_pages)
+    out_scores = ws_key if scores is None else scores          # a dummy pointer when not written (SCORES=False)
     score_chunk_topk_kernel[(batch, num_kv_heads, meta["NC"])](
         q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, ws_key=ws_key, ws_page=ws_page,
+        scores=out_scores, stride_sb=out_scores.stride(0), stride_sh=out_scores.stride(1),
         stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
         stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
         stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
         stride_bt=block_table.stride(0), stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
         MAXP=max_pages, TQ=num_queries, D=head_dim, BUDGET=page_budget, NUM_SINK=num_sink_pages,
-        NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], **meta["stage1"],
+        NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], GAMMA=float(gamma), **meta["stage1"],
+        SCORES=scores is not None,
     )
 
 
@@ -112,15 +121,39 @@ def merge_chunks(ws_key: torch.Tensor, ws_page: torch.Tensor, seq_lens: torch.Te
     )
 
 
+def top_p_filter(scores: torch.Tensor, selected: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int,
+                 num_sink_pages: int, num_recent_pages: int, num_query_tokens: int, top_p: float, scale: float,
+                 out: torch.Tensor) -> None:
+    """The pages of the capacity selection ``selected`` ``[B, Hkv, page_budget]`` int32 (ascending, -1 padded) that
+    top-p keeps, into ``out`` (same shape, another buffer): ``kernels/topk.py::top_p_filter_kernel``.
+
+    scores ``[B, Hkv, max_pages]`` fp32: the scores ``selected`` was chosen by, every valid page's (forced ones
+    included); seq_lens ``[B]`` int32; ``top_p`` in ``(0, 1]``, ``scale`` > 0 the softmax scale of the mass.
+    """
+    batch, num_kv_heads, page_budget = selected.shape
+    if batch == 0 or num_kv_heads == 0 or page_budget == 0:
+        return
+    max_pages = scores.shape[2]
+    top_p_filter_kernel[(batch, num_kv_heads)](
+        scores=scores, sel=selected, seq_lens=seq_lens, out=out,
+        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
+        stride_cb=selected.stride(0), stride_ch=selected.stride(1), stride_ck=selected.stride(2),
+        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
+        TQ=num_query_tokens, TOP_P=float(top_p), SCALE=float(scale),
+        **top_p_blocks(max_pages, page_budget, page_size),
+    )
+
+
 def score_and_select_pages(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, *, page_size: int, page_budget: int, num_sink_pages: int,
                            num_recent_pages: int, meta: dict, ws_key: torch.Tensor, ws_page: torch.Tensor,
-                           out: torch.Tensor, window_left: int = -1) -> None:
+                           out: torch.Tensor, window_left: int = -1, gamma: float = 1.0) -> None:
     """``select_pages(page_scores(q, ...))`` into ``out`` ``[B, Hkv, page_budget]`` int32, in two launches
     (:func:`score_chunks`, then :func:`merge_chunks`); arguments as theirs."""
     opts = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                 num_recent_pages=num_recent_pages, meta=meta)
     score_chunks(q, k_min, k_max, block_table, seq_lens, ws_key=ws_key, ws_page=ws_page, window_left=window_left,
-                 **opts)
+                 gamma=gamma, **opts)
     merge_chunks(ws_key, ws_page, seq_lens, max_pages=block_table.shape[1], num_query_tokens=q.shape[1], out=out,
                  **opts)

@@ -1,0 +1,62 @@
+"""``gamma`` and ``top_p`` through :class:`tinyattn.layer.SparsityConfig`, :class:`tinyattn.layer.PagedAttention` and
+:class:`tinyattn.models.LlamaRuntime` (issue 35): validated once, passed to the plan, and the layer's fused decode
+equals the reference op with the same settings; ``top_p=1.0`` with a covering capacity generates dense's tokens."""
+import pytest
+import torch
+
+import tinyattn
+from tinyattn import reference as R
+from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.models import LlamaRuntime
+
+from model_fixtures import model, tok  # noqa: F401 (fixtures)
+from paged_problems import make_problem
+from paths import CKPT, TOKENIZER
+
+needs_model = pytest.mark.skipif(not CKPT.exists() or not TOKENIZER.exists(), reason=f"{CKPT} is missing")
+
+BACKENDS = ["torch", "triton"]
+
+
+def test_sparsity_config_checks_gamma_and_top_p():
+    s = SparsityConfig(page_budget=8, gamma=0.25, top_p=0.9)
+    assert (s.gamma, s.top_p) == (0.25, 0.9)
+    assert (SparsityConfig().gamma, SparsityConfig().top_p) == (1.0, None)
+    with pytest.raises(ValueError, match="gamma"):
+        SparsityConfig(page_budget=8, gamma=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SparsityConfig(page_budget=8, top_p=0.0)
+    with pytest.raises(TypeError, match="top_p"):
+        SparsityConfig(page_budget=8, top_p="0.9")
+    with pytest.raises(ValueError, match="policy"):            # settings of the quest selection only
+        SparsityConfig(page_budget=8, policy="oracle", top_p=0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_layer_decodes_with_the_configs_gamma_and_top_p(backend):
+    p = make_problem(2, batch=2, seq_lens=[37, 61], page_size=4, num_kv_heads=2, group=2, head_dim=16,
+                     logit_scale=3.0)
+    k_min, k_max = p.bounds()
+    attn = PagedAttention(SparsityConfig(page_budget=6, num_sink_pages=0, gamma=0.25, top_p=0.7), backend=backend)
+    attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, decode=True)
+    assert (attn.plan.step.gamma, attn.plan.step.top_p) == (0.25, 0.7)
+    got = attn(0, p.q[:, 0], p.k_cache, p.v_cache, k_min, k_max)
+    want = R.sparse_paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=k_min,
+                                    k_max=k_max, page_budget=6, gamma=0.25, top_p=0.7)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    attn.metrics = tinyattn.SelectionMetrics()                # the policy route (metrics on) selects the same pages
+    attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, decode=True)
+    torch.testing.assert_close(attn(0, p.q[:, 0], p.k_cache, p.v_cache, k_min, k_max), want, atol=2e-5, rtol=1e-4)
+
+
+@needs_model
+def test_runtime_top_p_one_with_a_covering_capacity_generates_dense_tokens(model, tok):  # noqa: F811
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
+    dense = LlamaRuntime(model, page_size=4, backend="torch").generate([prompt], max_new_tokens=24)
+    full = LlamaRuntime(model, page_size=4, page_budget=64, num_sink_pages=0, gamma=0.25, top_p=1.0,
+                        backend="torch").generate([prompt], max_new_tokens=24)
+    assert full.tokens == dense.tokens
+    rt = LlamaRuntime(model, page_size=4, page_budget=8, gamma=0.25, top_p=0.9, backend="torch")
+    assert "gamma=0.25, top_p=0.9" in repr(rt)
+    assert len(rt.generate([prompt], max_new_tokens=8).tokens[0]) == 8
