@@ -1,7 +1,7 @@
 """The compile tier records the box estimate and top-p (issue 35): the default rows ``bench-32K-top-p`` (two-stage
 selection, stage 1 writing every valid page's score) and ``b32-2K-top-p`` (one-stage select) launch the top-p
 filter, so ``python -m tinyattn.kernels.compile`` compiles it for sm_80 / sm_90 with the GPU JIT's
-specialisations (tests/test_kernels_compile.py compiles every recorded launch)."""
+specialisations (tests/kernels/test_compile.py compiles every recorded launch)."""
 import os
 import sys
 from pathlib import Path
