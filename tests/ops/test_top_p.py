@@ -19,6 +19,7 @@ from tinyattn.kernels import chunk_topk
 from tinyattn.ops import custom_ops
 from tinyattn.ops.selection import reference as selection_reference
 
+from host_calls import watch_host_calls
 from paged_problems import make_problem
 
 BACKENDS = ["torch", "triton"]          # triton runs in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
@@ -278,38 +279,13 @@ def test_the_custom_op_selects_what_the_eager_plan_selects(backend):
                                atol=1e-6, rtol=1e-6)
 
 
-# ------------------------------------------------------------------------------ graph mode (issue 26's watcher)
-_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
-_FACTORIES = ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "tensor",
-              "arange", "empty_strided")
-
-
-def _from_tinyattn() -> bool:
-    """Whether the frame that called the patched function is tinyattn's own code (the Triton interpreter itself
-    moves launch arguments through numpy: the stand-in for a GPU, not a host sync of tinyattn's)."""
-    import sys
-    name = sys._getframe(2).f_globals.get("__name__", "")
-    return name == "tinyattn" or name.startswith("tinyattn.")
-
-
-def _watch(monkeypatch, seen):
-    for name in _SYNCS:
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _r=real, _n=name, **k: (_from_tinyattn() and seen.append(_n), _r(self, *a, **k))[1])
-    for name in _FACTORIES:
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _r=real, _n=name, **k: (_from_tinyattn() and seen.append(_n), _r(*a, **k))[1])
-    for name in ("new_empty", "new_zeros", "new_full", "new_ones", "new_tensor", "clone"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _r=real, _n=name, **k: (_from_tinyattn() and seen.append(_n), _r(self, *a, **k))[1])
+# ---- graph mode (the watcher of tests/host_calls.py) ---------------------------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2])
 def test_graph_mode_with_gamma_and_top_p_allocates_nothing_and_never_syncs(monkeypatch, stages):
-    """The graph-mode contract (tests/test_plan_contract.py) with the box estimate and top-p, on the Triton path's
+    """The graph-mode contract (tests/ops/test_plan.py) with the box estimate and top-p, on the Triton path's
     one- and two-stage selections: after one warm-up step, plan() + run() with new tables allocate no tensor, read
     no value on the host, keep every buffer's storage, and equal the reference."""
     use = stages == 2
@@ -332,7 +308,7 @@ def test_graph_mode_with_gamma_and_top_p_allocates_nothing_and_never_syncs(monke
         seen = []
         monkeypatch.setattr(chunk_topk, "use_two_stage", lambda *a, **kw: use)
         if step > 0:
-            _watch(monkeypatch, seen)
+            watch_host_calls(monkeypatch, seen)
         plans.plan(table, lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=S, page_budget=budget,
                    trusted=True, max_batch=cap_b, max_pages_per_seq=cap_p, gamma=0.25, top_p=0.8)
         got = plans.run(q, k, v, k_min=k_min, k_max=k_max, out=out)
