@@ -1,0 +1,165 @@
+"""bench/smollm2_ruler.py end to end on a tiny real model (stories260K as a Hugging Face folder, its 512-token
+tokenizer): lm-eval's RULER samples and prompts, the runner's decoding against stock transformers, RULER's score,
+resume, the attended-pages record and the report. Skipped without lm-eval (the ``eval`` extra).
+
+Expected values come from outside the code under test: lm-eval's generator called directly under the same seed,
+the task YAML's prompt rule (``input + " " + gen_prefix``), stock transformers' greedy ``generate``, a substring
+test of the reference answers, Wilson intervals from a published table, and the count of pages a budget holds.
+"""
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="RULER's generators come from lm-eval (the eval extra: pip install -e '.[eval]')")
+pytest.importorskip("wonderwords")
+pytest.importorskip("transformers")
+pytest.importorskip("scipy")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTEXT = 512                      # stories260K's max_seq_len; RULER leaves 128 tokens for the answer
+SAMPLES = 3
+POLICIES = "dense,quest,streaming,h2o"
+BUDGETS = "1,1/8"                  # the whole context (must equal dense), and 4 pages
+
+
+def _runner():
+    bench = str(ROOT / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    spec = importlib.util.spec_from_file_location("bench_smollm2_ruler", ROOT / "bench" / "smollm2_ruler.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The runner's first run on the tiny model: (module, out folder, model folder, argv)."""
+    from tinyattn.assets import default_model_path, default_tokenizer_path
+    from tinyattn.integrations.convert import convert
+
+    base = tmp_path_factory.mktemp("ruler")
+    folder = convert(default_model_path(), base / "stories260K_hf", tokenizer_path=default_tokenizer_path())
+    out = base / "out"
+    argv = ["--out", str(out), "--model", str(folder), "--tasks", "niah_single_1", "--contexts", str(CONTEXT),
+            "--samples", str(SAMPLES), "--policies", POLICIES, "--budgets", BUDGETS, "--batch", "2",
+            "--page-size", "16", "--threads", "1"]
+    module = _runner()
+    assert module.main(argv) == 0
+    return module, out, folder, argv
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "results" / f"niah_single_1_{CONTEXT}.jsonl").read_text().splitlines()]
+
+
+def test_samples_are_lm_evals_own(run):
+    """The stored samples are what lm-eval's niah_single_1 generator draws after random.seed(0), and each prompt is
+    the doc's input, the YAML's target delimiter (a space) and its gen_prefix."""
+    from lm_eval.tasks.ruler import niah_utils
+
+    from tinyattn.retrieval import ruler
+
+    _, out, folder, _ = run
+    stored, info = ruler.load_samples(out / "samples" / f"niah_single_1_{CONTEXT}.jsonl.xz")
+    random.seed(0)
+    direct = niah_utils.niah_single_1(max_seq_lengths=[CONTEXT], pretrained=str(folder))["test"]
+    assert len(stored) == SAMPLES and info["seed"] == 0 and info["lm_eval_task"] == "niah_single_1"
+    for i, s in enumerate(stored):
+        assert s["doc"]["input"] == direct[i]["input"] and s["doc"]["outputs"] == direct[i]["outputs"]
+        assert s["prompt"] == direct[i]["input"] + " " + direct[i]["gen_prefix"]
+        assert s["gen_kwargs"]["max_gen_toks"] == 128 and s["gen_kwargs"]["do_sample"] is False
+
+
+def test_every_cell_scored_by_rulers_string_match(run):
+    _, out, folder, _ = run
+    from transformers import AutoTokenizer
+
+    from tinyattn.retrieval import ruler
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    samples = {s["index"]: s for s in ruler.load_samples(out / "samples" / f"niah_single_1_{CONTEXT}.jsonl.xz")[0]}
+    rows = _rows(out)
+    # per sample: stock, dense, and quest / streaming / h2o at two budgets
+    assert len(rows) == SAMPLES * (2 + 3 * 2)
+    for r in rows:
+        answer = samples[r["index"]]["doc"]["outputs"][0]
+        assert r["score"] == float(answer.lower() in r["text"].lower())          # RULER's string match
+        assert tok.eos_token_id not in r["tokens"] and len(r["tokens"]) <= r["max_new_tokens"] == 16
+        assert r["prompt_tokens"] == len(tok(samples[r["index"]]["prompt"]).input_ids)
+
+
+def test_dense_gives_stock_transformers_tokens(run):
+    """The runner's dense decode from its own prefill gives stock transformers' greedy tokens on every sample,
+    and a budget of the whole context gives dense's tokens for every policy."""
+    _, out, _, _ = run
+    rows = _rows(out)
+    by = {(r["index"], r["policy"], r["budget"]): r for r in rows}
+    for i in range(SAMPLES):
+        assert by[(i, "dense", None)]["tokens"] == by[(i, "hf_stock", None)]["tokens"]
+        for policy in ("quest", "streaming", "h2o"):
+            assert by[(i, policy, "1")]["tokens"] == by[(i, "dense", None)]["tokens"], (i, policy)
+
+
+def _expected_attended(prompt: int, budget: int | None, steps: int = 15) -> tuple[float, float]:
+    """Mean pages / tokens per decode step when each step keeps min(budget, pages of the row) pages, the partial
+    last page among them (16-token pages; 15 sparse steps: the first of 16 tokens comes from the prefill)."""
+    pages = tokens = 0
+    for t in range(1, steps + 1):
+        n = prompt + t
+        valid = -(-n // 16)
+        k = valid if budget is None else min(budget, valid)
+        pages += k
+        tokens += n if k == valid else (k - 1) * 16 + n - (valid - 1) * 16
+    return pages / steps, tokens / steps
+
+
+def test_attended_pages_follow_the_budget(run):
+    """Dense and quest (fused: counted from the budget) and streaming / h2o (counted from their selections) attend
+    min(page_budget, pages of the row) pages at every step."""
+    _, out, _, _ = run
+    for r in _rows(out):
+        if r["policy"] == "hf_stock":
+            assert r["pages"] is None
+            continue
+        assert r["page_budget"] == {None: None, "1": CONTEXT // 16, "1/8": 4}[r["budget"]]
+        assert (r["pages"], r["tokens_attended"]) == pytest.approx(
+            _expected_attended(r["prompt_tokens"], r["page_budget"])), r
+
+
+def test_rerun_skips_done_cells_and_adds_new_ones(run):
+    module, out, _, argv = run
+    before = _rows(out)
+    assert module.main(argv) == 0
+    assert _rows(out) == before                                      # nothing redone
+    assert module.main(argv + ["--policies", "questmass", "--stock", "none"]) == 0
+    added = _rows(out)[len(before):]
+    assert sorted((r["index"], r["policy"], r["budget"]) for r in added) == sorted(
+        (i, "questmass", b) for i in range(SAMPLES) for b in ("1", "1/8"))
+
+
+def test_report_tables_and_plot(run):
+    pytest.importorskip("matplotlib")
+    module, out, _, _ = run
+    assert module.main(["--out", str(out), "--report"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert f"## niah_single_1, {CONTEXT} tokens" in summary
+    assert "| budget (pages) | quest | " in summary and "| 1/8 (4) |" in summary
+    assert (out / "ruler.png").stat().st_size > 10_000
+    cells = (out / "cells.csv").read_text().splitlines()
+    assert len(cells) == 1 + 2 + 4 * 2                               # header, stock + dense, 4 policies x 2
+
+
+def test_wilson_interval_matches_published_values():
+    """Wilson's (1927) closed form worked by hand, z = 1.96: 0/10 -> [0, 0.2775], 5/10 -> [0.2366, 0.7634]."""
+    from tinyattn.retrieval.ruler import mean_interval, wilson_interval
+
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert mean_interval([1.0] * 5 + [0.0] * 5)[2] == "wilson"
+    assert mean_interval([0.5, 1.0, 0.0])[2] == "t"
