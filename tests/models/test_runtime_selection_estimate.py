@@ -60,3 +60,29 @@ def test_runtime_top_p_one_with_a_covering_capacity_generates_dense_tokens(model
     rt = LlamaRuntime(model, page_size=4, page_budget=8, gamma=0.25, top_p=0.9, backend="torch")
     assert "gamma=0.25, top_p=0.9" in repr(rt)
     assert len(rt.generate([prompt], max_new_tokens=8).tokens[0]) == 8
+
+
+@needs_model
+def test_generate_counts_the_pages_top_p_kept(model, tok):  # noqa: F811
+    """``GenerationStats.pages_attended``: with ``top_p=None`` every (sparse layer, KV head, step) of a row longer
+    than the capacity attends exactly ``page_budget`` pages (the count the formula gives); with ``top_p < 1``
+    fewer on average, never more; the profiler's attention spans count the same pages."""
+    import tinyattn.profiler as tp
+
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 2)
+    assert len(prompt) > 8 * 4
+    cfg = model.config
+    fixed = LlamaRuntime(model, page_size=4, page_budget=8, num_sink_pages=0, backend="torch").generate(
+        [prompt], max_new_tokens=6)
+    s = fixed.stats.pages_attended.summary()
+    assert s["histogram"] == [0] * 8 + [cfg.n_layers * cfg.n_kv_heads * 5]        # 5 decode steps, all at 8
+    assert "pages attended" in fixed.stats.format()
+    rt = LlamaRuntime(model, page_size=4, page_budget=8, num_sink_pages=0, top_p=0.5, backend="torch")
+    with tp.profile(oracle=False) as prof:
+        out = rt.generate([prompt], max_new_tokens=6)
+    s = out.stats.pages_attended.summary()
+    assert s["count"] == cfg.n_layers * cfg.n_kv_heads * 5
+    assert 1 <= s["min"] and s["max"] <= 8 and s["mean"] < 8
+    sparse = [r for r in prof.records if r.op == "attention" and r.sparse]
+    assert len(sparse) == cfg.n_layers * 5
+    assert sum(r.pages for r in sparse) == sum(k * c for k, c in enumerate(s["histogram"]))
