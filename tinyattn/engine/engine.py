@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from tinyattn.layer import SparsityConfig
+from tinyattn.metrics import PagesAttended
 
 from .params import SamplingParams
 from .plugins import Plugin
@@ -130,7 +131,9 @@ class Engine:
                                               max_batch=max_num_seqs, max_pages_per_seq=num_pages)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, recompute=recompute, on_release=self._on_release)
-        self.stats = EngineStats(num_pages=num_pages)
+        self.stats = EngineStats(num_pages=num_pages,
+                                 pages_attended=None if self.sparsity.is_dense else PagesAttended())
+        self.runner.attended = self.stats.pages_attended
         self._requests: dict[int, Request] = {}
         self._done: list[RequestOutput] = []          # finished outside a step (abort, max_new_tokens=0)
         self._next_id = 0
