@@ -71,8 +71,8 @@ def _fraction(*, open_low: bool):
 unit_interval = _fraction(open_low=False)      # --gamma: [0, 1]
 top_p_fraction = _fraction(open_low=True)      # --top-p: (0, 1]
 
-GAMMA_HELP = ("page estimate of the quest selection, in [0, 1]: q·c + gamma·|q|·r over each page's key box (centre c, "
-              "half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35) "
+GAMMA_HELP = ("page estimate of the quest selection, in [0, 1]: q·c + gamma·|q|·r over each page's key box "
+              "(centre c, half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35) "
               "(default: 1)")
 TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forced pages, keep the fewest best pages "
               "whose estimated attention mass reaches P (Twilight), --page-budget being the most pages kept; "

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["num_pages", "kv_bytes", "box_bytes", "io_bytes", "dense_bytes", "sparse_bytes", "pages_read",
-           "window_pages", "window_tokens", "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate", "captured_mass",
-           "PagesAttended"]
+           "window_pages", "window_tokens", "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate",
+           "captured_mass", "PagesAttended"]
 
 
 def _is_tensor(x) -> bool:
@@ -219,7 +219,8 @@ class PagesAttended:
                 "median": median, "max": seen[-1], "histogram": h}
 
     def format(self, page_size: int | None = None) -> str:
-        """One line: mean (tokens too, given ``page_size``), min / median / max pages per (layer, KV head, row, step)."""
+        """One line: mean (tokens too, given ``page_size``), min / median / max pages per (layer, KV head, row,
+        step)."""
         s = self.summary()
         tokens = f" ({s['mean'] * page_size:.0f} tokens)" if page_size else ""
         return (f"{s['mean']:.1f} pages{tokens} mean, min {s['min']} / median {s['median']} / max {s['max']} per "

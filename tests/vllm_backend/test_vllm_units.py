@@ -42,13 +42,13 @@ def test_gamma_and_top_p_from_the_environment():
     assert (s.gamma, s.top_p) == (1.0, None)
     s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_GAMMA": " 0.25 ", "TINYATTN_TOP_P": "0.9"})
     assert (s.page_budget, s.gamma, s.top_p) == (8, 0.25, 0.9)
-    assert settings_from_env({"TINYATTN_TOP_P": "1"}).top_p == 1.0 and settings_from_env({"TINYATTN_GAMMA": "0"}).gamma == 0
+    assert settings_from_env({"TINYATTN_TOP_P": "1"}).top_p == 1.0
+    assert settings_from_env({"TINYATTN_GAMMA": "0"}).gamma == 0
 
 
 @pytest.mark.parametrize("name, bad, bound", [
-    ("TINYATTN_GAMMA", "1.5", r"\[0, 1\]"), ("TINYATTN_GAMMA", "-0.1", r"\[0, 1\]"), ("TINYATTN_GAMMA", "nan", r"\[0, 1\]"),
-    ("TINYATTN_GAMMA", "abc", r"\[0, 1\]"), ("TINYATTN_TOP_P", "0", r"\(0, 1\]"), ("TINYATTN_TOP_P", "1.2", r"\(0, 1\]"),
-    ("TINYATTN_TOP_P", "inf", r"\(0, 1\]"), ("TINYATTN_TOP_P", "most", r"\(0, 1\]")])
+    *(("TINYATTN_GAMMA", bad, r"\[0, 1\]") for bad in ("1.5", "-0.1", "nan", "abc")),
+    *(("TINYATTN_TOP_P", bad, r"\(0, 1\]") for bad in ("0", "1.2", "inf", "most"))])
 def test_bad_gamma_or_top_p_names_the_variable_and_the_range(name, bad, bound):
     with pytest.raises(ValueError, match=rf"^{name}: expected a number in {bound} .*got '{bad}'"):
         settings_from_env({"TINYATTN_PAGE_BUDGET": "8", name: bad})

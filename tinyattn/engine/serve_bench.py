@@ -409,7 +409,8 @@ def run(args) -> int:
     kv = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
              f"{kv}, page_budget {args.page_budget}" + ("" if args.gamma == 1.0 else f", gamma {args.gamma}")
-             + ("" if args.top_p is None else f", top_p {args.top_p}") + f"; {_device_words(model, torch.get_num_threads())}")
+             + ("" if args.top_p is None else f", top_p {args.top_p}")
+             + f"; {_device_words(model, torch.get_num_threads())}")
     print(title)
     print(format_table(rows))
     for path, write in ((args.json, _write_json), (args.csv, _write_csv)):

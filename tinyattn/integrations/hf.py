@@ -827,8 +827,9 @@ def enable(model, **settings):
         model: a decoder-only ``transformers`` model (``PreTrainedModel`` with ``generate``).
         **settings: :class:`TinyAttnCache` options (:data:`SETTINGS`: ``page_size``, ``page_budget``,
             ``num_sink_pages``, ``num_recent_pages``, ``dense_layers``, ``num_pages``, ``backend``, ``policy`` (a
-            name), ``kv_cache_dtype``, ``box_dtype``, ``gamma``, ``top_p``). None given: the settings saved in ``model.config.tinyattn``
-            (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's defaults (dense decode).
+            name), ``kv_cache_dtype``, ``box_dtype``, ``gamma``, ``top_p``). None given: the settings saved in
+            ``model.config.tinyattn`` (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's
+            defaults (dense decode).
 
     Returns:
         ``model`` itself, after: ``model.set_attn_implementation("tinyattn")``, ``model.config.tinyattn =

@@ -38,8 +38,8 @@ ENV_VARS = {
     "TINYATTN_SINK_PAGES": ("leading pages always kept; unset = one when the budget is 16 or more", None),
     "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
     "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
-    "TINYATTN_GAMMA": ("page estimate of the quest selection, a number in [0, 1]: q·c + gamma·|q|·r over each page's "
-                       "key box; 1 = Quest's bound", 1.0),
+    "TINYATTN_GAMMA": ("page estimate of the quest selection, a number in [0, 1]: q·c + gamma·|q|·r over each "
+                       "page's key box; 1 = Quest's bound", 1.0),
     "TINYATTN_TOP_P": ("adaptive budget of the quest selection, a number in (0, 1]: the fewest pages whose estimated "
                        "attention mass reaches it, TINYATTN_PAGE_BUDGET the most; unset = the fixed budget", None),
 }
@@ -84,8 +84,8 @@ def settings_from_env(environ=None):
 
     Raises:
         ValueError naming the variable and its allowed values, e.g. ``TINYATTN_PAGE_BUDGET: expected an
-        integer >= 0 ...``, ``TINYATTN_TOP_P: expected a number in (0, 1] ...``, or a budget too small for the always-kept pages (``num_sink_pages +
-        max(num_recent_pages, 1) <= page_budget``).
+        integer >= 0 ...``, ``TINYATTN_TOP_P: expected a number in (0, 1] ...``, or a budget too small for the
+        always-kept pages (``num_sink_pages + max(num_recent_pages, 1) <= page_budget``).
     """
     from tinyattn.layer import SparsityConfig
 
