@@ -17,6 +17,7 @@ import tinyattn
 from tinyattn import reference as R
 from tinyattn.kernels import chunk_topk
 from tinyattn.ops import custom_ops
+from tinyattn.ops.selection import reference as selection_reference
 
 from paged_problems import make_problem
 
@@ -198,7 +199,8 @@ def _problem(seed, lens, Tq=1, group=2):
 
 
 @pytest.mark.parametrize("backend,stages", [("torch", 1), ("triton", 1), ("triton", 2)])
-@pytest.mark.parametrize("gamma,top_p,Tq", [(1.0, 0.6, 1), (0.25, 0.9, 1), (0.25, 0.5, 3), (0.0, 0.8, 2)])
+@pytest.mark.parametrize("gamma,top_p,Tq", [(1.0, 0.6, 1), pytest.param(0.25, 0.9, 1, marks=pytest.mark.slow),
+                                            (0.25, 0.5, 3), pytest.param(0.0, 0.8, 2, marks=pytest.mark.slow)])
 def test_sparse_attention_attends_the_pages_select_pages_keeps(backend, stages, gamma, top_p, Tq, monkeypatch):
     """``sparse_paged_attention(top_p=p)`` = attention over ``select_pages(page_scores(..., gamma), ..., top_p=p,
     scale)``'s pages (the same backend), and the reference; Triton's one- and two-stage selections both."""
@@ -342,3 +344,53 @@ def test_graph_mode_with_gamma_and_top_p_allocates_nothing_and_never_syncs(monke
         want = R.sparse_paged_attention(q, k, v, table, lens, k_min=k_min, k_max=k_max, page_budget=budget,
                                         gamma=0.25, top_p=0.8)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([("torch", 1), ("triton", 1), ("triton", 2)]),
+       st.sampled_from([0.0, 0.25, 1.0]), st.sampled_from([0.3, 0.7, 0.95]), st.integers(1, 3), st.integers(1, 2),
+       st.sampled_from([-1, 0, 5, 11]), st.integers(2, 6))
+def test_the_plans_selection_is_the_reference_selection(seed, path, gamma, top_p, group, Tq, window, budget):
+    """The fused plan selection (``tinyattn::select_pages_planned``: the torch plan, the Triton one- and two-stage
+    paths) with ``gamma``, ``top_p``, GQA, ``Tq > 1``, windows and empty rows, between the reference at
+    ``top_p ± 1e-4``. Integer queries and boxes make every score exact in fp32 (ties frequent), so the forms differ
+    only in how they sum the masses."""
+    backend, stages = path
+    lens = [0, 7 + Tq, 23, 37]
+    p = make_problem(seed, batch=4, seq_lens=lens, page_size=2, num_kv_heads=2, group=group, head_dim=8,
+                     num_query_tokens=Tq)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, p.q.shape, generator=g).float()
+    k_min = torch.randint(-2, 2, (p.k_cache.shape[0], 2, 8), generator=g).float()
+    k_max = k_min + 2 * torch.randint(0, 2, k_min.shape, generator=g).float()
+    budget = max(budget, -(-(Tq + 1) // 2) + 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunk_topk, "use_two_stage", lambda *a, **k: stages == 2)
+        got = custom_ops.select_pages_planned(q, k_min, k_max, p.block_table, p.seq_lens, 2, budget, 0, 1, window,
+                                              backend, gamma, top_p, 0.3)
+    scores = R.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=2, gamma=gamma)
+    selection_reference.mask_pages_before_window(scores, p.seq_lens, page_size=2, num_query_tokens=Tq, window_left=window)
+    opts = dict(page_size=2, page_budget=budget, num_query_tokens=Tq)
+    _assert_between_references(got, scores, p.seq_lens, opts, top_p, 0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_flow_through_the_pages_top_p_keeps(backend):
+    """Autograd (the torch forms; the Triton custom op with its backward kernel) over a top-p selection equals the
+    gradient over the same pages listed."""
+    p, k_min, k_max = _problem(9, (37, 50))
+    q = p.q[:, 0]
+    pages = tinyattn.select_pages(tinyattn.page_scores(q, k_min, k_max, p.block_table, p.seq_lens, page_size=4,
+                                                       gamma=0.25, backend=backend),
+                                  p.seq_lens, page_size=4, page_budget=8, top_p=0.6, scale=0.25, backend=backend)
+    grads = []
+    for kw in (dict(k_min=k_min, k_max=k_max, page_budget=8, gamma=0.25, top_p=0.6), dict(page_indices=pages)):
+        x = q.clone().requires_grad_(True)
+        out = tinyattn.sparse_paged_attention(x, p.k_cache, p.v_cache, p.block_table, p.seq_lens, scale=0.25,
+                                              backend=backend, **kw)
+        out.square().sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+    assert grads[0].abs().sum() > 0
