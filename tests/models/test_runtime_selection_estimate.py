@@ -86,3 +86,30 @@ def test_generate_counts_the_pages_top_p_kept(model, tok):  # noqa: F811
     sparse = [r for r in prof.records if r.op == "attention" and r.sparse]
     assert len(sparse) == cfg.n_layers * 5
     assert sum(r.pages for r in sparse) == sum(k * c for k, c in enumerate(s["histogram"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_profiler_and_the_layer_count_the_pages_top_p_kept(backend):
+    """One fused decode layer with ``gamma=0.25, top_p=0.7``: the profiler's attention span and
+    ``PagedAttention.attended`` both count, per (row, KV head), the pages the reference ``select_pages`` keeps (its
+    non ``-1`` entries), fewer than the capacity."""
+    import tinyattn.profiler as tp
+    from tinyattn.metrics import PagesAttended
+
+    p = make_problem(3, batch=2, seq_lens=[37, 61], page_size=4, num_kv_heads=2, group=2, head_dim=16,
+                     logit_scale=3.0)
+    k_min, k_max = p.bounds()
+    scores = R.page_scores(p.q[:, 0], k_min, k_max, p.block_table, p.seq_lens, page_size=4, gamma=0.25)
+    want = R.select_pages(scores, p.seq_lens, page_size=4, page_budget=6, num_sink_pages=0, top_p=0.7,
+                          scale=16 ** -0.5)
+    kept = (want >= 0).sum(-1)                                                       # [B, Hkv]
+    assert int(kept.sum()) < 2 * 2 * 6
+    attn = PagedAttention(SparsityConfig(page_budget=6, num_sink_pages=0, gamma=0.25, top_p=0.7), backend=backend)
+    attn.attended = PagesAttended()
+    attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, decode=True)
+    with tp.profile(oracle=False) as prof:
+        attn(0, p.q[:, 0], p.k_cache, p.v_cache, k_min, k_max)
+    (span,) = [r for r in prof.records if r.op == "attention"]
+    assert span.pages == int(kept.sum()) and span.sparse
+    assert attn.attended.summary()["histogram"] == torch.bincount(kept.flatten(), minlength=7).tolist()[
+        : int(kept.max()) + 1]
