@@ -132,7 +132,7 @@ def test_top_p_one_with_a_covering_capacity_is_the_plain_selection(backend):
         assert torch.equal(plain, R.select_pages(scores, lens, **{k: v for k, v in opts.items() if k != "backend"}))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_the_selection_grows_with_p(backend):
     g = torch.Generator().manual_seed(2)
     scores = torch.randn(2, 2, 16, generator=g) * 2
@@ -198,9 +198,11 @@ def _problem(seed, lens, Tq=1, group=2):
     return p, k_min, k_max
 
 
-@pytest.mark.parametrize("backend,stages", [("torch", 1), ("triton", 1), ("triton", 2)])
+@pytest.mark.parametrize("backend,stages", [("torch", 1), pytest.param("triton", 1, marks=pytest.mark.slow),
+                                            ("triton", 2)])
 @pytest.mark.parametrize("gamma,top_p,Tq", [(1.0, 0.6, 1), pytest.param(0.25, 0.9, 1, marks=pytest.mark.slow),
-                                            (0.25, 0.5, 3), pytest.param(0.0, 0.8, 2, marks=pytest.mark.slow)])
+                                            pytest.param(0.25, 0.5, 3, marks=pytest.mark.slow),
+                                            pytest.param(0.0, 0.8, 2, marks=pytest.mark.slow)])
 def test_sparse_attention_attends_the_pages_select_pages_keeps(backend, stages, gamma, top_p, Tq, monkeypatch):
     """``sparse_paged_attention(top_p=p)`` = attention over ``select_pages(page_scores(..., gamma), ..., top_p=p,
     scale)``'s pages (the same backend), and the reference; Triton's one- and two-stage selections both."""
