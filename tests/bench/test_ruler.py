@@ -165,6 +165,7 @@ def test_wilson_interval_matches_published_values():
     assert mean_interval([0.5, 1.0, 0.0])[2] == "t"
 
 
+@pytest.mark.slow
 def test_quest_labels_take_gamma_and_top_p(run):
     """``quest:gamma=0.25`` and ``quest:gamma=0.25:top_p=0.9`` (issue 35): the settings go to SparsityConfig, not to
     the policy's constructor (questmass:gamma=... stays questmass's own); with a covering budget gamma alone gives
