@@ -64,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=50, help="samples per (task, context): the first N (default: 50)")
     p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o",
                    help="comma-separated: 'dense' and names of tinyattn.selection.POLICIES, each optionally with "
-                        "constructor arguments as name:key=value:key=value (e.g. questmass:gamma=1.0); default: "
+                        "constructor arguments as name:key=value:key=value (e.g. questmass:gamma=1.0); quest takes "
+                        "the selection settings gamma and top_p (tinyattn.SparsityConfig's, e.g. quest:gamma=0.25 or "
+                        "quest:gamma=0.25:top_p=0.9; the pages top_p kept are counted); default: "
                         "dense,quest,questmass,oracle,streaming,h2o")
     p.add_argument("--budgets", default="1/8,1/16,1/32,1/64",
                    help="page budgets as fractions of the context's pages (of --contexts, the RULER length; "
@@ -157,22 +159,44 @@ def new_tokens(args, task: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- cells
-def policy_from_label(label: str):
-    """A fresh policy from ``name`` or ``name:key=value:...`` (values parsed as JSON where they parse)."""
-    from tinyattn.selection import POLICIES, get_policy
+#: keys of a label that are settings of the fused quest selection (tinyattn.SparsityConfig's gamma / top_p), not
+#: constructor arguments of its policy (questmass:gamma=... stays questmass's own constructor argument)
+SELECTION_KEYS = ("gamma", "top_p")
+
+
+def _label_parts(label: str) -> tuple[str, dict, dict]:
+    """``name`` or ``name:key=value:...`` -> ``(name, policy kwargs, selection settings)``; values parsed as JSON
+    where they parse; ``gamma`` / ``top_p`` of a fused policy (quest) go to the selection settings."""
+    from tinyattn.selection import get_policy
 
     name, *pairs = label.split(":")
-    if not pairs:
-        return get_policy(name)
-    kwargs = {}
+    fused = get_policy(name).fused                     # the name's check and message
+    kwargs, selection = {}, {}
     for pair in pairs:
         key, _, value = pair.partition("=")
         try:
-            kwargs[key] = json.loads(value)
+            value = json.loads(value)
         except ValueError:
-            kwargs[key] = value
-    get_policy(name)                                   # the name's check and message
+            pass
+        (selection if fused and key in SELECTION_KEYS else kwargs)[key] = value
+    return name, kwargs, selection
+
+
+def policy_from_label(label: str):
+    """A fresh policy from ``name`` or ``name:key=value:...`` (values parsed as JSON where they parse); the
+    selection settings of :func:`selection_from_label` are not its constructor's."""
+    from tinyattn.selection import POLICIES, get_policy
+
+    name, kwargs, _ = _label_parts(label)
+    if not kwargs:
+        return get_policy(name)
     return POLICIES[name.strip().lower()](**kwargs)
+
+
+def selection_from_label(label: str) -> dict:
+    """``{"gamma": ..., "top_p": ...}`` of a quest label (``quest:gamma=0.25:top_p=0.9``), for
+    :class:`tinyattn.layer.SparsityConfig`; ``{}`` when the label sets neither."""
+    return _label_parts(label)[2]
 
 
 def budget_label(f: Fraction | None) -> str | None:
@@ -190,7 +214,10 @@ def cells_for(args, task: str, context: int) -> list[dict]:
         if label == DENSE:
             cells.append({"policy": DENSE, "budget": None, "page_budget": None})
         elif task not in args.dense_only:
-            policy_from_label(label)                   # fail early on a bad name
+            from tinyattn.layer import SparsityConfig
+
+            # fail early on a bad name, argument or selection setting (SparsityConfig names it)
+            SparsityConfig(page_budget=None, policy=policy_from_label(label), **selection_from_label(label))
             for f in args.budget_list:
                 cells.append({"policy": label, "budget": budget_label(f),
                               "page_budget": page_budget_for(context, args.page_size, f)})
@@ -252,6 +279,28 @@ class AttendedCounter:
 
         policy.select = counted
         return policy
+
+    def plan_counter(self, attention):
+        """A ``PagedAttention.attended`` hook for the fused path (Quest with ``top_p``): each sparse layer's pages as
+        the plan kept them (``-1`` / past the row's end not attended), per row of ``attention.seq_ids``."""
+        from tinyattn import metrics
+
+        counter = self
+
+        class PerRow:
+            def add(self, page_indices, seq_lens, page_size, num_kv_heads, width):
+                lens = seq_lens.long()
+                if page_indices is None:                  # a step that did not select: every valid page
+                    pages = metrics.num_pages(lens, page_size)[:, None].expand(-1, num_kv_heads)
+                    tokens = lens[:, None].expand(-1, num_kv_heads)
+                else:
+                    pages, tokens = metrics.selection_reads(page_indices, lens, page_size)      # [B, Hkv]
+                for row, sid in enumerate(attention.seq_ids):
+                    counter.pages[sid] += float(pages[row].sum())
+                    counter.tokens[sid] += float(tokens[row].sum())
+                    counter.count[sid] += num_kv_heads
+
+        return PerRow()
 
     def mean(self, sid: int) -> tuple[float | None, float | None]:
         n = self.count.get(sid, 0)
@@ -455,12 +504,16 @@ def decode_cell(args, model, cache, sids, ids, cell, observers, first_logits, ma
         policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
         if not policy.fused:
             counter.wrap(policy)
-        att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy), backend=args.backend)
+        att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy,
+                                            **selection_from_label(label)), backend=args.backend)
+        if att.sparsity.top_p is not None:             # top_p keeps a varying count: count the plan's selections
+            att.attended = counter.plan_counter(att)
     got = greedy_decode(model, cache, sids, [[] for _ in sids], [max_new] * len(sids), attention=att,
                         first_logits=first_logits)
     out = []
     for sid, q, g in zip(sids, ids, got):
-        if label == DENSE or att.sparsity.policy.fused:      # Quest's fused path: no selection hook to count
+        if label == DENSE or (att.sparsity.policy.fused and att.attended is None):
+            # Quest's fused path with a fixed budget keeps min(budget, valid pages) at every step
             pages, ntok = analytic_attended(len(q), len(g) - 1, args.page_size, cell["page_budget"])
         else:
             pages, ntok = counter.mean(sid)

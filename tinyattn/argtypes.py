@@ -52,3 +52,34 @@ def positive_int_list(text: str) -> list[int]:
     if not text.strip() or not all(items):          # "", "2,,4", "2,": an empty item is a typo, not a skip
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers >= 1, got {text!r}")
     return [positive_int(t) for t in items]
+
+
+def _fraction(*, open_low: bool):
+    bound = "in (0, 1]" if open_low else "in [0, 1]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}") from None
+        if not (0.0 < value <= 1.0 if open_low else 0.0 <= value <= 1.0):      # NaN fails both
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
+        return value
+    return parse
+
+
+unit_interval = _fraction(open_low=False)      # --gamma: [0, 1]
+top_p_fraction = _fraction(open_low=True)      # --top-p: (0, 1]
+
+GAMMA_HELP = ("page estimate of the quest selection, in [0, 1]: q·c + gamma·|q|·r over each page's key box "
+              "(centre c, half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35) "
+              "(default: 1)")
+TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forced pages, keep the fewest best pages "
+              "whose estimated attention mass reaches P (Twilight), --page-budget being the most pages kept; "
+              "1 keeps the budget (default: off, a fixed --page-budget)")
+
+
+def add_selection_options(group) -> None:
+    """``--gamma`` and ``--top-p`` (settings of the quest selection) on an argparse group."""
+    group.add_argument("--gamma", type=unit_interval, default=1.0, metavar="G", help=GAMMA_HELP)
+    group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P", help=TOP_P_HELP)

@@ -143,6 +143,9 @@ class PagedAttention:
     Attributes:
         metrics: a :class:`tinyattn.selection.SelectionMetrics` that sparse layers record their hit rate and
             captured mass into (a dense pass per sparse layer), or ``None`` (off).
+        attended: a :class:`tinyattn.metrics.PagesAttended` that the sparse layers of decode steps add the pages
+            they attended to (with ``top_p`` the count varies per (row, KV head); device ops, no host sync), or
+            ``None`` (off). ``generate``'s statistics set it for their run.
 
     Example (one decode step)::
 
@@ -160,6 +163,7 @@ class PagedAttention:
         self.plan = PagedAttentionPlan(backend=backend)
         self.decode = False
         self.seq_ids = None
+        self.attended = None                 # a tinyattn.metrics.PagesAttended: counts the sparse layers' pages
         self._fused = False                  # set by begin(): fused Quest with no metrics (the fast path of __call__)
 
     def __repr__(self) -> str:
@@ -222,7 +226,10 @@ class PagedAttention:
                 and window_left == -1 and (scale is None or scale == self.plan.scale) and k_cache.dtype == q.dtype):
             # the common decode / prefill layer under fused Quest: the decision of the table below, in one test
             if self.decode and self.sparsity.layer_is_sparse(layer):
-                return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, out=out)
+                out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, out=out)
+                if self.attended is not None:
+                    self._count_attended(None)
+                return out
             return self.plan.run(q, k_cache, v_cache, out=out)
         if out is not None:
             return _into(out, self._attend(layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale,
@@ -247,7 +254,10 @@ class PagedAttention:
             return self.plan.run(q, k_cache, v_cache, window_left=window_left, **scales)
         sparse = self.decode and self.sparsity.layer_is_sparse(layer)
         if sparse and self._fused:
-            return self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)
+            out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)
+            if self.attended is not None:
+                self._count_attended(None)
+            return out
         scales.pop("out")
         stateful = self.sparsity.policy.stateful and self.sparsity.layer_is_sparse(layer)
         if k_scale is not None and (sparse or stateful):      # policies and metrics read float pools
@@ -262,6 +272,14 @@ class PagedAttention:
             selection.observe_prefill(self.sparsity.policy,
                                       self._context(layer, q, k_cache, v_cache, k_min, k_max, scale))
         return out
+
+    def _count_attended(self, page_indices) -> None:
+        """Add this sparse layer's pages to :attr:`attended` (device ops, no host sync): ``page_indices`` a
+        policy's, else the fused plan's last selection (``None`` when the step did not select: every valid page)."""
+        p = self.plan
+        if page_indices is None and p.selects:
+            page_indices = p.last_selection
+        self.attended.add(page_indices, p.seq_lens, p.step.page_size, p.step.num_kv_heads, p.block_table.shape[1])
 
     def _context(self, layer, q, k_cache, v_cache, k_min, k_max, scale=None):
         from .selection import SelectionContext
@@ -291,6 +309,8 @@ class PagedAttention:
         else:
             idx = policy.select(ctx)
         out = self.plan.run(q, k_cache, v_cache, page_indices=idx, scale=ctx.scale)
+        if self.attended is not None:
+            self._count_attended(idx)
         if policy.stateful:
             policy.observe(ctx, idx, page_attention_mass(q, k_cache, ctx.block_table, ctx.seq_lens,
                                                          page_indices=idx, scale=ctx.scale))

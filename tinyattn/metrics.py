@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["num_pages", "kv_bytes", "box_bytes", "io_bytes", "dense_bytes", "sparse_bytes", "pages_read",
-           "window_pages", "window_tokens", "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate", "captured_mass"]
+           "window_pages", "window_tokens", "ideal_speedup", "selection_reads", "selection_overlap", "hit_rate",
+           "captured_mass", "PagesAttended"]
 
 
 def _is_tensor(x) -> bool:
@@ -163,3 +164,64 @@ def hit_rate(hits: float, oracle_pages: float) -> float:
 def captured_mass(mass_sum: float, samples: int) -> float:
     """Mean over ``samples`` (row, KV head) pairs of the attention mass on the selected pages (NaN if none)."""
     return mass_sum / samples if samples else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- pages attended
+class PagesAttended:
+    """How many pages each (sparse layer, KV head, row, decode step) attended: a histogram kept on the device.
+
+    With ``top_p`` the selection keeps a varying number of pages per (row, KV head) (at most ``page_budget``),
+    so the pages read are known only on the device. :meth:`add` counts one layer's selection with tensor ops
+    only (no host sync: a ``scatter_add_`` into a histogram whose length comes from host shapes); :meth:`summary`
+    reads it once (one host sync), at the end of a ``generate``. Filled by :class:`tinyattn.layer.PagedAttention`
+    (its ``attended`` attribute) in the decode steps of its sparse layers: a step whose rows all fit the budget
+    (no selection) counts every valid page of each row.
+    """
+
+    def __init__(self):
+        self.hist: torch.Tensor | None = None       # int64 [most pages + 1]: hist[k] = (layer, head, row, step)s with k
+
+    def add(self, page_indices: torch.Tensor | None, seq_lens: torch.Tensor, page_size: int, num_kv_heads: int,
+            width: int) -> None:
+        """Count one layer's step: ``page_indices`` ``[B, Hkv, K]`` (``-1`` / past the row's end = not attended;
+        ``None``: every valid page, a step that did not select), ``seq_lens`` ``[B]``, ``width`` the block
+        table's pages per row (the most any row can attend: the histogram's length, a host int)."""
+        if page_indices is None:
+            n = num_pages(seq_lens.to(torch.int64), page_size)[:, None].expand(-1, num_kv_heads)
+            width = max(width, 0)
+        else:
+            n, _ = selection_reads(page_indices, seq_lens, page_size)                      # [B, Hkv]
+            width = max(width, page_indices.shape[-1])
+        n = n.reshape(-1).clamp(0, width)
+        if self.hist is None or self.hist.device != n.device:
+            self.hist = torch.zeros(width + 1, dtype=torch.int64, device=n.device)
+        elif self.hist.numel() < width + 1:                          # a longer row: grow (host shapes, no sync)
+            self.hist = torch.cat([self.hist, self.hist.new_zeros(width + 1 - self.hist.numel())])
+        self.hist.scatter_add_(0, n, torch.ones_like(n))
+
+    def summary(self) -> dict:
+        """``{"count", "mean", "min", "median", "max", "histogram"}``: over the counted (layer, KV head, row, step)s,
+        pages attended (``histogram[k]``: how many attended ``k``); zeros and an empty histogram when none."""
+        h = [] if self.hist is None else self.hist.tolist()
+        while h and not h[-1]:
+            h.pop()
+        count = sum(h)
+        if not count:
+            return {"count": 0, "mean": 0.0, "min": 0, "median": 0, "max": 0, "histogram": []}
+        seen = [k for k, c in enumerate(h) if c]
+        half, acc, median = (count + 1) // 2, 0, 0
+        for k, c in enumerate(h):
+            acc += c
+            if acc >= half:
+                median = k
+                break
+        return {"count": count, "mean": sum(k * c for k, c in enumerate(h)) / count, "min": seen[0],
+                "median": median, "max": seen[-1], "histogram": h}
+
+    def format(self, page_size: int | None = None) -> str:
+        """One line: mean (tokens too, given ``page_size``), min / median / max pages per (layer, KV head, row,
+        step)."""
+        s = self.summary()
+        tokens = f" ({s['mean'] * page_size:.0f} tokens)" if page_size else ""
+        return (f"{s['mean']:.1f} pages{tokens} mean, min {s['min']} / median {s['median']} / max {s['max']} per "
+                f"(sparse layer, KV head, row, step), {s['count']} counted")

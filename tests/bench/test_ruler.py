@@ -163,3 +163,31 @@ def test_wilson_interval_matches_published_values():
     assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     assert mean_interval([1.0] * 5 + [0.0] * 5)[2] == "wilson"
     assert mean_interval([0.5, 1.0, 0.0])[2] == "t"
+
+
+@pytest.mark.slow
+def test_quest_labels_take_gamma_and_top_p(run):
+    """``quest:gamma=0.25`` and ``quest:gamma=0.25:top_p=0.9`` (issue 35): the settings go to SparsityConfig, not to
+    the policy's constructor (questmass:gamma=... stays questmass's own); with a covering budget gamma alone gives
+    dense's tokens; top_p's cells record the pages it kept: never more than the fixed budget's count, fewer over
+    the whole context; a bad value stops the run before any cell, naming it."""
+    module, out, _, argv = run
+    assert module.selection_from_label("quest:gamma=0.25:top_p=0.9") == {"gamma": 0.25, "top_p": 0.9}
+    assert module.selection_from_label("questmass:gamma=1.0") == {}
+    assert module.policy_from_label("questmass:gamma=1.0").gamma == 1.0
+    assert module.policy_from_label("quest:gamma=0.25").name == "quest"
+    labels = "quest:gamma=0.25,quest:gamma=0.25:top_p=0.9"
+    assert module.main(argv + ["--policies", labels, "--stock", "none"]) == 0
+    by = {(r["index"], r["policy"], r["budget"]): r for r in _rows(out)}
+    for i in range(SAMPLES):
+        assert by[(i, "quest:gamma=0.25", "1")]["tokens"] == by[(i, "dense", None)]["tokens"]
+        for budget in ("1", "1/8"):
+            fixed = by[(i, "quest:gamma=0.25", budget)]
+            top = by[(i, "quest:gamma=0.25:top_p=0.9", budget)]
+            assert fixed["pages"] == pytest.approx(_expected_attended(fixed["prompt_tokens"],
+                                                                      fixed["page_budget"])[0])
+            assert 1 <= top["pages"] <= fixed["pages"] and top["tokens_attended"] <= fixed["tokens_attended"]
+        whole = by[(i, "quest:gamma=0.25:top_p=0.9", "1")]
+        assert whole["pages"] < by[(i, "quest:gamma=0.25", "1")]["pages"]
+    with pytest.raises(ValueError, match="top_p"):
+        module.main(argv + ["--policies", "quest:top_p=1.5", "--stock", "none"])

@@ -386,3 +386,31 @@ def test_engine_and_hf_cache_take_box_dtype(model):
     with pytest.raises(ValueError, match="box_dtype: expected one of"):
         TinyAttnCache(cfg, box_dtype="int8")
     assert TinyAttnCache(cfg, box_dtype="fp16").box_dtype == "fp16"
+
+
+def test_gamma_and_top_p(model, prompts):
+    """``Engine(gamma=, top_p=)`` (issue 35): ``top_p=1.0`` with a covering capacity gives dense's tokens (the
+    runtime's dense decode, run alone); ``top_p=0.5`` over a sparse budget attends fewer pages than the capacity
+    (``stats.pages_attended``), and the engine equals the runtime run alone with the same settings; bad values are
+    refused naming the argument."""
+    few = prompts[6:9]
+    dense = alone(model, few, 16)
+    covering = Engine(model, page_size=16, num_pages=40, page_budget=8, num_sink_pages=0, gamma=0.25, top_p=1.0,
+                      backend="torch")
+    assert covering.generate(few, SamplingParams(16, ignore_eos=True)) == dense
+    want = alone(model, few, 16, page_budget=2, num_sink_pages=0, gamma=0.25, top_p=0.5)
+    engine = Engine(model, page_size=8, num_pages=40, page_budget=4, num_sink_pages=0, gamma=0.25, top_p=0.5,
+                    backend="torch")
+    assert "gamma=0.25, top_p=0.5" in repr(engine)
+    engine.generate(few, SamplingParams(16, ignore_eos=True))
+    s = engine.stats.pages_attended.summary()
+    assert s["count"] > 0 and s["max"] <= 4 and s["mean"] < 4
+    assert "attended:" in engine.stats.format()
+    sparse = Engine(model, page_size=16, num_pages=40, page_budget=2, num_sink_pages=0, gamma=0.25, top_p=0.5,
+                    backend="torch")
+    assert sparse.generate(few, SamplingParams(16, ignore_eos=True)) == want
+    for kw, name, err in (({"gamma": 1.5}, "gamma", ValueError), ({"top_p": 0.0}, "top_p", ValueError),
+                          ({"top_p": "0.9"}, "top_p", TypeError), ({"policy": "h2o", "top_p": 0.9}, "policy",
+                                                                   ValueError)):
+        with pytest.raises(err, match=name):
+            Engine(model, page_size=16, num_pages=8, page_budget=2, backend="torch", **kw)

@@ -68,3 +68,18 @@ def test_the_registered_model_checks_its_settings(stories_hf):
         lme.TinyAttnLM(pretrained=str(stories_hf), device="cpu", attn_implementation="sdpa")
     lm = lme.TinyAttnLM(pretrained=str(stories_hf), device="cpu", page_size=8, page_budget=4, policy="streaming")
     assert lm.model.config.tinyattn["page_budget"] == 4 and lm.model.config._attn_implementation == "tinyattn"
+
+
+def test_model_args_take_gamma_and_top_p(stories_hf):
+    """``--model_args ...,gamma=0.25,top_p=0.9`` as lm-eval parses them (its own ``create_from_arg_string``) reach
+    the TinyAttnCache settings; ``top_p=none`` is the fixed budget; bad values are refused naming the argument."""
+    lm = lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_size=8,page_budget=4,gamma=0.25,"
+                                               f"top_p=0.9,attn_backend=torch", {"device": "cpu"})
+    saved = lm.model.config.tinyattn
+    assert (saved["gamma"], saved["top_p"]) == (0.25, 0.9) and isinstance(saved["top_p"], float)
+    lm = lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_budget=4,top_p=none",
+                                               {"device": "cpu"})
+    assert lm.model.config.tinyattn["top_p"] is None and lm.model.config.tinyattn["gamma"] == 1.0
+    for args, name in (("gamma=2", "gamma"), ("top_p=1.5", "top_p"), ("policy=h2o,top_p=0.9", "policy")):
+        with pytest.raises(ValueError, match=name):
+            lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_budget=4,{args}", {"device": "cpu"})

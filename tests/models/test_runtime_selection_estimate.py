@@ -60,3 +60,56 @@ def test_runtime_top_p_one_with_a_covering_capacity_generates_dense_tokens(model
     rt = LlamaRuntime(model, page_size=4, page_budget=8, gamma=0.25, top_p=0.9, backend="torch")
     assert "gamma=0.25, top_p=0.9" in repr(rt)
     assert len(rt.generate([prompt], max_new_tokens=8).tokens[0]) == 8
+
+
+@needs_model
+def test_generate_counts_the_pages_top_p_kept(model, tok):  # noqa: F811
+    """``GenerationStats.pages_attended``: with ``top_p=None`` every (sparse layer, KV head, step) of a row longer
+    than the capacity attends exactly ``page_budget`` pages (the count the formula gives); with ``top_p < 1``
+    fewer on average, never more; the profiler's attention spans count the same pages."""
+    import tinyattn.profiler as tp
+
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 2)
+    assert len(prompt) > 8 * 4
+    cfg = model.config
+    fixed = LlamaRuntime(model, page_size=4, page_budget=8, num_sink_pages=0, backend="torch").generate(
+        [prompt], max_new_tokens=6)
+    s = fixed.stats.pages_attended.summary()
+    assert s["histogram"] == [0] * 8 + [cfg.n_layers * cfg.n_kv_heads * 5]        # 5 decode steps, all at 8
+    assert "pages attended" in fixed.stats.format()
+    rt = LlamaRuntime(model, page_size=4, page_budget=8, num_sink_pages=0, top_p=0.5, backend="torch")
+    with tp.profile(oracle=False) as prof:
+        out = rt.generate([prompt], max_new_tokens=6)
+    s = out.stats.pages_attended.summary()
+    assert s["count"] == cfg.n_layers * cfg.n_kv_heads * 5
+    assert 1 <= s["min"] and s["max"] <= 8 and s["mean"] < 8
+    sparse = [r for r in prof.records if r.op == "attention" and r.sparse]
+    assert len(sparse) == cfg.n_layers * 5
+    assert sum(r.pages for r in sparse) == sum(k * c for k, c in enumerate(s["histogram"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_profiler_and_the_layer_count_the_pages_top_p_kept(backend):
+    """One fused decode layer with ``gamma=0.25, top_p=0.7``: the profiler's attention span and
+    ``PagedAttention.attended`` both count, per (row, KV head), the pages the reference ``select_pages`` keeps (its
+    non ``-1`` entries), fewer than the capacity."""
+    import tinyattn.profiler as tp
+    from tinyattn.metrics import PagesAttended
+
+    p = make_problem(3, batch=2, seq_lens=[37, 61], page_size=4, num_kv_heads=2, group=2, head_dim=16,
+                     logit_scale=3.0)
+    k_min, k_max = p.bounds()
+    scores = R.page_scores(p.q[:, 0], k_min, k_max, p.block_table, p.seq_lens, page_size=4, gamma=0.25)
+    want = R.select_pages(scores, p.seq_lens, page_size=4, page_budget=6, num_sink_pages=0, top_p=0.7,
+                          scale=16 ** -0.5)
+    kept = (want >= 0).sum(-1)                                                       # [B, Hkv]
+    assert int(kept.sum()) < 2 * 2 * 6
+    attn = PagedAttention(SparsityConfig(page_budget=6, num_sink_pages=0, gamma=0.25, top_p=0.7), backend=backend)
+    attn.attended = PagesAttended()
+    attn.begin(p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4, decode=True)
+    with tp.profile(oracle=False) as prof:
+        attn(0, p.q[:, 0], p.k_cache, p.v_cache, k_min, k_max)
+    (span,) = [r for r in prof.records if r.op == "attention"]
+    assert span.pages == int(kept.sum()) and span.sparse
+    assert attn.attended.summary()["histogram"] == torch.bincount(kept.flatten(), minlength=7).tolist()[
+        : int(kept.max()) + 1]

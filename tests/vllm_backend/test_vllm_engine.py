@@ -113,14 +113,17 @@ def runs(llama_dir, stories_dir, hybrid, tmp_path_factory):
         "bad_setting": dict(llama, env={**on, "TINYATTN_PAGE_BUDGET": "lots"}),
         "vllm_cpu": dict(llama),
         "dense": dict(llama, env=on, alone=True),
-        "covering_b16": dict(llama, block_size=16, env={**on, "TINYATTN_PAGE_BUDGET": str(covering)}),
+        # top_p = 1 with a covering capacity, gamma 0.25 (issue 35): dense's tokens still
+        "covering_b16": dict(llama, block_size=16, env={**on, "TINYATTN_PAGE_BUDGET": str(covering),
+                                                        "TINYATTN_GAMMA": "0.25", "TINYATTN_TOP_P": "1.0"}),
         "tp2": dict(llama, env={**on, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                     llm={"max_model_len": 1024, "tensor_parallel_size": 2}),
         "stories_dense_preempted": dict(stories, prompts=story_prompts(), env=on, alone=True,
                                         llm={"max_model_len": 256, "num_gpu_blocks_override": PREEMPT_BLOCKS,
                                              "disable_log_stats": False}),
         "stories_sparse": dict(stories, prompts=story_prompts()[:3],
-                               env={**on, "TINYATTN_PAGE_BUDGET": "4"}, llm={"max_model_len": 256}),
+                               env={**on, "TINYATTN_PAGE_BUDGET": "4", "TINYATTN_GAMMA": "0.25",
+                                    "TINYATTN_TOP_P": "0.9"}, llm={"max_model_len": 256}),
         "hybrid_sparse": dict(llama, model=str(hybrid[0]), block_size=16, alone=True,
                               env={**on, "TINYATTN_PAGE_BUDGET": "2"}),
     }
@@ -183,7 +186,8 @@ def test_bad_setting_stops_startup_naming_the_variable(runs):
 def test_one_info_line_names_tinyattn_and_its_settings(runs):
     lines = [ln for ln in runs["_log"].splitlines() if "tinyattn" in ln and "attention backend registered" in ln]
     assert any("INFO" in ln and "replaces CPU_ATTN; dense" in ln for ln in lines)
-    assert any("page_budget=4 num_sink_pages=0 num_recent_pages=1 dense_layers=0" in ln for ln in lines)
+    assert any("page_budget=4 num_sink_pages=0 num_recent_pages=1 dense_layers=0 gamma=0.25 top_p=0.9" in ln
+               for ln in lines)
 
 
 # ---- random GQA Llama, head_dim 64: against vLLM's own CPU backend ---------------------------------------
@@ -245,8 +249,9 @@ def test_preempted_batch_completes_with_the_tokens_of_each_request_alone(runs):
 
 
 def test_sparse_matches_tinyattn_runtime_and_stays_fluent(runs):
-    """Budget 4 pages of 16 (64 of up to 213 tokens): the same tokens as tinyattn's own LlamaRuntime with the
-    same sparsity (dense prefill, Quest decode), and the story opening is unchanged."""
+    """Capacity 4 pages of 16 (64 of up to 213 tokens), gamma 0.25, top_p 0.9 (TINYATTN_GAMMA / TINYATTN_TOP_P):
+    the same tokens as tinyattn's own LlamaRuntime with the same sparsity (dense prefill, Quest decode), which
+    attends fewer pages than the capacity, and the story opening is unchanged."""
     from tinyattn import assets
     from tinyattn.models import LlamaModel
     from tinyattn.models.llama import LlamaRuntime
@@ -254,8 +259,10 @@ def test_sparse_matches_tinyattn_runtime_and_stays_fluent(runs):
     r = ok(runs["stories_sparse"])
     prompts = runs["_plan"]["stories_sparse"]["prompts"]
     rt = LlamaRuntime(LlamaModel.from_llama2c(assets.default_model_path()), page_size=16, page_budget=4,
-                      backend="torch")
-    want = rt.generate(prompts, max_new_tokens=STORY_TOKENS, eos_id=None).tokens
+                      gamma=0.25, top_p=0.9, backend="torch")
+    out = rt.generate(prompts, max_new_tokens=STORY_TOKENS, eos_id=None)
+    want = out.tokens
+    assert out.stats.pages_attended.summary()["mean"] < 4          # top_p < 1 kept fewer pages than the capacity
     for p, w, got in zip(prompts, want, r["tokens"]):
         assert got == list(w)[len(w) - STORY_TOKENS:]
     assert decode([1] + r["tokens"][0]).strip().startswith(known_good()[:150])

@@ -37,6 +37,23 @@ def test_bad_setting_names_the_variable_and_the_allowed_values(name, bad):
         settings_from_env({"TINYATTN_PAGE_BUDGET": "8", name: bad})
 
 
+def test_gamma_and_top_p_from_the_environment():
+    s = settings_from_env({})
+    assert (s.gamma, s.top_p) == (1.0, None)
+    s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_GAMMA": " 0.25 ", "TINYATTN_TOP_P": "0.9"})
+    assert (s.page_budget, s.gamma, s.top_p) == (8, 0.25, 0.9)
+    assert settings_from_env({"TINYATTN_TOP_P": "1"}).top_p == 1.0
+    assert settings_from_env({"TINYATTN_GAMMA": "0"}).gamma == 0
+
+
+@pytest.mark.parametrize("name, bad, bound", [
+    *(("TINYATTN_GAMMA", bad, r"\[0, 1\]") for bad in ("1.5", "-0.1", "nan", "abc")),
+    *(("TINYATTN_TOP_P", bad, r"\(0, 1\]") for bad in ("0", "1.2", "inf", "most"))])
+def test_bad_gamma_or_top_p_names_the_variable_and_the_range(name, bad, bound):
+    with pytest.raises(ValueError, match=rf"^{name}: expected a number in {bound} .*got '{bad}'"):
+        settings_from_env({"TINYATTN_PAGE_BUDGET": "8", name: bad})
+
+
 def test_budget_too_small_for_the_kept_pages():
     with pytest.raises(ValueError, match=r"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES \+ "
                                          r"max\(TINYATTN_RECENT_PAGES, 1\) = 2 \+ 2 = 4 .*got 3"):

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from tinyattn.layer import SparsityConfig
+from tinyattn.metrics import PagesAttended
 
 from .params import SamplingParams
 from .plugins import Plugin
@@ -43,6 +44,14 @@ class Engine:
         page_budget, num_sink_pages, num_recent_pages, dense_layers, policy: decode sparsity, as
             :class:`tinyattn.SparsityConfig` (``page_budget=None``: dense; ``num_sink_pages=None``: one sink
             page when ``page_budget >= 16``).
+        gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
+            key box (``1``, default: Quest's bound; issue 35 measured ``0.25`` best on RULER); as
+            :class:`tinyattn.SparsityConfig`.
+        top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps the
+            fewest best pages whose estimated attention mass reaches ``top_p``, ``page_budget`` being the capacity
+            (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another policy: ``ValueError`` naming
+            ``policy``; out of range: ``ValueError`` naming the argument (``TypeError`` for a non-number).
+            :attr:`stats` ``pages_attended`` counts the pages each sparse step attended.
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
         max_num_batched_tokens: tokens per step, decode and prefill chunks together (vLLM's name); a prompt
             longer than this is prefilled in chunks over several steps.
@@ -76,7 +85,8 @@ class Engine:
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0, policy="quest",
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
+                 gamma: float = 1.0, top_p: float | None = None):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -94,7 +104,8 @@ class Engine:
             raise TypeError(f"plugins: expected tinyattn.engine.Plugin instances, got {type(bad[0]).__name__}")
         self.model = model
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
-                                       num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy)
+                                       num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy,
+                                       gamma=gamma, top_p=top_p)
         self.page_size, self.num_pages = page_size, num_pages
         self.eos_token_id = eos_token_id
         self.plugins = plugins
@@ -120,7 +131,9 @@ class Engine:
                                               max_batch=max_num_seqs, max_pages_per_seq=num_pages)
         self.scheduler = Scheduler(self.cache, max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, recompute=recompute, on_release=self._on_release)
-        self.stats = EngineStats(num_pages=num_pages)
+        self.stats = EngineStats(num_pages=num_pages,
+                                 pages_attended=None if self.sparsity.is_dense else PagesAttended())
+        self.runner.attended = self.stats.pages_attended
         self._requests: dict[int, Request] = {}
         self._done: list[RequestOutput] = []          # finished outside a step (abort, max_new_tokens=0)
         self._next_id = 0
@@ -128,7 +141,7 @@ class Engine:
     def __repr__(self) -> str:
         s = self.sparsity
         return (f"Engine(page_size={self.page_size}, num_pages={self.num_pages}, page_budget={s.page_budget}, "
-                f"policy={s.policy.name!r}, plugins={list(self.plugins)})")
+                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, plugins={list(self.plugins)})")
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, arrival_time: float | None = None

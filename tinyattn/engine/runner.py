@@ -67,12 +67,14 @@ class ModelRunner:
         self._attention: dict[SparsityConfig, PagedAttention] = {}
         self._exit_hooks = [p for p in self.plugins if _overrides(p, "after_layer")]
         self.graphs = None     # a tinyattn.models.graphs.DecodeGraphs over the cache (Engine(cuda_graphs=True))
+        self.attended = None   # a tinyattn.metrics.PagesAttended every attention layer counts its sparse pages into
 
     def attention_for(self, config: SparsityConfig) -> PagedAttention:
         """The one attention layer of ``config`` (built once, its plan's buffers reused every step)."""
         attn = self._attention.get(config)
         if attn is None:
             attn = self._attention[config] = PagedAttention(config, backend=self.backend)
+            attn.attended = self.attended
         return attn
 
     @property

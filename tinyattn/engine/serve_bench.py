@@ -80,7 +80,7 @@ def _rate(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tinyattn.argtypes import non_negative_float, non_negative_int, positive_int
+    from tinyattn.argtypes import add_selection_options, non_negative_float, non_negative_int, positive_int
 
     g = p.add_argument_group("workload")
     g.add_argument("--data", type=Path, default=None,
@@ -121,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-budget", type=positive_int, default=4, metavar="K",
                    help="pages attended per sequence and KV head at each decode step by the sparse "
                         "configurations (default: 4)")
+    add_selection_options(g)            # --gamma, --top-p: the quest configurations' selection
     g.add_argument("--num-sink-pages", type=non_negative_int, default=0, help="leading pages always kept (default: 0)")
     g.add_argument("--num-recent-pages", type=non_negative_int, default=1,
                    help="trailing pages always kept (default: 1)")
@@ -239,7 +240,14 @@ def build_engine(model, config: str, args, num_pages: int | None = None):
                   policy=base if sparse else "quest", backend=args.backend,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   recompute=args.recompute, plugins=plugins, kv_cache_dtype=args.kv_cache_dtype,
-                  cuda_graphs=getattr(args, "cuda_graphs", False))
+                  cuda_graphs=getattr(args, "cuda_graphs", False), **_selection(base, args))
+
+
+def _selection(base: str, args) -> dict:
+    """``gamma`` / ``top_p`` of the quest configurations (the other policies take none)."""
+    if base != "quest":
+        return {}
+    return dict(gamma=getattr(args, "gamma", 1.0), top_p=getattr(args, "top_p", None))
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:
@@ -304,7 +312,7 @@ def config_nll(model, config: str, sequences, args) -> float:
     return teacher_forced_nll(model, sequences, page_size=args.page_size, page_budget=s.page_budget,
                               num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
                               dense_layers=s.dense_layers, policy=s.policy.name, backend=args.backend,
-                              plugins=engine.plugins).nll
+                              plugins=engine.plugins, gamma=s.gamma, top_p=s.top_p).nll
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -390,7 +398,7 @@ def run(args) -> int:
                     request_rate=args.request_rate, prompt_len=args.prompt_len, output_len=args.output_len,
                     output_len_dist=args.output_len_dist, temperature=args.temperature, seed=args.seed,
                     page_size=args.page_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
-                    page_budget=args.page_budget,
+                    page_budget=args.page_budget, gamma=args.gamma, top_p=args.top_p,
                     num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                     dense_layers=args.dense_layers, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, recompute=args.recompute, exit_threshold=args.exit_threshold,
@@ -400,7 +408,9 @@ def run(args) -> int:
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     kv = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
-             f"{kv}, page_budget {args.page_budget}; {_device_words(model, torch.get_num_threads())}")
+             f"{kv}, page_budget {args.page_budget}" + ("" if args.gamma == 1.0 else f", gamma {args.gamma}")
+             + ("" if args.top_p is None else f", top_p {args.top_p}")
+             + f"; {_device_words(model, torch.get_num_threads())}")
     print(title)
     print(format_table(rows))
     for path, write in ((args.json, _write_json), (args.csv, _write_csv)):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinyattn.metrics import PagesAttended
+
 __all__ = ["EngineStats"]
 
 
@@ -21,6 +23,9 @@ class EngineStats:
     - ``early_exits``: decode rows that stopped before the last layer; ``layers_skipped``: layers they skipped;
       ``decode_rows``: rows through decode forwards (replayed ones included).
     - ``graphed_steps``: decode forwards replayed from a CUDA graph (``Engine(cuda_graphs=True)``).
+    - ``pages_attended``: a :class:`tinyattn.metrics.PagesAttended` (with a page budget; else ``None``): the pages
+      each (sparse layer, KV head, row, eager decode forward) attended, as the selection kept them (``top_p`` keeps
+      a varying count): ``pages_attended.summary()`` gives the mean, min / median / max and the histogram.
     """
 
     steps: int = 0
@@ -39,6 +44,7 @@ class EngineStats:
     num_pages: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    pages_attended: PagesAttended | None = None
 
     @property
     def mean_decode_batch(self) -> float:
@@ -60,4 +66,6 @@ class EngineStats:
             f"KV pages:     peak {self.peak_pages} of {self.num_pages}",
         ] + ([f"early exit:   {self.early_exits} of {self.decode_rows} decode rows, "
               f"{self.layers_skipped_per_token:.2f} layers skipped per row"] if self.early_exits else [])
-          + ([f"cuda graphs:  {self.graphed_steps} decode forwards replayed"] if self.graphed_steps else []))
+          + ([f"cuda graphs:  {self.graphed_steps} decode forwards replayed"] if self.graphed_steps else [])
+          + ([f"attended:     {self.pages_attended.format()}"]
+             if self.pages_attended is not None and self.pages_attended.hist is not None else []))

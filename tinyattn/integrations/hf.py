@@ -81,6 +81,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from tinyattn.cache import CacheFullError, PagedKVCache
 from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
+from tinyattn.metrics import PagesAttended
 from tinyattn.ops.validation import check_selection_options
 from tinyattn.ops import quant
 
@@ -268,6 +269,18 @@ class TinyAttnCache(Cache):
             the model computed them (stock SDPA); every later step reads the stored format.
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8; exact), ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.kv_cache.torch_impl`).
+        gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
+            key box; ``1`` (default) is Quest's bound, ``0.25`` the estimate issue 35 measured best on RULER
+            (:class:`tinyattn.layer.SparsityConfig`).
+        top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps,
+            after the forced pages, the fewest best pages whose estimated attention mass reaches ``top_p``,
+            ``page_budget`` being the capacity (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another
+            policy are a ``ValueError`` naming ``policy``.
+
+    Attributes:
+        pages_attended: with a ``page_budget``, a :class:`tinyattn.metrics.PagesAttended`: the pages each (sparse
+            layer, KV head, row, decode step) attended since the cache was made or :meth:`reset` (``top_p`` keeps
+            a varying count; counted on the device, read by ``cache.pages_attended.summary()``); else ``None``.
 
     The pool's pages are managed by the :class:`PagedKVCache` itself: it grows in place
     (:meth:`~PagedKVCache.resize`); beam search (``reorder_cache``), ``num_return_sequences`` and
@@ -289,7 +302,8 @@ class TinyAttnCache(Cache):
     def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  num_pages: int | None = None, backend: str | None = None, policy="quest",
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = 1.0,
+                 top_p: float | None = None):
         if num_sink_pages is None:             # the library's default recipe (tinyattn.layer)
             num_sink_pages = default_num_sink_pages(page_budget if isinstance(page_budget, int) else None,
                                                     num_recent_pages if isinstance(num_recent_pages, int) else 1)
@@ -321,7 +335,11 @@ class TinyAttnCache(Cache):
         # the one attention layer (tinyattn.layer): dense / fused Quest / policy decision per layer, one plan
         self._attention = PagedAttention(SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                                         num_recent_pages=num_recent_pages,
-                                                        dense_layers=dense_layers, policy=policy), backend=backend)
+                                                        dense_layers=dense_layers, policy=policy, gamma=gamma,
+                                                        top_p=top_p), backend=backend)
+        self.gamma, self.top_p = self._attention.sparsity.gamma, self._attention.sparsity.top_p
+        self.pages_attended = None if page_budget is None else PagesAttended()
+        self._attention.attended = self.pages_attended
         windows = _layer_windows(text_config, self.num_layers)
         super().__init__(layers=[_LayerView(self, i, windows[i]) for i in range(self.num_layers)])
         self._clear()
@@ -349,11 +367,14 @@ class TinyAttnCache(Cache):
         self._routes: list = []             # per mask of the pass in progress: (mask, window, paged?)
         self._old_slots = None              # flat pool slots of the cached columns (the dense route), per pass
         self._warned_dense_route = False
+        if self.pages_attended is not None:
+            self.pages_attended.hist = None     # a fresh count per use of the cache
 
     def __repr__(self):
         return (f"TinyAttnCache(page_size={self.page_size}, page_budget={self.page_budget}, "
                 f"num_sink_pages={self.num_sink_pages}, num_recent_pages={self.num_recent_pages}, "
-                f"dense_layers={self.dense_layers}, backend={self.backend!r}, batch_size={self.batch_size}, "
+                f"dense_layers={self.dense_layers}, gamma={self.gamma}, top_p={self.top_p}, "
+                f"backend={self.backend!r}, batch_size={self.batch_size}, "
                 f"seq_length={self._hf_len})")
 
     # ------------------------------------------------------------------ the Cache interface
@@ -793,7 +814,7 @@ class TinyAttnCache(Cache):
 CONFIG_KEY = "tinyattn"
 #: the TinyAttnCache options ``enable`` accepts (all JSON values, so that save_pretrained keeps them)
 SETTINGS = ("page_size", "page_budget", "num_sink_pages", "num_recent_pages", "dense_layers", "num_pages", "backend",
-            "policy", "kv_cache_dtype", "box_dtype")
+            "policy", "kv_cache_dtype", "box_dtype", "gamma", "top_p")
 
 
 def enable(model, **settings):
@@ -806,8 +827,9 @@ def enable(model, **settings):
         model: a decoder-only ``transformers`` model (``PreTrainedModel`` with ``generate``).
         **settings: :class:`TinyAttnCache` options (:data:`SETTINGS`: ``page_size``, ``page_budget``,
             ``num_sink_pages``, ``num_recent_pages``, ``dense_layers``, ``num_pages``, ``backend``, ``policy`` (a
-            name), ``kv_cache_dtype``, ``box_dtype``). None given: the settings saved in ``model.config.tinyattn``
-            (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's defaults (dense decode).
+            name), ``kv_cache_dtype``, ``box_dtype``, ``gamma``, ``top_p``). None given: the settings saved in
+            ``model.config.tinyattn`` (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's
+            defaults (dense decode).
 
     Returns:
         ``model`` itself, after: ``model.set_attn_implementation("tinyattn")``, ``model.config.tinyattn =

@@ -29,6 +29,10 @@ argument              default      meaning (:class:`~tinyattn.integrations.hf.Ti
 ``policy``            ``quest``    page-selection policy (``quest``, ``streaming``, ``h2o``, ...)
 ``kv_cache_dtype``    ``auto``     the pool's storage format (``auto``, ``fp16``, ``bf16``, ``int8``, ``fp8_e4m3``)
 ``box_dtype``         ``auto``     dtype of the page boxes
+``gamma``             1.0          page estimate of ``quest``, in ``[0, 1]``: ``q·c + gamma·|q|·r``; 1 = Quest's
+                                   bound (issue 35 measured 0.25 best on RULER)
+``top_p``             ``None``     adaptive budget of ``quest``, in ``(0, 1]``: the fewest pages whose estimated
+                                   attention mass reaches it, ``page_budget`` the capacity; ``none`` = fixed budget
 ``attn_backend``      ``None``     tinyattn's backend (``torch``, ``triton``; ``None``: by device). ``HFLM`` has a
                                    ``backend`` argument of its own (causal / seq2seq)
 ====================  ===========  ===============================================================================
@@ -60,7 +64,7 @@ class TinyAttnLM(HFLM):
     Args:
         pretrained: a Hugging Face folder or hub id, or a loaded ``PreTrainedModel`` (``HFLM``'s argument).
         page_size, page_budget, num_sink_pages, num_recent_pages, dense_layers, policy, kv_cache_dtype, box_dtype,
-            attn_backend: the :class:`~tinyattn.integrations.hf.TinyAttnCache` settings (module table);
+            gamma, top_p, attn_backend: the :class:`~tinyattn.integrations.hf.TinyAttnCache` settings (module table);
             ``attn_backend`` is TinyAttnCache's ``backend``.
         **kwargs: ``HFLM``'s (``dtype``, ``device``, ``batch_size``, ``max_length``, ...).
 
@@ -72,14 +76,15 @@ class TinyAttnLM(HFLM):
     def __init__(self, pretrained, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  policy: str = "quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto",
-                 attn_backend: str | None = None, **kwargs):
+                 attn_backend: str | None = None, gamma: float = 1.0, top_p: float | None = None, **kwargs):
         impl = kwargs.pop("attn_implementation", hf.ATTN_IMPLEMENTATION)
         if impl != hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"attn_implementation: the tinyattn model runs {hf.ATTN_IMPLEMENTATION!r}, got {impl!r} "
                              f"(use --model hf for another attention)")
         settings = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                         num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy,
-                        kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype, backend=attn_backend)
+                        kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype, backend=attn_backend, gamma=gamma,
+                        top_p=top_p)
         settings = {k: _from_arg(v) for k, v in settings.items()}
         if isinstance(pretrained, str):
             kwargs["attn_implementation"] = hf.ATTN_IMPLEMENTATION     # loaded with it: no switch after loading
@@ -90,14 +95,19 @@ class TinyAttnLM(HFLM):
 
 def _from_arg(value):
     """A ``--model_args`` value as lm-eval's command line hands it over (it may leave strings): ``"none"`` /
-    ``"None"`` / ``"dense"`` -> ``None``, an integer string -> ``int``, anything else unchanged (TinyAttnCache
-    checks it and names it in its ``ValueError``)."""
+    ``"None"`` / ``"dense"`` -> ``None``, an integer string -> ``int``, a decimal one (``"0.25"``) -> ``float``,
+    anything else unchanged (TinyAttnCache checks it and names it in its ``ValueError`` / ``TypeError``)."""
     if isinstance(value, str):
         text = value.strip()
         if text.lower() in ("none", "dense", ""):
             return None
         if text.lstrip("+-").isdigit():
             return int(text)
+        try:
+            number = float(text)
+        except ValueError:
+            return value
+        return number if number == number and abs(number) != float("inf") else value
     return value
 
 

@@ -419,6 +419,9 @@ class GenerationStats:
     page_size: int = 0
     selection: object = None  # a tinyattn.selection.SelectionMetrics when the runtime tracks selection quality
     graphed_steps: int = 0    # decode steps replayed from a CUDA graph (LlamaRuntime(cuda_graphs=True))
+    # a tinyattn.metrics.PagesAttended: pages each (sparse layer, KV head, row, eager decode step) attended, as
+    # selected (top_p's varying count); pages_read above is the capacity's model
+    pages_attended: object = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -476,7 +479,9 @@ class GenerationStats:
             f"sparse includes page min/max)",
             f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {self.pages_used} pages of "
             f"{self.page_size} tokens in use at the end",
-        ] + ([f"selection:          {self.selection.format()} (sparse layers, steps that selected)"]
+        ] + ([f"pages attended:     {self.pages_attended.format(self.page_size)}"]
+             if self.pages_attended is not None and self.pages_attended.hist is not None else [])
+          + ([f"selection:          {self.selection.format()} (sparse layers, steps that selected)"]
              if self.selection is not None and self.selection.samples else [])
           + ([f"cuda graphs:        {self.graphed_steps} of {self.decode_steps} decode steps replayed"]
              if self.graphed_steps else []))
@@ -532,7 +537,9 @@ class LlamaRuntime:
             key box; ``1`` (default) is Quest's bound (:class:`SparsityConfig`).
         top_p: ``None`` (default) or a number in ``(0, 1]``: the ``quest`` selection keeps the fewest best pages
             whose estimated attention mass reaches ``top_p``, ``page_budget`` being the capacity
-            (:class:`SparsityConfig`). The read statistics of :meth:`generate` still count the capacity.
+            (:class:`SparsityConfig`). The read statistics of :meth:`generate` (``pages_read``, ``kv_bytes_read``)
+            count the capacity; its ``pages_attended`` counts the pages each (sparse layer, KV head, row, eager
+            decode step) attended, as top-p kept them (mean, min / median / max, histogram).
 
     Example::
 
@@ -710,6 +717,8 @@ class LlamaRuntime:
         graphed = self.cuda_graphs and self.graphs_off is None and max_new_tokens > 1
         cache = self.new_cache([len(p) + max_new_tokens for p in prompts], extra_pages=int(graphed))
         stats.kv_cache_bytes = _cache_bytes(cache)
+        if not self.sparsity.is_dense:
+            stats.pages_attended = metrics.PagesAttended()
         seq_ids = [cache.add_sequence() for _ in prompts]
         graphs = None
         if graphed:       # per call: the graphs hold this cache's pools (the padding rows take the extra page)
@@ -726,6 +735,22 @@ class LlamaRuntime:
 
         t0 = time.perf_counter()
         active = list(range(len(prompts))) if max_new_tokens > 0 else []
+        self.attention.attended = stats.pages_attended
+        try:
+            self._decode_loop(active, logits, gen, temperature, out, stopped, eos_id, stop_token_ids,
+                              max_new_tokens, graphs, cache, seq_ids, stats)
+        finally:
+            self.attention.attended = None
+        stats.decode_s = time.perf_counter() - t0
+        stats.generated_tokens = sum(len(o) for o in out)
+        stats.pages_used = sum(int(n) for n in (cache.seq_lens(seq_ids).long() + self.page_size - 1) // self.page_size)
+        for sid in seq_ids:
+            cache.free(sid)
+        return GenerationOutput(tokens=out, stopped_on_eos=stopped, stats=stats)
+
+    def _decode_loop(self, active, logits, gen, temperature, out, stopped, eos_id, stop_token_ids, max_new_tokens,
+                     graphs, cache, seq_ids, stats) -> None:
+        """:meth:`generate`'s decode steps: sample, stop rows, decode the rest (``out`` / ``stopped`` in place)."""
         while active:
             next_tokens = self._sample(logits, temperature, gen)  # one per active row
             still = []
@@ -741,12 +766,6 @@ class LlamaRuntime:
             toks = [next_tokens[i] for i in keep]
             active = still
             logits = self._graphed_decode(graphs, cache, [seq_ids[r] for r in active], toks, stats)
-        stats.decode_s = time.perf_counter() - t0
-        stats.generated_tokens = sum(len(o) for o in out)
-        stats.pages_used = sum(int(n) for n in (cache.seq_lens(seq_ids).long() + self.page_size - 1) // self.page_size)
-        for sid in seq_ids:
-            cache.free(sid)
-        return GenerationOutput(tokens=out, stopped_on_eos=stopped, stats=stats)
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> list[int]:

@@ -111,6 +111,14 @@ class PagedAttentionPlan:
         return self._impl.seq_lens
 
     @property
+    def last_selection(self) -> torch.Tensor | None:
+        """Logical pages ``[B, Hkv, page_budget]`` the last :meth:`run` with boxes attended (``-1``, or a page past
+        the row's end, = not attended: with ``top_p`` the pages it dropped), or ``None`` when no run of this step
+        selected yet (a dense step). A device tensor the next run may overwrite: read it at once; no host sync, no
+        copy (the attended-pages counts of :class:`tinyattn.metrics.PagesAttended` read it)."""
+        return None if self.step is None else self._impl.last_selection()
+
+    @property
     def selects(self) -> bool:
         """True when :meth:`run` with boxes really selects: some row holds more pages than ``page_budget``.
 

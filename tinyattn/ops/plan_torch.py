@@ -80,7 +80,15 @@ class TorchPlan:
         self._run = False                # the one row's pages in pool order (see _pool_run), not known yet
         self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
         self._keys = None                # selection keys (selection_torch.selection_keys)
+        self._last = None                # (pages, keep) of the last selecting run (see last_selection)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
+
+    def last_selection(self) -> torch.Tensor | None:
+        """The pages the last selecting run attended (rank order; top-p's dropped pages ``-1``), or ``None``."""
+        if self._last is None:
+            return None
+        pages, keep = self._last
+        return pages if keep is None else torch.where(keep, pages, -1)
 
     # ------------------------------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
@@ -132,6 +140,7 @@ class TorchPlan:
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
             page_indices, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
+            self._last = (page_indices, keep)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left, keep)
             if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
                 if keep is not None:

@@ -63,6 +63,7 @@ class TritonPlan:
         # top-p prunes the capacity selection into a second buffer (the filter reads one and writes the other)
         self._top_p = step.top_p if budget is not None and step.top_p is not None and step.top_p < 1.0 else None
         self._kept = None if self._top_p is None else self._buffer("kept", (cap_b, Hkv, budget), torch.int32)[:B]
+        self._last = None            # the buffer the last selecting run attended (see last_selection)
         # selection in two stages (kernels/chunk_topk.py) when B * Hkv programs would leave the GPU idle or rows
         # are long; its candidate workspace is allocated here, never in forward()
         self._chunks = None
@@ -180,12 +181,20 @@ class TritonPlan:
                 selection_triton.select_pages(self._scores, self._sl32, num_query_tokens=step.num_query_tokens,
                                               out=self._selected, **opts)
             if self._top_p is None:
+                self._last = self._selected
                 return self._selected
             selection_triton.top_p_filter(self._scores, self._selected, self._sl32, page_size=step.page_size,
                                           num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
                                           num_query_tokens=step.num_query_tokens, top_p=self._top_p,
                                           scale=step.scale if scale is None else scale, out=self._kept)
+        self._last = self._kept
         return self._kept
+
+    def last_selection(self) -> torch.Tensor | None:
+        """The pages the last selecting run attended (ascending, ``-1`` padded), or ``None``."""
+        if self._torch is not None and self._torch_step is self.step and self._torch._last is not None:
+            return self._torch.last_selection()                 # an fp64 step ran the torch plan
+        return self._last
 
     def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
         """fp64 inputs on the Triton backend run the torch backend's plan (the kernels compute in fp32 at most)."""

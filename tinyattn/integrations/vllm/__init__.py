@@ -6,8 +6,10 @@ Nothing changes unless ``TINYATTN_VLLM=1``. Then :func:`register`:
 
 - reads the settings (:func:`settings_from_env`): ``TINYATTN_PAGE_BUDGET`` (pages kept per request and KV
   head at each decode step; unset or 0 = dense), ``TINYATTN_SINK_PAGES`` (default 0),
-  ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0); a bad
-  value stops start-up with a ``ValueError`` naming the variable and the allowed values;
+  ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0),
+  ``TINYATTN_GAMMA`` (the page estimate of the quest selection, in ``[0, 1]``, default 1 = Quest's bound) and
+  ``TINYATTN_TOP_P`` (the adaptive budget, in ``(0, 1]``; unset = the fixed budget); a bad value stops start-up
+  with a ``ValueError`` naming the variable and the allowed values;
 - reads ``TINYATTN_VLLM_CUDA_GRAPHS`` (:func:`cuda_graphs_enabled`; ``1`` on, unset / ``0`` off): whether the
   backend declares CUDA-graph support for uniform single-token decode batches to vLLM. Off by default: the
   graph path has never run on a GPU, and a graph replayed over stale metadata would give wrong tokens silently;
@@ -29,13 +31,19 @@ __all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "
 
 BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
 
-#: variable -> (meaning, default); all are ints >= 0 (None: the library decides, see the meaning)
+#: variable -> (meaning, default); the first four are ints >= 0, the last two numbers in their ranges (None: the
+#: library decides, see the meaning)
 ENV_VARS = {
     "TINYATTN_PAGE_BUDGET": ("pages kept per request and KV head at each decode step; 0 or unset = dense", 0),
     "TINYATTN_SINK_PAGES": ("leading pages always kept; unset = one when the budget is 16 or more", None),
     "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
     "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
+    "TINYATTN_GAMMA": ("page estimate of the quest selection, a number in [0, 1]: q·c + gamma·|q|·r over each "
+                       "page's key box; 1 = Quest's bound", 1.0),
+    "TINYATTN_TOP_P": ("adaptive budget of the quest selection, a number in (0, 1]: the fewest pages whose estimated "
+                       "attention mass reaches it, TINYATTN_PAGE_BUDGET the most; unset = the fixed budget", None),
 }
+_INT_VARS = ("TINYATTN_PAGE_BUDGET", "TINYATTN_SINK_PAGES", "TINYATTN_RECENT_PAGES", "TINYATTN_DENSE_LAYERS")
 
 _logger = logging.getLogger("tinyattn.vllm")
 _registered = False
@@ -55,18 +63,36 @@ def _int_setting(name: str, environ) -> int:
     return value
 
 
+def _fraction_setting(name: str, environ, *, open_low: bool):
+    """A number in ``[0, 1]`` (``(0, 1]`` with ``open_low``) from the environment, or the default when unset."""
+    meaning, default = ENV_VARS[name]
+    raw = environ.get(name, "").strip()
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 < value <= 1.0 if open_low else 0.0 <= value <= 1.0):       # NaN fails both
+        bound = "(0, 1]" if open_low else "[0, 1]"
+        raise ValueError(f"{name}: expected a number in {bound} ({meaning}), got {raw!r}")
+    return value
+
+
 def settings_from_env(environ=None):
     """The :class:`tinyattn.layer.SparsityConfig` the environment asks for.
 
     Raises:
         ValueError naming the variable and its allowed values, e.g. ``TINYATTN_PAGE_BUDGET: expected an
-        integer >= 0 ...``, or a budget too small for the always-kept pages (``num_sink_pages +
-        max(num_recent_pages, 1) <= page_budget``).
+        integer >= 0 ...``, ``TINYATTN_TOP_P: expected a number in (0, 1] ...``, or a budget too small for the
+        always-kept pages (``num_sink_pages + max(num_recent_pages, 1) <= page_budget``).
     """
     from tinyattn.layer import SparsityConfig
 
     environ = os.environ if environ is None else environ
-    budget, sinks, recent, dense = (_int_setting(n, environ) for n in ENV_VARS)
+    budget, sinks, recent, dense = (_int_setting(n, environ) for n in _INT_VARS)
+    gamma = _fraction_setting("TINYATTN_GAMMA", environ, open_low=False)
+    top_p = _fraction_setting("TINYATTN_TOP_P", environ, open_low=True)
     if sinks is None:                   # unset: the library's default recipe (tinyattn.layer)
         from tinyattn.layer import default_num_sink_pages
 
@@ -76,14 +102,16 @@ def settings_from_env(environ=None):
                          f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
                          f"dense, got {budget}")
     return SparsityConfig(page_budget=budget or None, num_sink_pages=sinks, num_recent_pages=recent,
-                          dense_layers=dense)
+                          dense_layers=dense, gamma=gamma, top_p=top_p)
 
 
 def describe(sparsity) -> str:
     if sparsity.page_budget is None:
         return "dense"
     return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
-            f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}")
+            f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}"
+            + ("" if sparsity.gamma == 1.0 else f" gamma={sparsity.gamma}")
+            + ("" if sparsity.top_p is None else f" top_p={sparsity.top_p}"))
 
 
 def enabled(environ=None) -> bool:
