@@ -11,7 +11,7 @@ and its default ``DynamicCache``:
 - a sparse one (pages of 4 tokens, 2 per step) runs in the same mode and attends to fewer pages than the rows hold
   (tinyattn's profiler sees a selection narrower than the row).
 
-Every tinyattn path runs the torch backend (the Triton interpreter is covered by tests/test_hf.py).
+Every tinyattn path runs the torch backend (the Triton interpreter is covered by tests/integrations/test_hf.py).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_rope_pairs_are_interleaved():
 
 # ------------------------------------------------------------------------------------ generation
 def test_known_good_greedy_text_prefix(model, tok):
-    """The README's greedy text from BOS (first 60 tokens here; tests/test_cli.py checks all 200)."""
+    """The README's greedy text from BOS (first 60 tokens here; tests/project/test_cli.py checks all 200)."""
     rt = LlamaRuntime(model, page_size=16, page_budget=64, backend=TORCH)
     out = rt.generate([[tok.bos_id]], max_new_tokens=60)
     assert known_good_text().startswith(tok.decode([tok.bos_id] + out.tokens[0]))
