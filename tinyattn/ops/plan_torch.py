@@ -169,10 +169,11 @@ class TorchPlan:
                 self.seq_lens, num_pages, page_size=step.page_size, page_budget=step.page_budget,
                 num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
                 num_query_tokens=step.num_query_tokens)
-            phys, valid = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
-                                                         step.page_size)
-            every = all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens)
-            self._phys = (phys, None if every else valid)          # no mask to apply when every page is valid
+            if all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens):
+                self._phys = (self.block_table[:, :num_pages], None)   # every page valid: the table itself, no mask
+            else:
+                self._phys = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
+                                                            step.page_size)
         if _spans.recorder is None and window_left < 0:              # the decode layer: no span, no window
             return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys),
                                              self._keys)
@@ -205,10 +206,10 @@ class TorchPlan:
         longest row's), once per step and window."""
         key = ("every", window_left)
         if key not in self._tables:
-            step, num_pages = self.step, self._num_pages
-            every = torch.arange(num_pages, device=self.block_table.device).expand(step.batch, step.num_kv_heads,
-                                                                                  num_pages)
-            rows, visible = self._page_tables(every, window_left)
+            step = self.step
+            rows, _, visible = attention_torch.page_rows(
+                self.block_table, self.seq_lens, None, num_pages=self._num_pages, page_size=step.page_size,
+                num_kv_heads=step.num_kv_heads, num_query_tokens=step.num_query_tokens, window_left=window_left)
             self._tables[key] = (rows, self._additive(visible), visible)
         return self._tables[key]
 
