@@ -105,12 +105,11 @@ class TorchPlan:
         dtype (fp32, fp64 for fp64), or ``None`` unless ``need_lse``. Differentiable in ``q``, ``k_cache``,
         ``v_cache`` (float pools)."""
         step = self.step
-        q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
+            o, lse = attention_torch.empty_attention(q.unsqueeze(1) if q.dim() == 3 else q, k_cache, v_cache)
             return o.view(q.shape), lse if need_lse else None
         selects = k_min is not None and step.selects
         # autograd records (then no out= workspace, no chunks, no SDPA): inline, this runs once per layer
@@ -128,10 +127,10 @@ class TorchPlan:
         if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
             qg = q.view(step.batch, step.num_kv_heads, self._group, step.head_dim)
         else:
-            qg = group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
+            qg = group_queries(q.unsqueeze(1) if q.dim() == 3 else q, step.num_kv_heads, dt)   # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
-            page_indices = self.select(q4, k_min, k_max, window_left, qg)
+            page_indices = self.select(q, k_min, k_max, window_left, qg)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left)
             if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
                 page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
@@ -145,7 +144,7 @@ class TorchPlan:
             o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
                                           recording)
         else:
-            with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
+            with span("attention", q=q.unsqueeze(1) if q.dim() == 3 else q, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
                       page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
                 o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
                                               recording)
@@ -159,8 +158,11 @@ class TorchPlan:
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
-        than ``K`` valid pages also lists pages past its end, which the tables hide)."""
+        than ``K`` valid pages also lists pages past its end, which the tables hide). ``q4``: ``[B, Tq, Hq, D]`` (or
+        a decode ``[B, Hq, D]``); ``qg``: its grouped form when the caller has it."""
         step = self.step
+        if q4.dim() == 3 and (qg is None or _spans.recorder is not None or window_left >= 0):
+            q4 = q4.unsqueeze(1)
         if qg is None:
             qg = group_queries(q4, step.num_kv_heads, q4.dtype if q4.dtype in _EXACT else torch.float32)
         if self._keys is None:
@@ -175,8 +177,9 @@ class TorchPlan:
                 self._phys = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
                                                             step.page_size)
         if _spans.recorder is None and window_left < 0:              # the decode layer: no span, no window
-            return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys),
-                                             self._keys)
+            # the bound is not differentiated (detach only when autograd could record: an op less per layer)
+            return selection_torch.top_pages(selection_torch.page_bounds(
+                qg.detach() if qg.requires_grad else qg, k_min, k_max, *self._phys), self._keys)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
             scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys)      # [B, Hkv, pages]
