@@ -372,6 +372,23 @@ def test_fused_weights_follow_weight_updates(model, tok):
     torch.testing.assert_close(w_qkv[:, wk_cols], want, rtol=1e-6, atol=0)
 
 
+
+def test_frozen_weights_check_once_and_follow_changes_after_the_block(model):
+    """Inside frozen_weights() every step takes the weights checked on entry; on exit the next step sees an in-place
+    change made inside the block (generate runs in one block, so weights changed between calls are used)."""
+    import copy
+    m = copy.deepcopy(model)
+    with m.frozen_weights():
+        first = m._weights()
+        with torch.no_grad():
+            m.layers[0].wk.weight.mul_(-3.0)
+        assert m._weights() is first                                     # no per-step check inside the block
+    after = m._weights()[0].qkv
+    cfg = m.config
+    wk_cols = slice(cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
+    want = (m.layers[0].wk.weight * m.layers[0].attention_norm.weight).t()
+    torch.testing.assert_close(after[:, wk_cols], want, rtol=1e-6, atol=0)
+
 @pytest.mark.slow
 def test_generation_can_stop_at_bos(model, tok):
     """llama2.c models end a story where the next one's BOS would come: stop_token_ids=(BOS,) stops there (the

@@ -113,12 +113,11 @@ class TorchPlan:
         dtype (fp32, fp64 for fp64), or ``None`` unless ``need_lse``. Differentiable in ``q``, ``k_cache``,
         ``v_cache`` (float pools)."""
         step = self.step
-        q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
         if step.nothing or k_cache.shape[0] == 0 or (page_indices is not None and page_indices.shape[-1] == 0):
-            o, lse = attention_torch.empty_attention(q4, k_cache, v_cache)
+            o, lse = attention_torch.empty_attention(q.unsqueeze(1) if q.dim() == 3 else q, k_cache, v_cache)
             return o.view(q.shape), lse if need_lse else None
         selects = k_min is not None and step.selects
         # autograd records (then no out= workspace, no chunks, no SDPA): inline, this runs once per layer
@@ -136,10 +135,10 @@ class TorchPlan:
         if q.dim() == 3 and q.dtype == dt and q.is_contiguous():      # decode: a free view, [B, Hkv, G, D]
             qg = q.view(step.batch, step.num_kv_heads, self._group, step.head_dim)
         else:
-            qg = group_queries(q4, step.num_kv_heads, dt)                              # [B, Hkv, M, D]
+            qg = group_queries(q.unsqueeze(1) if q.dim() == 3 else q, step.num_kv_heads, dt)   # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
-            page_indices, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
+            page_indices, keep = self._select_ranked(q, k_min, k_max, window_left, qg, scale)
             self._last = (page_indices, keep)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left, keep)
             if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
@@ -156,8 +155,9 @@ class TorchPlan:
             o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
                                           recording)
         else:
-            with span("attention", q=q4, k_cache=k_cache, block_table=self.block_table, seq_lens=self.seq_lens,
-                      page_indices=page_indices, scale=scale, selection=selection, window_left=window_left):
+            with span("attention", q=q.unsqueeze(1) if q.dim() == 3 else q, k_cache=k_cache,
+                      block_table=self.block_table, seq_lens=self.seq_lens, page_indices=page_indices, scale=scale,
+                      selection=selection, window_left=window_left):
                 o, lse = self._attend_grouped(qg, k_cache, v_cache, rows, bias, n_keys, scale, scales, need_lse,
                                               recording)
         Tq = step.num_query_tokens
@@ -171,7 +171,8 @@ class TorchPlan:
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
         than ``K`` valid pages also lists pages past its end, which the tables hide; with top-p the pages it drops
-        read ``-1``). ``scale``: the softmax scale of top-p's mass (``None``: the plan's)."""
+        read ``-1``). ``q4``: ``[B, Tq, Hq, D]`` (or a decode ``[B, Hq, D]``); ``qg``: its grouped form when the
+        caller has it; ``scale``: the softmax scale of top-p's mass (``None``: the plan's)."""
         pages, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
         return pages if keep is None else torch.where(keep, pages, -1)
 
@@ -179,6 +180,8 @@ class TorchPlan:
         """``(pages [B, Hkv, K] in rank order, keep [B, Hkv, K] bool or None)``: the capacity's pages and, with
         top-p, which of them it keeps (:func:`~tinyattn.ops.selection.torch_impl.top_p_keep`)."""
         step = self.step
+        if q4.dim() == 3 and (qg is None or _spans.recorder is not None or window_left >= 0):
+            q4 = q4.unsqueeze(1)
         if qg is None:
             qg = group_queries(q4, step.num_kv_heads, q4.dtype if q4.dtype in _EXACT else torch.float32)
         if self._keys is None:
@@ -187,14 +190,16 @@ class TorchPlan:
                 self.seq_lens, num_pages, page_size=step.page_size, page_budget=step.page_budget,
                 num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
                 num_query_tokens=step.num_query_tokens)
-            phys, valid = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
-                                                         step.page_size)
-            every = all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens)
-            self._phys = (phys, None if every else valid)          # no mask to apply when every page is valid
+            if all(cdiv_pages(n, step.page_size) >= num_pages for n in self._lens):
+                self._phys = (self.block_table[:, :num_pages], None)   # every page valid: the table itself, no mask
+            else:
+                self._phys = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
+                                                            step.page_size)
         top_p = step.top_p if step.top_p is not None and step.top_p < 1.0 else None
         if _spans.recorder is None and window_left < 0 and top_p is None:      # the decode layer: no span, no window
-            return selection_torch.top_pages(selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys,
-                                                                         step.gamma), self._keys), None
+            # the bound is not differentiated (detach only when autograd could record: an op less per layer)
+            return selection_torch.top_pages(selection_torch.page_bounds(
+                qg.detach() if qg.requires_grad else qg, k_min, k_max, *self._phys, step.gamma), self._keys), None
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
             scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys, step.gamma)   # [B, Hkv, pages]
@@ -228,10 +233,10 @@ class TorchPlan:
         longest row's), once per step and window."""
         key = ("every", window_left)
         if key not in self._tables:
-            step, num_pages = self.step, self._num_pages
-            every = torch.arange(num_pages, device=self.block_table.device).expand(step.batch, step.num_kv_heads,
-                                                                                  num_pages)
-            rows, visible = self._page_tables(every, window_left)
+            step = self.step
+            rows, _, visible = attention_torch.page_rows(
+                self.block_table, self.seq_lens, None, num_pages=self._num_pages, page_size=step.page_size,
+                num_kv_heads=step.num_kv_heads, num_query_tokens=step.num_query_tokens, window_left=window_left)
             self._tables[key] = (rows, self._additive(visible), visible)
         return self._tables[key]
 

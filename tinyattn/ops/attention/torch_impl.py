@@ -46,14 +46,17 @@ def dense_page_indices(seq_lens: torch.Tensor, num_kv_heads: int, max_pages: int
     return idx[:, None, :].expand(-1, num_kv_heads, -1).to(torch.int32)
 
 
-def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Tensor, *, page_size: int,
-              num_kv_heads: int, num_query_tokens: int = 1,
-              window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Tensor | None, *, page_size: int,
+              num_kv_heads: int, num_query_tokens: int = 1, window_left: int = -1,
+              num_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat pool rows, key positions and visibility of the slots of logical ``pages``.
 
     Args:
         block_table: ``[B, max_pages_per_seq]`` int. seq_lens: ``[B]`` int (including the ``Tq`` queries).
-        pages: ``[B, Hkv, K]`` logical page ids; ``-1`` and ids past the row's end are hidden.
+        pages: ``[B, Hkv, K]`` logical page ids; ``-1`` and ids past the row's end are hidden. ``None``: the pages
+            ``0 .. num_pages - 1`` of every row and head (``num_pages <= max_pages_per_seq``), the table a per-step
+            plan keeps; the same values as the explicit ``arange``, in about half the ops (the results' KV-head
+            dimension is then an expanded view).
         page_size, num_kv_heads: tokens per page and ``Hkv``. num_query_tokens: ``Tq``, for the causal mask.
         window_left: keys a query sees before its own position (FlashInfer's convention), ``-1`` = no limit.
 
@@ -63,6 +66,12 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
         ``[B, Hkv, Tq, K, page_size]``: query ``t`` (at position ``p = seq_len - Tq + t``) sees the key (bottom-right
         causal, DESIGN.md §2), and with a window only keys at positions ``>= p - window_left``.
     """
+    if pages is None:
+        if num_pages and block_table.shape[1] >= num_pages:
+            return _every_page_rows(block_table, seq_lens, num_pages, page_size, num_kv_heads, num_query_tokens,
+                                    window_left)
+        pages = torch.arange(num_pages, device=block_table.device).expand(block_table.shape[0], num_kv_heads,
+                                                                          num_pages)
     B, Hkv, K = pages.shape
     device = pages.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
@@ -101,6 +110,39 @@ def page_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, pages: torch.Te
     if window_left >= 0:
         visible &= pos[:, :, None] >= window_start(q_pos, window_left)[:, None, :, None, None]
     return rows, pos, visible
+
+
+def _every_page_rows(block_table, seq_lens, num_pages: int, page_size: int, num_kv_heads: int,
+                     num_query_tokens: int, window_left: int):
+    """:func:`page_rows` of the pages ``0 .. num_pages - 1`` of every row (``1 <= num_pages <= max_pages_per_seq``).
+
+    The same rule with what every page listed makes known: a key is valid when its position is below the row's
+    length (its page is then valid too), the first valid page of a row with keys is its page 0, so the filler of a
+    (row, head) is that page's first key; an empty row borrows head 0's filler of the first row with keys (pool
+    row 0 when no row has one), as :func:`page_rows` does."""
+    B, Hkv, Tq = block_table.shape[0], num_kv_heads, num_query_tokens
+    device = block_table.device
+    lens = seq_lens.to(device=device, dtype=torch.int64)
+    table = block_table[:, :num_pages].to(torch.int64)                                    # [B, P]
+    slots = torch.arange(page_size, device=device)
+    pos = torch.arange(num_pages * page_size, device=device).view(1, 1, num_pages, page_size)
+    key_ok = pos < lens[:, None, None, None]                                              # [B, 1, P, page_size]
+    heads = torch.arange(Hkv, device=device)[None, :, None, None]
+    rows = (table[:, None, :, None] * page_size + slots) * Hkv + heads                    # [B, Hkv, P, page_size]
+    has = lens > 0                                                                        # [B]
+    first = torch.where(has, table[:, 0], 0) * (page_size * Hkv)                          # [B]
+    donor = first.index_select(0, has.to(torch.int8).argmax().view(1))                    # [1]
+    filler = torch.where(has[:, None, None, None], first[:, None, None, None] + heads, donor)   # [B, Hkv, 1, 1]
+    rows = torch.where(key_ok, rows, filler)
+    if Tq == 1 and window_left < 0:                   # decode: every valid key is at or before the query
+        visible = key_ok[:, :, None]
+    else:
+        q_pos = lens[:, None] - Tq + torch.arange(Tq, device=device)                     # [B, Tq]
+        visible = key_ok[:, :, None] & (pos[:, :, None] <= q_pos[:, None, :, None, None])  # [B, 1, Tq, P, page_size]
+        if window_left >= 0:
+            visible &= pos[:, :, None] >= window_start(q_pos, window_left)[:, None, :, None, None]
+    return (rows, pos.expand(B, Hkv, num_pages, page_size),
+            visible.expand(B, Hkv, Tq, num_pages, page_size))
 
 
 def window_start(q_pos, window_left: int):
