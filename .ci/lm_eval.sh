@@ -10,5 +10,5 @@ start=$(date +%s)
 "$VENV/bin/python" -m pip install -q -e ".[eval]"
 echo "eval extra installed in $(( $(date +%s) - start )) s: $("$VENV/bin/python" -c 'import lm_eval; print("lm-eval", lm_eval.__version__)')"
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TINYATTN_REQUIRE_EXTRAS=1 OPENBLAS_NUM_THREADS=1 \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/test_lm_eval.py
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/test_lm_eval.py tests/bench/test_ruler.py
 echo "lm-eval part of CI: $(( $(date +%s) - start )) s"
