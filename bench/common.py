@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import platform
@@ -42,6 +43,47 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a checkout without installing
     sys.path.insert(0, str(ROOT))
+
+
+# ---------------------------------------------------------------------------- policy labels
+#: keys of a label that are settings of the fused quest selection (tinyattn.SparsityConfig's gamma / top_p), not
+#: constructor arguments of its policy (questmass:gamma=... stays questmass's own constructor argument)
+SELECTION_KEYS = ("gamma", "top_p")
+
+
+def _label_parts(label: str) -> tuple[str, dict, dict]:
+    """``name`` or ``name:key=value:...`` -> ``(name, policy kwargs, selection settings)``; values parsed as JSON
+    where they parse; ``gamma`` / ``top_p`` of a fused policy (quest) go to the selection settings."""
+    from tinyattn.selection import get_policy
+
+    name, *pairs = label.split(":")
+    fused = get_policy(name).fused                     # the name's check and message
+    kwargs, selection = {}, {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        (selection if fused and key in SELECTION_KEYS else kwargs)[key] = value
+    return name, kwargs, selection
+
+
+def policy_from_label(label: str):
+    """A fresh policy from ``name`` or ``name:key=value:...`` (values parsed as JSON where they parse); the
+    selection settings of :func:`selection_from_label` are not its constructor's."""
+    from tinyattn.selection import POLICIES, get_policy
+
+    name, kwargs, _ = _label_parts(label)
+    if not kwargs:
+        return get_policy(name)
+    return POLICIES[name.strip().lower()](**kwargs)
+
+
+def selection_from_label(label: str) -> dict:
+    """``{"gamma": ..., "top_p": ...}`` of a quest label (``quest:gamma=0.25:top_p=0.9``), for
+    :class:`tinyattn.layer.SparsityConfig`; ``{}`` when the label sets neither."""
+    return _label_parts(label)[2]
 
 
 # ---------------------------------------------------------------------------- machine

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import RECIPES, pyplot
+from common import RECIPES, policy_from_label, pyplot, selection_from_label
 
 
 def main(argv=None) -> int:
@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="N: tokens scored per bucket")
     p.add_argument("--budgets", default="1/4,1/8,1/32")
     p.add_argument("--page-sizes", default="16")
-    p.add_argument("--policies", default="quest,streaming,h2o,oracle")
+    p.add_argument("--policies", default="quest,streaming,h2o,oracle",
+                   help="comma-separated labels name or name:key=value:... (e.g. quest:gamma=0.25 or "
+                        "quest:gamma=0.25:top_p=0.9: the quest selection's box estimate and top-p budget, SparsityConfig's gamma / top_p; questmass:gamma=0.5: questmass's own argument)")
     p.add_argument("--recipes", default="default",
                    help=f"sparse-decode recipes (num_sink_pages, dense_layers), any of: "
                         f"{'; '.join(f'{k} {v}' for k, v in RECIPES.items())}")
@@ -57,7 +59,6 @@ def main(argv=None) -> int:
     from tinyattn.layer import PagedAttention, SparsityConfig
     from tinyattn.models import sources
     from tinyattn.retrieval.evaluate import page_budget_for, prefill
-    from tinyattn.selection import get_policy
 
     model, tok = sources.load_model("smollm2"), sources.load_tokenizer("smollm2")
     ids = tok.encode(data_path("book_of_mormon_1nephi.txt").read_text(encoding="utf-8"))
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
                     for pol, f in ((pol, f) for pol in policies for f in fractions):
                         budget = page_budget_for(b, ps, f, num_sink_pages=recipe["num_sink_pages"],
                                                  num_recent_pages=recipe["num_recent_pages"])
-                        att = PagedAttention(SparsityConfig(page_budget=budget, policy=get_policy(pol), **recipe))
+                        att = PagedAttention(SparsityConfig(page_budget=budget, policy=policy_from_label(pol), **recipe,
+                                                                            **selection_from_label(pol)))
                         v = score(att)
                         rows.append(dict(window=w, position=b, page_size=ps, recipe=rname, policy=pol,
                                          budget_fraction=float(f), page_budget=budget, nll=v, dense_nll=dense,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common import RECIPES          # name -> num_sink_pages, dense_layers, num_recent_pages
+from common import RECIPES, policy_from_label, selection_from_label   # recipes: sink / dense / recent pages
 
 
 def main(argv=None) -> int:
@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--depths", type=int, default=10, help="depths evenly spaced in [0, 1] (default 10)")
     p.add_argument("--samples", type=int, default=1, help="samples per (context, depth)")
     p.add_argument("--budgets", default="1/8,1/16,1/32,1/64")
-    p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o")
+    p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o",
+                   help="comma-separated labels name or name:key=value:... (e.g. quest:gamma=0.25 or "
+                        "quest:gamma=0.25:top_p=0.9: the quest selection's box estimate and top-p budget, SparsityConfig's gamma / top_p; questmass:gamma=0.5: questmass's own argument)")
     p.add_argument("--recipes", default="default,sink1_dense2", help=f"any of {', '.join(RECIPES)}")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--batch", type=int, default=5, help="samples decoded together (KV memory: batch x context)")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
                                              prefill, sample_seed, _prefill_length)
     from tinyattn.retrieval.report import format_task_table, plot_task_results
     from tinyattn.retrieval.subword_tasks import make_subword_sample
-    from tinyattn.selection import H2OPolicy, get_policy
+    from tinyattn.selection import H2OPolicy
 
     if args.merge:
         return _merge(args)
@@ -136,8 +138,9 @@ def main(argv=None) -> int:
                 if pol == "dense":
                     att = PagedAttention(None)
                 else:
-                    policy = copy.deepcopy(observer) if pol == "h2o" else get_policy(pol)
-                    att = PagedAttention(SparsityConfig(page_budget=budget, policy=policy, **recipes[rname]))
+                    policy = copy.deepcopy(observer) if pol == "h2o" else policy_from_label(pol)
+                    att = PagedAttention(SparsityConfig(page_budget=budget, policy=policy, **recipes[rname],
+                                                        **selection_from_label(pol)))
                 got = greedy_decode(model, cache, sids, [q[n:] for q, n in zip(prompts, n_pre)],
                                     [len(a) for a in answers], attention=att, first_logits=first)
                 for sid, n in zip(sids, n_pre):
