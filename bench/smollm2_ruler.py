@@ -16,7 +16,8 @@ the same token ids (one more prefill per sample): the reference the dense cell m
 
 Results are JSON lines, one per (sample, cell), appended to ``OUT/results/<task>_<context>.jsonl`` as each cell
 finishes; a rerun skips the cells already there (so new policies, budgets or samples add cells to the same
-samples). ``--report`` only rebuilds ``OUT/summary.md``, ``OUT/cells.csv`` and ``OUT/ruler.png`` from the results.
+samples). ``--report`` only rebuilds ``OUT/summary.md``, ``OUT/cells.csv``, ``OUT/ruler.png`` (accuracy vs page budget)
+and ``OUT/pareto.png`` (accuracy vs mean tokens attended, the top-p budget's axis) from the results.
 ``--diagnose`` replays quest's misses (and as many of its hits) with the needle's pages ranked by Quest's bound and
 by the oracle's true attention mass per layer and KV head (``OUT/diagnosis/``). ``--lm-eval N`` runs lm-eval's own
 ``simple_evaluate`` (its Hugging Face model, stock transformers) on the first N stored samples (``OUT/lm_eval/``).
@@ -96,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stateful-samples", type=int, default=0, metavar="N",
                    help="run the stateful policies' cells (H2O) on the first N samples of each (task, context) only "
                         "(their observed prefill is the costly part); 0 (default): all")
-    p.add_argument("--report", action="store_true", help="only rebuild summary.md, cells.csv and ruler.png from OUT")
+    p.add_argument("--report", action="store_true", help="only rebuild summary.md, cells.csv, ruler.png and pareto.png from OUT")
     p.add_argument("--diagnose", type=int, default=0, metavar="N",
                    help="replay up to N of quest's misses (and N hits) per (task, context, budget) of the results "
                         "with the needle's page ranks per layer / KV head (OUT/diagnosis/); 0: off")
@@ -577,11 +578,63 @@ def report(out: Path) -> int:
         for context in sorted({c["context"] for c in cells if c["task"] == task}):
             lines += _cell_tables(rows, [c for c in cells if c["task"] == task and c["context"] == context],
                                   task, context)
+    lines += _pareto_section(rows, cells)
     lines += _timing_section(out)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'summary.md'}")
-    plot(cells, out / "ruler.png")
+    plot([c for c in cells if _top_p(c["policy"]) is None], out / "ruler.png")
+    plot_pareto(cells, out / "pareto.png")
     return 0
+
+
+def _top_p(label: str) -> float | None:
+    """The top-p of a policy label (``quest:gamma=0.25:top_p=0.9`` -> 0.9), None for a fixed budget."""
+    if label in (DENSE, STOCK):
+        return None
+    return selection_from_label(label).get("top_p")
+
+
+def _family(label: str) -> str:
+    """The estimate a label selects by, top-p or not: ``quest:gamma=0.25:top_p=0.9`` -> ``quest:gamma=0.25 top-p``
+    (a series of the Pareto plot: one point per p, or per budget for a fixed budget)."""
+    if _top_p(label) is None:
+        return label
+    return ":".join(part for part in label.split(":") if not part.startswith("top_p=")) + " top-p"
+
+
+def _pareto_section(rows, cells) -> list[str]:
+    """Each top-p cell beside the two fixed-budget cells of the same estimate that bracket its tokens attended (the
+    most that attend fewer tokens, the fewest that attend as many or more), paired on the same samples."""
+    keys = sorted({(c["task"], c["context"]) for c in cells if _top_p(c["policy"]) is not None})
+    if not keys:
+        return []
+    lines = ["## Top-p against fixed budgets of the same estimate, by tokens attended", "",
+             "Tokens attended: mean per (KV head, layer, decode step), sink and recent pages included; a top-p cell's "
+             "page budget is its capacity. Beside each top-p cell, the fixed-budget cells of the same estimate just "
+             "below and just above its tokens attended; paired on the same samples: (top-p right & fixed wrong) / "
+             "(top-p wrong & fixed right), exact McNemar p.", "",
+             "| task | context | top-p cell (capacity) | tokens | score | fixed below: budget, tokens, score, paired "
+             "| fixed above: budget, tokens, score, paired |",
+             "|---|---:|---|---:|---:|---|---|"]
+    for task, context in keys:
+        mine = [c for c in cells if (c["task"], c["context"]) == (task, context) and c["tokens_attended"] is not None]
+        for c in sorted((c for c in mine if _top_p(c["policy"]) is not None), key=lambda c: c["policy"]):
+            base = _family(c["policy"]).removesuffix(" top-p")
+            fixed = [f for f in mine if f["policy"] == base]
+            below = max((f for f in fixed if f["tokens_attended"] < c["tokens_attended"]),
+                        key=lambda f: f["tokens_attended"], default=None)
+            above = min((f for f in fixed if f["tokens_attended"] >= c["tokens_attended"]),
+                        key=lambda f: f["tokens_attended"], default=None)
+            parts = []
+            for f in (below, above):
+                if f is None:
+                    parts.append("")
+                    continue
+                n, x, y, pv = paired(rows, task, context, (c["policy"], c["budget"]), (f["policy"], f["budget"]))
+                parts.append(f"{f['budget']}, {f['tokens_attended']:.0f}, {_pct(f)}, {x}/{y} p={pv:.2g} (n={n})")
+            lines.append(f"| {task} | {context} | {c['policy']} ({c['budget']}) | {c['tokens_attended']:.0f} | "
+                         f"{_pct(c)} | " + " | ".join(parts) + " |")
+    return lines + [""]
 
 
 def _stock_section(rows) -> list[str]:
@@ -730,6 +783,54 @@ def plot(cells: list[dict], path: Path) -> None:
     fig.suptitle("RULER on SmolLM2-135M-Instruct: accuracy vs page budget (95% intervals; dense: dashed, band)",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_pareto(cells: list[dict], path: Path) -> None:
+    """Accuracy vs mean tokens attended per (KV head, layer, step), one panel per task and context: a line per
+    estimate through its fixed budgets (dashed) and through its top-p values (solid, same colour, labelled p),
+    95% intervals."""
+    plt = pyplot()
+    cells = [c for c in cells if c["tokens_attended"] is not None and c["budget"] is not None]
+    panels = sorted({(c["task"], c["context"]) for c in cells if _top_p(c["policy"]) is not None})
+    if plt is None or not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 5.2 * len(panels)), 4.6), squeeze=False,
+                             sharey=True)
+    bases = sorted({_family(c["policy"]).removesuffix(" top-p") for c in cells}, key=_policy_order)
+    color = {b: f"C{k}" for k, b in enumerate(bases)}
+    for ax, (task, context) in zip(axes[0], panels):
+        mine = [c for c in cells if (c["task"], c["context"]) == (task, context)]
+        for fam in sorted({_family(c["policy"]) for c in mine}, key=lambda f: (_policy_order(f), f)):
+            top_p = fam.endswith(" top-p")
+            pts = sorted((c for c in mine if _family(c["policy"]) == fam), key=lambda c: c["tokens_attended"])
+            x = [c["tokens_attended"] for c in pts]
+            y = [100 * c["score"] for c in pts]
+            err = [[100 * (c["score"] - c["ci_low"]) for c in pts], [100 * (c["ci_high"] - c["score"]) for c in pts]]
+            ax.errorbar(x, y, yerr=err, marker="s" if top_p else "o", ms=5 if top_p else 3, capsize=2,
+                        lw=1.6 if top_p else 1.0, ls="-" if top_p else "--", label=fam,
+                        color=color[fam.removesuffix(" top-p")])
+            for c, xi, yi in zip(pts, x, y):
+                p = _top_p(c["policy"])
+                ax.annotate(f"p={p:g}" if p is not None else c["budget"], (xi, yi), fontsize=6,
+                            textcoords="offset points", xytext=(3, 3))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("mean tokens attended per (KV head, layer, decode step)")
+        n = max((c["samples"] for c in mine), default=0)
+        ax.set_title(f"{task}, {context} tokens (up to {n} samples per point)", fontsize=9)
+        ax.set_ylim(-3, 103)
+    axes[0][0].set_ylabel("RULER score (%)")
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)), fontsize=7,
+               frameon=False)
+    fig.suptitle("RULER on SmolLM2-135M-Instruct: accuracy vs tokens attended\n(fixed page budgets dashed, "
+                 "top-p solid at its capacity; 95% intervals)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
