@@ -79,7 +79,9 @@ TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forc
               "1 keeps the budget (default: off, a fixed --page-budget)")
 
 
-def add_selection_options(group) -> None:
-    """``--gamma`` and ``--top-p`` (settings of the quest selection) on an argparse group."""
-    group.add_argument("--gamma", type=unit_interval, default=1.0, metavar="G", help=GAMMA_HELP)
-    group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P", help=TOP_P_HELP)
+def add_selection_options(group, applies_to: str | None = None) -> None:
+    """``--gamma`` and ``--top-p`` (settings of the quest selection) on an argparse group; ``applies_to`` says
+    which runs of a comparing command take them (eval: the quest passes)."""
+    also = f"; applies to {applies_to}" if applies_to else ""
+    group.add_argument("--gamma", type=unit_interval, default=1.0, metavar="G", help=GAMMA_HELP[:-1] + also + ")")
+    group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P", help=TOP_P_HELP[:-1] + also + ")")

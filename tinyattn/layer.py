@@ -42,7 +42,7 @@ from .ops import quant
 from .ops.plan import PagedAttentionPlan
 from .ops.validation import check_gamma, check_selection_options, check_top_p, check_window_left
 
-__all__ = ["SparsityConfig", "PagedAttention", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
+__all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
            "default_num_sink_pages"]
 
 #: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget is at least
@@ -64,6 +64,15 @@ def default_num_sink_pages(page_budget: int | None, num_recent_pages: int) -> in
     if page_budget is None or page_budget >= max(DEFAULT_SINK_MIN_BUDGET, room):
         return DEFAULT_NUM_SINK_PAGES
     return 0
+
+
+def quest_settings(policy, gamma: float = 1.0, top_p: float | None = None) -> dict:
+    """``{"gamma": gamma, "top_p": top_p}`` when ``policy`` (a name or instance) runs the fused quest selection,
+    ``{}`` for any other policy: how a command that compares policies (``tinyattn eval --gamma / --top-p``) applies
+    the quest selection's settings to quest's passes and leaves the others as they are."""
+    from .selection import get_policy
+
+    return {"gamma": gamma, "top_p": top_p} if get_policy(policy).fused else {}
 
 
 @dataclass(frozen=True)

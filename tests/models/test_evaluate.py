@@ -9,7 +9,8 @@ import math
 import pytest
 
 from tinyattn.models import LlamaModel, LlamaRuntime, load_stories
-from tinyattn.models.evaluate import JSON_FIELDS, evaluate, format_comparison, long_range_mask, plot_eval
+from tinyattn.models.evaluate import (JSON_FIELDS, evaluate, format_comparison, format_eval_table,
+                                      long_range_mask, plot_eval)
 from tinyattn.selection import H2OPolicy, SelectionMetrics
 
 from model_fixtures import model, short_context_model, tok  # noqa: F401  (fixtures)
@@ -179,6 +180,30 @@ def test_cli_generate_policy():
                    "--selection-metrics", "--backend", "torch")
     assert proc.returncode == 0, proc.stderr
     assert "policy=h2o" in proc.stdout and "hit rate" in proc.stdout
+
+
+@needs_model
+def test_gamma_and_top_p_reach_the_quest_passes_only(model, tok):
+    """eval's --gamma / --top-p: the quest passes take them, the other policies run as without them; top_p = 1
+    with a covering capacity gives dense's NLL; a small p keeps fewer pages than the capacity (counted)."""
+    stories = load_stories(VALID)[:2]
+    kw = dict(page_sizes=[4], backend=TORCH, max_context=40, repeat_probe=False, selection_metrics=False,
+              progress=False)
+    covering = evaluate(model, tok, stories, page_budgets=[10], policies=["quest"], gamma=0.25, top_p=1.0, **kw)
+    dense, quest = covering.rows
+    assert quest.nll == pytest.approx(dense.nll, abs=1e-5) and quest.top1_agreement == 1.0
+    assert 1 <= quest.pages_attended <= 10
+    plain = evaluate(model, tok, stories, page_budgets=[3], policies=["quest", "oracle"], **kw)
+    tuned = evaluate(model, tok, stories, page_budgets=[3], policies=["quest", "oracle"], gamma=0.0, top_p=0.3,
+                     **kw)
+    by = {r.policy: r for r in tuned.rows}
+    assert by["oracle"].nll == {r.policy: r for r in plain.rows}["oracle"].nll and math.isnan(by["oracle"].pages_attended)
+    assert by["quest"].nll != {r.policy: r for r in plain.rows}["quest"].nll
+    assert 1 <= by["quest"].pages_attended < 3                       # top_p kept fewer than the capacity
+    assert math.isnan({r.policy: r for r in plain.rows}["quest"].pages_attended)
+    assert tuned.options["gamma"] == 0.0 and tuned.options["top_p"] == 0.3
+    table = format_eval_table(tuned)
+    assert "gamma=0.0, top_p=0.3" in table and "attended" in table
 
 
 def test_evaluate_warns_like_generate(short_context_model):

@@ -60,6 +60,27 @@ def test_end_to_end(checkpoint, tmp_path, capsys):
     assert json.loads((tmp_path / "again.json").read_text())["rows"] == rows
 
 
+def test_gamma_and_top_p_reach_the_quest_configs(checkpoint, tmp_path, capsys):
+    """--gamma / --top-p on the retrieval harness: recorded, taken by quest (a covering capacity with p = 1 answers
+    as dense on every sample), and the other policies run as they are (no error for streaming)."""
+    argv = ["eval", "--task", "passkey", "--model", str(checkpoint), "--contexts", str(MIN_PASSKEY + 32),
+            "--depths", "0,1", "--budgets", "1,1/2", "--page-sizes", "8", "--policies", "dense,quest,streaming",
+            "--samples", "2", "--backend", "torch", "--no-progress", "--gamma", "0.25", "--top-p", "1.0",
+            "--json", str(tmp_path / "r.json")]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["meta"]["gamma"] == 0.25 and data["meta"]["top_p"] == 1.0
+    rows = data["rows"]
+    dense = {r["depth"]: r for r in rows if r["policy"] == "dense"}
+    full = {r["depth"]: r for r in rows if r["policy"] == "quest" and r["budget_fraction"] == 1.0}
+    assert dense.keys() == full.keys() == {0.0, 1.0}
+    for depth in dense:
+        assert (full[depth]["accuracy"], full[depth]["token_accuracy"]) == (dense[depth]["accuracy"],
+                                                                             dense[depth]["token_accuracy"])
+    assert {r["budget_fraction"] for r in rows if r["policy"] == "streaming"} == {1.0, 0.5}
+
+
 def test_help_explains_every_task_option(capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval", "--help"])

@@ -39,6 +39,8 @@ import torch
 
 import tinyattn
 
+from ..layer import quest_settings
+from ..metrics import PagesAttended
 from ..results_io import SavesRows
 from .llama import GenerationStats, LlamaModel, LlamaRuntime, SparsityConfig
 from .tokenizer import Tokenizer
@@ -100,7 +102,7 @@ def long_range_mask(tokens: list[int], pieces: list[str], *, window: int = 64, m
 
 # ---------------------------------------------------------------------------------------------- results
 JSON_FIELDS = ("policy", "page_size", "page_budget", "token_budget", "nll", "ppl", "top1_agreement", "kl",
-               "hit_rate", "captured_mass", "long_range_nll", "long_range_tokens", "repeat_nll", "repeat_tokens",
+               "hit_rate", "captured_mass", "pages_attended", "long_range_nll", "long_range_tokens", "repeat_nll", "repeat_tokens",
                "pages_read_fraction", "num_tokens", "seconds")
 
 
@@ -123,6 +125,7 @@ class EvalRow:
     pages_read_fraction: float
     hit_rate: float = float("nan")
     captured_mass: float = float("nan")
+    pages_attended: float = float("nan")     # with top_p: mean pages kept per (sparse layer, KV head, row, step)
     long_range_nll: float = float("nan")
     long_range_tokens: int = 0
     repeat_nll: float = float("nan")
@@ -210,7 +213,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
              token_budgets: list[int] | None = None, num_sink_pages: int | None = None, num_recent_pages: int = 1,
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
-             progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto") -> EvalResult:
+             progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = 1.0,
+             top_p: float | None = None) -> EvalResult:
     """Teacher-forced NLL, perplexity, agreement, KL, hit rate and the long-range probes, per configuration.
 
     Args:
@@ -235,6 +239,10 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
             format's cache bytes per token (pools, boxes and scales, all layers).
         box_dtype: dtype of the page boxes of the sparse passes (``"auto"``, ``"fp32"``, ``"bf16"``, ``"fp16"``;
             narrower boxes are rounded outward), as :class:`LlamaRuntime`.
+        gamma, top_p: the quest selection's page estimate and top-p budget (:class:`SparsityConfig`), applied to
+            the passes of ``quest`` (the other policies run as they are); with ``top_p`` the row's
+            ``pages_attended`` is the mean number of pages each (sparse layer, KV head, row, step) kept, at most
+            its ``page_budget`` (``pages_read_fraction`` counts the capacity).
     """
     from tqdm.auto import tqdm
 
@@ -265,7 +273,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         for pol, name in zip(policies, policy_names):
             for b in _budgets_for(ps, page_budgets, token_budgets):
                 SparsityConfig(page_budget=b, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                               dense_layers=dense_layers)
+                               dense_layers=dense_layers, policy=pol, **quest_settings(pol, gamma, top_p))
                 configs.append((ps, b, pol, name))
 
     encoded = [tokenizer.encode(s, bos=True) for s in stories]
@@ -325,8 +333,10 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         rt = LlamaRuntime(model, page_size=ps, page_budget=budget, num_sink_pages=num_sink_pages,
                           num_recent_pages=num_recent_pages, dense_layers=dense_layers, backend=backend,
                           policy=get_policy(pol) if not isinstance(pol, str) else pol, kv_cache_dtype=kv_cache_dtype,
-                          box_dtype=box_dtype)
+                          box_dtype=box_dtype, **quest_settings(pol, gamma, top_p))
         rt.sparsity.policy.reset()
+        # top_p keeps a varying count: the pages each sparse step kept, counted on the device (one sync at the end)
+        rt.attention.attended = attended = PagesAttended() if rt.sparsity.top_p is not None else None
         metrics = SelectionMetrics() if selection_metrics else None
         stats = GenerationStats()
         res = _teacher_forced(rt, seqs, dense_logp, dense_top, stats, metrics, progress,
@@ -337,6 +347,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
                             pages_read_fraction=frac,
                             hit_rate=metrics.hit_rate if metrics is not None else nan,
                             captured_mass=metrics.captured_mass if metrics is not None else nan,
+                            pages_attended=attended.summary()["mean"] if attended is not None else nan,
                             seconds=time.perf_counter() - t0, **summarize(res.nll, res.agree, res.kl)))
     bar.close()
     return EvalResult(rows=rows, num_stories=n_main, num_tokens=num_targets, page_size=page_sizes[0],
@@ -347,7 +358,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
                                    repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets,
                                    kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,
-                                   kv_bytes_per_token=kv_bytes_per_token))
+                                   kv_bytes_per_token=kv_bytes_per_token, gamma=gamma, top_p=top_p))
 
 
 def _teacher_forced(rt: LlamaRuntime, seqs, dense_logp, dense_top, stats, metrics, progress, desc) -> _Rows:
@@ -409,7 +420,11 @@ def format_eval_table(result: EvalResult) -> str:
             + ("" if o.get("kv_cache_dtype", "auto") == "auto" else
                f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
                f"the dense row keeps the model dtype)")
-            + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}"),
+            + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}")
+            + ("" if o.get("gamma", 1.0) == 1.0 or policy != "quest" else f", gamma={o['gamma']}")
+            + ("" if o.get("top_p") is None or policy != "quest" else
+               f", top_p={o['top_p']} (pages read: the capacity; then the pages attended, mean per sparse layer, "
+               f"KV head, row and step)"),
             "",
             "| page_budget | token budget | mean NLL | ppl | top-1 agreement | KL(dense‖sparse) | pages read "
             "| hit rate | captured mass | long-range NLL | repeat NLL |",
@@ -420,7 +435,9 @@ def format_eval_table(result: EvalResult) -> str:
             hit = "" if r.page_budget is None else _pct(r.hit_rate)
             mass = "" if r.page_budget is None else _pct(r.captured_mass)
             lines.append(f"| {r.name} | {tb} | {r.nll:.4f} | {r.ppl:.3f} | {r.top1_agreement:.2%} | {r.kl:.5f} | "
-                         f"{r.pages_read_fraction:.1%} | {hit} | {mass} | {_num(r.long_range_nll)} | "
+                         f"{r.pages_read_fraction:.1%}"
+                         + ("" if math.isnan(r.pages_attended) else f", attended {r.pages_attended:.1f}")
+                         + f" | {hit} | {mass} | {_num(r.long_range_nll)} | "
                          f"{_num(r.repeat_nll)} |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

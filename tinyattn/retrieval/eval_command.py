@@ -156,7 +156,8 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
                             page_sizes=page_sizes, policies=policies, samples=args.samples, seed=args.seed,
                             num_sink_pages=args.num_sink_pages or 0, num_recent_pages=args.num_recent_pages,
                             dense_layers=args.dense_layers, backend=args.backend,
-                            decode_prompt_tokens=args.decode_prompt_tokens, progress=not args.no_progress)
+                            decode_prompt_tokens=args.decode_prompt_tokens, progress=not args.no_progress,
+                            gamma=args.gamma, top_p=args.top_p)
     model_name = str(args.model) if args.model is not None else "the shipped retrieval model (tinyattn/data/retrieval)"
     result.options["model_path"] = model_name
     print(f"model: {model_name}; {result.options['seconds']:.0f} s")

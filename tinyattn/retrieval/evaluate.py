@@ -321,7 +321,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    policies: Sequence[str] = DEFAULT_POLICIES, samples: int = 4, seed: int = 0,
                    num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                    backend: str | None = None, decode_prompt_tokens: int | str = "question", prefill_chunk: int = 1024,
-                   batch_size: int = 32, make_sample: Callable | None = None, progress: bool = True) -> TaskResult:
+                   batch_size: int = 32, make_sample: Callable | None = None, progress: bool = True,
+                   gamma: float = 1.0, top_p: float | None = None) -> TaskResult:
     """Greedy-answer accuracy of every (task, context, depth, page size, policy, budget) configuration.
 
     Args:
@@ -339,6 +340,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
             task, context, depth, i)``, the same for every policy, budget and page size.
         seed: base seed; ``random``'s draws are seeded from it too (per batch), so a run is deterministic.
         num_sink_pages, num_recent_pages, dense_layers, backend: as :class:`tinyattn.models.LlamaRuntime`.
+        gamma, top_p: the quest selection's page estimate and top-p budget (:class:`tinyattn.SparsityConfig`),
+            applied to the ``quest`` configs (the other policies run as they are; a budget is then top-p's capacity).
         decode_prompt_tokens: the trailing prompt tokens fed through the sparse decode path before the answer:
             ``"question"`` (default) = from the prompt's last newline token on (``tokenizer.encode("\n")``, the
             default tokenizer's when ``tokenizer`` is ``None``), or an int (``0``: the first answer token is
@@ -411,7 +414,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                                           seed=sample_seed(seed, task, context, -1.0, start),
                                           num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                                           backend=backend, prefill_chunk=prefill_chunk,
-                                          on_prefill=lambda: bar.update(1), on_config=bar.update)
+                                          on_prefill=lambda: bar.update(1), on_config=bar.update,
+                                          selection=dict(gamma=gamma, top_p=top_p))
                     for config, per_item in zip(configs, outcomes):
                         for depth, (exact, share) in zip(where[chunk], per_item):
                             t = tallies.setdefault((task, context, depth, ps, config), _Tally())
@@ -434,7 +438,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    page_sizes=page_sizes, policies=policies, samples=samples, seed=seed,
                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                    backend=backend, decode_prompt_tokens=decode_prompt_tokens, prefill_chunk=prefill_chunk,
-                   batch_size=batch_size, model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   batch_size=batch_size, gamma=gamma, top_p=top_p, model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                               vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                               parameters=sum(p.numel() for p in model.parameters())),
                    seconds=round(time.perf_counter() - t0, 1))
@@ -449,13 +453,13 @@ def _run_sample(model, sample, page_size: int, configs: list[_Config], *, prefil
 
 def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
                num_recent_pages: int, dense_layers: int, backend, prefill_chunk: int, on_prefill=lambda: None,
-               on_config=lambda n: None) -> list[list[tuple[bool, float]]]:
+               on_config=lambda n: None, selection: dict | None = None) -> list[list[tuple[bool, float]]]:
     """``items``: ``(sample, prefill_tokens)`` pairs of one (task, context). Each sample's first
     ``prefill_tokens`` prompt tokens are prefilled once (dense) into a sequence of one shared cache; then, per
     config, the rest of every prompt and the answers are decoded greedily, all samples as one batch, from the
     prefilled cache, which is rolled back after each config. ``[config][item]`` ->
     ``(exact match, share of answer tokens matched)``."""
-    from tinyattn.layer import PagedAttention, SparsityConfig
+    from tinyattn.layer import PagedAttention, SparsityConfig, quest_settings
     from tinyattn.selection import H2OPolicy, RandomPolicy, get_policy
 
     prompts = [list(s.prompt) for s, _ in items]
@@ -467,7 +471,7 @@ def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config]
 
     def sparsity(budget, policy):
         return SparsityConfig(page_budget=budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                              dense_layers=dense_layers, policy=policy)
+                              dense_layers=dense_layers, policy=policy, **quest_settings(policy, **(selection or {})))
 
     # H2O observes the prefill's attention mass (the runtime prefills with the policy attached)
     observer = H2OPolicy() if any(c.policy == "h2o" for c in configs) else None
