@@ -414,3 +414,17 @@ def test_gamma_and_top_p(model, prompts):
                                                                    ValueError)):
         with pytest.raises(err, match=name):
             Engine(model, page_size=16, num_pages=8, page_budget=2, backend="torch", **kw)
+
+
+def test_generate_sees_weights_changed_between_calls(model, prompts):
+    """Engine.generate reads the weights once per call (LlamaModel.frozen_weights): a weight changed in place
+    between two calls is used by the second, whose tokens equal the runtime's on the changed model."""
+    m = copy.deepcopy(model)
+    engine = Engine(m, page_size=16, num_pages=24, page_budget=4, backend="torch")
+    params = SamplingParams(12, ignore_eos=True)
+    before = engine.generate(prompts[:3], params)
+    assert before == alone(m, prompts[:3], 12, page_budget=4)
+    with torch.no_grad():
+        m.output.weight.mul_(-1.0)                  # every greedy choice changes
+    after = engine.generate(prompts[:3], params)
+    assert after == alone(m, prompts[:3], 12, page_budget=4) and after != before

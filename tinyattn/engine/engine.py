@@ -297,7 +297,8 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
         """Run ``prompts`` (token-id lists) to completion; their new tokens, in input order. ``params``: one
         :class:`SamplingParams` for all, or one per prompt. Requests queued before run alongside; those that
-        finish meanwhile come back from the next :meth:`step`."""
+        finish meanwhile come back from the next :meth:`step`. The model's weights are read once per call
+        (``LlamaModel.frozen_weights``): a weight changed by another thread meanwhile is seen by the next call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], str)):
             raise TypeError("prompts: expected a list of token-id lists, got text; encode it first")
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -305,11 +306,12 @@ class Engine:
             raise ValueError(f"params: expected one SamplingParams or {len(prompts)} (one per prompt), got {len(plist)}")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         want, got, others = set(ids), {}, []
-        while want - set(got):
-            for out in self.step():
-                if out.request_id in want:
-                    got[out.request_id] = out.tokens
-                else:
-                    others.append(out)
+        with self.model.frozen_weights():     # weights checked once per call, not per step (as LlamaRuntime)
+            while want - set(got):
+                for out in self.step():
+                    if out.request_id in want:
+                        got[out.request_id] = out.tokens
+                    else:
+                        others.append(out)
         self._done.extend(others)           # requests queued by add_request: the next step() returns them
         return [got[i] for i in ids]

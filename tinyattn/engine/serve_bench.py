@@ -275,18 +275,8 @@ def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), e
     bar = tqdm(total=n, desc=config, unit="req", disable=not progress, leave=False, file=sys.stderr)
     clock = engine.clock
     start = clock()
-    nxt = 0
-    while len(outs) < n:
-        now = clock() - start
-        while nxt < n and workload.arrivals[nxt] <= now:
-            engine.add_request(workload.prompts[nxt], params[nxt], arrival_time=start + workload.arrivals[nxt])
-            nxt += 1
-        if engine.has_unfinished_requests():
-            done = engine.step()
-            outs.extend(done)
-            bar.update(len(done))
-        elif nxt < n:
-            time.sleep(max(0.0, workload.arrivals[nxt] - (clock() - start)))
+    with model.frozen_weights():                      # weights checked once per run, not per step
+        _serve(engine, workload, params, outs, bar, clock, start, n)
     bar.close()
     end = max(o.finish_time for o in outs)
     s = engine.stats
@@ -302,6 +292,22 @@ def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), e
                     output_tokens=tokens, peak_kv_pages=s.peak_pages, num_pages=s.num_pages,
                     preemptions=s.preemptions, mean_decode_batch=s.mean_decode_batch, steps=s.steps,
                     layers_skipped_per_token=s.layers_skipped_per_token, nll=nll)
+
+
+def _serve(engine, workload, params, outs: list, bar, clock, start: float, n: int) -> None:
+    """Feed the requests at their arrival times and step the engine until all ``n`` finished (into ``outs``)."""
+    nxt = 0
+    while len(outs) < n:
+        now = clock() - start
+        while nxt < n and workload.arrivals[nxt] <= now:
+            engine.add_request(workload.prompts[nxt], params[nxt], arrival_time=start + workload.arrivals[nxt])
+            nxt += 1
+        if engine.has_unfinished_requests():
+            done = engine.step()
+            outs.extend(done)
+            bar.update(len(done))
+        elif nxt < n:
+            time.sleep(max(0.0, workload.arrivals[nxt] - (clock() - start)))
 
 
 def config_nll(model, config: str, sequences, args) -> float:
