@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from .layer import DEFAULT_GAMMA
+
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}   # --dtype -> torch attribute name
 
@@ -73,7 +75,7 @@ top_p_fraction = _fraction(open_low=True)      # --top-p: (0, 1]
 
 GAMMA_HELP = ("page estimate of the quest selection, in [0, 1]: q·c + gamma·|q|·r over each page's key box "
               "(centre c, half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35) "
-              "(default: 1)")
+              f"(default: {DEFAULT_GAMMA:g})")
 TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forced pages, keep the fewest best pages "
               "whose estimated attention mass reaches P (Twilight), --page-budget being the most pages kept; "
               "1 keeps the budget (default: off, a fixed --page-budget)")
@@ -83,5 +85,6 @@ def add_selection_options(group, applies_to: str | None = None) -> None:
     """``--gamma`` and ``--top-p`` (settings of the quest selection) on an argparse group; ``applies_to`` says
     which runs of a comparing command take them (eval: the quest passes)."""
     also = f"; applies to {applies_to}" if applies_to else ""
-    group.add_argument("--gamma", type=unit_interval, default=1.0, metavar="G", help=GAMMA_HELP[:-1] + also + ")")
+    group.add_argument("--gamma", type=unit_interval, default=DEFAULT_GAMMA, metavar="G",
+                       help=GAMMA_HELP[:-1] + also + ")")
     group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P", help=TOP_P_HELP[:-1] + also + ")")

@@ -43,7 +43,7 @@ from .ops.plan import PagedAttentionPlan
 from .ops.validation import check_gamma, check_selection_options, check_top_p, check_window_left
 
 __all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
-           "default_num_sink_pages"]
+           "default_num_sink_pages", "DEFAULT_GAMMA"]
 
 #: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget is at least
 #: :data:`DEFAULT_SINK_MIN_BUDGET` pages (:func:`default_num_sink_pages`). Both were measured on SmolLM2-135M
@@ -53,6 +53,14 @@ __all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "DEFAULT_NUM_SI
 #: why pretrained models need the first tokens.
 DEFAULT_NUM_SINK_PAGES = 1
 DEFAULT_SINK_MIN_BUDGET = 16
+
+#: ``gamma`` (the quest selection's page estimate ``q·c + gamma·|q|·r``) of the recipe: every entry point that builds
+#: a :class:`SparsityConfig` for its user (this class, :class:`tinyattn.LlamaRuntime`, :class:`tinyattn.Engine`, the
+#: Hugging Face cache, the lm-eval model, the CLI's ``--gamma``, vLLM's ``TINYATTN_GAMMA``, the evaluations) takes its
+#: default from here, so the recipe changes in one place. It lives beside the other defaults of the recipe. The ops
+#: (:func:`tinyattn.page_scores`, :func:`tinyattn.sparse_paged_attention`, :class:`tinyattn.PagedAttentionPlan`,
+#: the custom ops and kernels) keep ``gamma = 1.0``: Quest's upper bound (Quest §3.2), the primitive as published.
+DEFAULT_GAMMA = 1.0
 
 
 def default_num_sink_pages(page_budget: int | None, num_recent_pages: int) -> int:
@@ -66,7 +74,7 @@ def default_num_sink_pages(page_budget: int | None, num_recent_pages: int) -> in
     return 0
 
 
-def quest_settings(policy, gamma: float = 1.0, top_p: float | None = None) -> dict:
+def quest_settings(policy, gamma: float = DEFAULT_GAMMA, top_p: float | None = None) -> dict:
     """``{"gamma": gamma, "top_p": top_p}`` when ``policy`` (a name or instance) runs the fused quest selection,
     ``{}`` for any other policy: how a command that compares policies (``tinyattn eval --gamma / --top-p``) applies
     the quest selection's settings to quest's passes and leaves the others as they are."""
@@ -90,8 +98,8 @@ class SparsityConfig:
             default, ``"meanstd"``, ``"oracle"``, ``"streaming"``, ``"h2o"``, ``"random"``) or a
             :class:`tinyattn.selection.SelectionPolicy` instance; stored as an instance.
         gamma: the page estimate of the ``quest`` selection, a number in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each
-            page's key box (centre ``c``, half-width ``r``); ``1`` (default) is Quest's bound, ``0.25`` the box
-            estimate issue 35 measured on RULER (:func:`tinyattn.page_scores`).
+            page's key box (centre ``c``, half-width ``r``); default :data:`DEFAULT_GAMMA`; ``1`` is Quest's bound,
+            ``0.25`` the box estimate issue 35 measured on RULER (:func:`tinyattn.page_scores`).
         top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps,
             after the forced pages, the fewest best pages whose estimated attention mass (``softmax(scale ·
             score)``) reaches ``top_p``, ``page_budget`` being the capacity (Twilight, arXiv 2502.02770;
@@ -102,8 +110,9 @@ class SparsityConfig:
 
     Raises:
         ValueError for a bad option, or ``num_sink_pages + max(num_recent_pages, 1) > page_budget`` (the ops'
-        rule and message); ``gamma`` / ``top_p`` outside their ranges, or set with a policy other than ``quest``
-        (``TypeError`` for a non-number).
+        rule and message); ``gamma`` / ``top_p`` outside their ranges, or set (``gamma`` other than
+        :data:`DEFAULT_GAMMA`, ``top_p`` not ``None``) with a policy other than ``quest`` (``TypeError`` for a
+        non-number).
     """
 
     page_budget: int | None = None
@@ -111,7 +120,7 @@ class SparsityConfig:
     num_recent_pages: int = 1
     dense_layers: int = 0
     policy: object = "quest"
-    gamma: float = 1.0
+    gamma: float = DEFAULT_GAMMA
     top_p: float | None = None
 
     def __post_init__(self):
@@ -120,7 +129,8 @@ class SparsityConfig:
         object.__setattr__(self, "policy", get_policy(self.policy))
         object.__setattr__(self, "gamma", float(check_gamma(self.gamma)))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
-        if (self.gamma != 1.0 or self.top_p is not None) and not self.policy.fused:
+        # "set" = other than the default: a dataclass cannot tell the default from the same value passed
+        if (self.gamma != DEFAULT_GAMMA or self.top_p is not None) and not self.policy.fused:
             raise ValueError(f"policy: gamma and top_p are settings of the 'quest' selection, got policy="
                              f"{self.policy.name!r} with gamma={self.gamma}, top_p={self.top_p}")
         for name in ("num_recent_pages", "dense_layers", "num_sink_pages"):
@@ -306,7 +316,8 @@ class PagedAttention:
 
         policy, s = self.sparsity.policy, self.sparsity
         ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max, scale)
-        if policy.fused and (s.gamma != 1.0 or s.top_p is not None):      # quest with metrics: the plan's rule
+        # quest with metrics: the plan's rule, unless it is QuestPolicy.select's (Quest's bound, gamma = 1, no top_p)
+        if policy.fused and (s.gamma != 1.0 or s.top_p is not None):
             from .ops import api
 
             scores = api.page_scores(q, k_min, k_max, ctx.block_table, ctx.seq_lens, page_size=ctx.page_size,

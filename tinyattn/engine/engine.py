@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from tinyattn.layer import SparsityConfig
+from tinyattn.layer import DEFAULT_GAMMA, SparsityConfig
 from tinyattn.metrics import PagesAttended
 
 from .params import SamplingParams
@@ -45,8 +45,8 @@ class Engine:
             :class:`tinyattn.SparsityConfig` (``page_budget=None``: dense; ``num_sink_pages=None``: one sink
             page when ``page_budget >= 16``).
         gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
-            key box (``1``, default: Quest's bound; issue 35 measured ``0.25`` best on RULER); as
-            :class:`tinyattn.SparsityConfig`.
+            key box (default :data:`tinyattn.layer.DEFAULT_GAMMA`; ``1`` is Quest's bound, issue 35 measured ``0.25``
+            best on RULER); as :class:`tinyattn.SparsityConfig`.
         top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps the
             fewest best pages whose estimated attention mass reaches ``top_p``, ``page_budget`` being the capacity
             (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another policy: ``ValueError`` naming
@@ -86,7 +86,7 @@ class Engine:
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
-                 gamma: float = 1.0, top_p: float | None = None):
+                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import tinyattn
-from tinyattn.layer import SparsityConfig
+from tinyattn.layer import DEFAULT_GAMMA, SparsityConfig
 
 from .runner import ModelRunner
 
@@ -44,7 +44,7 @@ class NLLResult:
 @torch.no_grad()
 def teacher_forced_nll(model, sequences: list[list[int]], *, page_size: int = 16, page_budget: int | None = None,
                        num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
-                       policy="quest", backend: str | None = None, plugins=(), gamma: float = 1.0,
+                       policy="quest", backend: str | None = None, plugins=(), gamma: float = DEFAULT_GAMMA,
                        top_p: float | None = None) -> NLLResult:
     """Mean NLL of ``sequences`` (token lists, BOS first, >= 2 tokens each) under the engine's decode path with
     the given sparsity (``gamma`` / ``top_p``: the quest selection's, as :class:`tinyattn.SparsityConfig`) and

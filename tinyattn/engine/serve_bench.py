@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..layer import DEFAULT_GAMMA
+
 __all__ = ["add_arguments", "run", "BenchRow", "FIELDS", "parse_config", "make_workload", "bench_config"]
 
 POLICY_NAMES = ("quest", "questmass", "meanstd", "oracle", "streaming", "h2o", "random")
@@ -247,7 +249,7 @@ def _selection(base: str, args) -> dict:
     """``gamma`` / ``top_p`` of the quest configurations (the other policies take none)."""
     if base != "quest":
         return {}
-    return dict(gamma=getattr(args, "gamma", 1.0), top_p=getattr(args, "top_p", None))
+    return dict(gamma=getattr(args, "gamma", DEFAULT_GAMMA), top_p=getattr(args, "top_p", None))
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:
@@ -414,7 +416,7 @@ def run(args) -> int:
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     kv = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
-             f"{kv}, page_budget {args.page_budget}" + ("" if args.gamma == 1.0 else f", gamma {args.gamma}")
+             f"{kv}, page_budget {args.page_budget}" + ("" if args.gamma == DEFAULT_GAMMA else f", gamma {args.gamma}")
              + ("" if args.top_p is None else f", top_p {args.top_p}")
              + f"; {_device_words(model, torch.get_num_threads())}")
     print(title)

@@ -80,7 +80,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "(transformers>=5.24,<6 and safetensors)") from e
 
 from tinyattn.cache import CacheFullError, PagedKVCache
-from tinyattn.layer import PagedAttention, SparsityConfig, default_num_sink_pages
+from tinyattn.layer import DEFAULT_GAMMA, PagedAttention, SparsityConfig, default_num_sink_pages
 from tinyattn.metrics import PagesAttended
 from tinyattn.ops.validation import check_selection_options
 from tinyattn.ops import quant
@@ -270,8 +270,8 @@ class TinyAttnCache(Cache):
         box_dtype: dtype of the page boxes: ``"auto"`` (the pool's dtype, fp32 for int8 / fp8; exact), ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` (rounded outward, :mod:`tinyattn.ops.kv_cache.torch_impl`).
         gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
-            key box; ``1`` (default) is Quest's bound, ``0.25`` the estimate issue 35 measured best on RULER
-            (:class:`tinyattn.layer.SparsityConfig`).
+            key box; default :data:`tinyattn.layer.DEFAULT_GAMMA`; ``1`` is Quest's bound, ``0.25`` the estimate
+            issue 35 measured best on RULER (:class:`tinyattn.layer.SparsityConfig`).
         top_p: ``None`` (default: ``page_budget`` pages) or a number in ``(0, 1]``: the ``quest`` selection keeps,
             after the forced pages, the fewest best pages whose estimated attention mass reaches ``top_p``,
             ``page_budget`` being the capacity (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another
@@ -302,7 +302,7 @@ class TinyAttnCache(Cache):
     def __init__(self, config, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  num_pages: int | None = None, backend: str | None = None, policy="quest",
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = 1.0,
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = DEFAULT_GAMMA,
                  top_p: float | None = None):
         if num_sink_pages is None:             # the library's default recipe (tinyattn.layer)
             num_sink_pages = default_num_sink_pages(page_budget if isinstance(page_budget, int) else None,

@@ -29,8 +29,9 @@ argument              default      meaning (:class:`~tinyattn.integrations.hf.Ti
 ``policy``            ``quest``    page-selection policy (``quest``, ``streaming``, ``h2o``, ...)
 ``kv_cache_dtype``    ``auto``     the pool's storage format (``auto``, ``fp16``, ``bf16``, ``int8``, ``fp8_e4m3``)
 ``box_dtype``         ``auto``     dtype of the page boxes
-``gamma``             1.0          page estimate of ``quest``, in ``[0, 1]``: ``q·c + gamma·|q|·r``; 1 = Quest's
-                                   bound (issue 35 measured 0.25 best on RULER)
+``gamma``             ``DEFAULT``  page estimate of ``quest``, in ``[0, 1]``: ``q·c + gamma·|q|·r``, by default
+                                   :data:`tinyattn.layer.DEFAULT_GAMMA`; 1 = Quest's bound (issue 35 measured 0.25
+                                   best on RULER)
 ``top_p``             ``None``     adaptive budget of ``quest``, in ``(0, 1]``: the fewest pages whose estimated
                                    attention mass reaches it, ``page_budget`` the capacity; ``none`` = fixed budget
 ``attn_backend``      ``None``     tinyattn's backend (``torch``, ``triton``; ``None``: by device). ``HFLM`` has a
@@ -50,6 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("tinyattn.integrations.lm_eval needs lm-evaluation-harness: pip install 'tinyattn[eval]' "
                       "(lm-eval>=0.4.13 and wonderwords)") from e
 
+from ..layer import DEFAULT_GAMMA
 from . import hf
 
 __all__ = ["MODEL_NAME", "TinyAttnLM", "main"]
@@ -76,7 +78,7 @@ class TinyAttnLM(HFLM):
     def __init__(self, pretrained, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  policy: str = "quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto",
-                 attn_backend: str | None = None, gamma: float = 1.0, top_p: float | None = None, **kwargs):
+                 attn_backend: str | None = None, gamma: float = DEFAULT_GAMMA, top_p: float | None = None, **kwargs):
         impl = kwargs.pop("attn_implementation", hf.ATTN_IMPLEMENTATION)
         if impl != hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"attn_implementation: the tinyattn model runs {hf.ATTN_IMPLEMENTATION!r}, got {impl!r} "

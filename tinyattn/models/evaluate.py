@@ -39,7 +39,7 @@ import torch
 
 import tinyattn
 
-from ..layer import quest_settings
+from ..layer import DEFAULT_GAMMA, quest_settings
 from ..metrics import PagesAttended
 from ..results_io import SavesRows
 from .llama import GenerationStats, LlamaModel, LlamaRuntime, SparsityConfig
@@ -213,7 +213,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
              token_budgets: list[int] | None = None, num_sink_pages: int | None = None, num_recent_pages: int = 1,
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
-             progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = 1.0,
+             progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = DEFAULT_GAMMA,
              top_p: float | None = None) -> EvalResult:
     """Teacher-forced NLL, perplexity, agreement, KL, hit rate and the long-range probes, per configuration.
 
@@ -421,7 +421,7 @@ def format_eval_table(result: EvalResult) -> str:
                f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
                f"the dense row keeps the model dtype)")
             + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}")
-            + ("" if o.get("gamma", 1.0) == 1.0 or policy != "quest" else f", gamma={o['gamma']}")
+            + ("" if o.get("gamma", DEFAULT_GAMMA) == DEFAULT_GAMMA or policy != "quest" else f", gamma={o['gamma']}")
             + ("" if o.get("top_p") is None or policy != "quest" else
                f", top_p={o['top_p']} (pages read: the capacity; then the pages attended, mean per sparse layer, "
                f"KV head, row and step)"),

@@ -40,7 +40,7 @@ from tinyattn import metrics, selection
 from tinyattn.ops import quant
 from tinyattn.ops.validation import kv_formats_supported
 from tinyattn.ops.spans import layer as profile_layer
-from tinyattn.layer import PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
+from tinyattn.layer import DEFAULT_GAMMA, PagedAttention, SparsityConfig  # noqa: F401  (SparsityConfig re-exported)
 
 from .config import LlamaConfig
 
@@ -557,7 +557,7 @@ class LlamaRuntime:
             Quest, selection metrics) they run eagerly after one warning here; prefill, and steps under a
             profiler, always run eagerly. Costs one extra KV page per :meth:`generate` (the padding rows').
         gamma: the page estimate of the ``quest`` selection, in ``[0, 1]``: ``q·c + gamma·|q|·r`` over each page's
-            key box; ``1`` (default) is Quest's bound (:class:`SparsityConfig`).
+            key box; default :data:`tinyattn.layer.DEFAULT_GAMMA`, ``1`` is Quest's bound (:class:`SparsityConfig`).
         top_p: ``None`` (default) or a number in ``(0, 1]``: the ``quest`` selection keeps the fewest best pages
             whose estimated attention mass reaches ``top_p``, ``page_budget`` being the capacity
             (:class:`SparsityConfig`). The read statistics of :meth:`generate` (``pages_read``, ``kv_bytes_read``)
@@ -576,7 +576,7 @@ class LlamaRuntime:
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
-                 gamma: float = 1.0, top_p: float | None = None):
+                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):

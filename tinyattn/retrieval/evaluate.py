@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ..layer import DEFAULT_GAMMA
 from ..results_io import SavesRows
 
 __all__ = ["TaskRow", "TaskResult", "evaluate_tasks", "page_budget_for", "parse_fraction", "sample_seed",
@@ -322,7 +323,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                    backend: str | None = None, decode_prompt_tokens: int | str = "question", prefill_chunk: int = 1024,
                    batch_size: int = 32, make_sample: Callable | None = None, progress: bool = True,
-                   gamma: float = 1.0, top_p: float | None = None) -> TaskResult:
+                   gamma: float = DEFAULT_GAMMA, top_p: float | None = None) -> TaskResult:
     """Greedy-answer accuracy of every (task, context, depth, page size, policy, budget) configuration.
 
     Args:

@@ -7,7 +7,8 @@ Nothing changes unless ``TINYATTN_VLLM=1``. Then :func:`register`:
 - reads the settings (:func:`settings_from_env`): ``TINYATTN_PAGE_BUDGET`` (pages kept per request and KV
   head at each decode step; unset or 0 = dense), ``TINYATTN_SINK_PAGES`` (default 0),
   ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0),
-  ``TINYATTN_GAMMA`` (the page estimate of the quest selection, in ``[0, 1]``, default 1 = Quest's bound) and
+  ``TINYATTN_GAMMA`` (the page estimate of the quest selection, in ``[0, 1]``, 1 = Quest's bound; default
+  :data:`tinyattn.layer.DEFAULT_GAMMA`) and
   ``TINYATTN_TOP_P`` (the adaptive budget, in ``(0, 1]``; unset = the fixed budget); a bad value stops start-up
   with a ``ValueError`` naming the variable and the allowed values;
 - reads ``TINYATTN_VLLM_CUDA_GRAPHS`` (:func:`cuda_graphs_enabled`; ``1`` on, unset / ``0`` off): whether the
@@ -27,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 
+from tinyattn.layer import DEFAULT_GAMMA
+
 __all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "BACKEND_PATH"]
 
 BACKEND_PATH = "tinyattn.integrations.vllm.backend.TinyAttnBackend"
@@ -39,7 +42,7 @@ ENV_VARS = {
     "TINYATTN_RECENT_PAGES": ("trailing pages always kept (the page being written always is)", 1),
     "TINYATTN_DENSE_LAYERS": ("leading layers that stay dense", 0),
     "TINYATTN_GAMMA": ("page estimate of the quest selection, a number in [0, 1]: q·c + gamma·|q|·r over each "
-                       "page's key box; 1 = Quest's bound", 1.0),
+                       "page's key box; 1 = Quest's bound", DEFAULT_GAMMA),
     "TINYATTN_TOP_P": ("adaptive budget of the quest selection, a number in (0, 1]: the fewest pages whose estimated "
                        "attention mass reaches it, TINYATTN_PAGE_BUDGET the most; unset = the fixed budget", None),
 }
@@ -110,7 +113,7 @@ def describe(sparsity) -> str:
         return "dense"
     return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
             f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}"
-            + ("" if sparsity.gamma == 1.0 else f" gamma={sparsity.gamma}")
+            + ("" if sparsity.gamma == DEFAULT_GAMMA else f" gamma={sparsity.gamma}")
             + ("" if sparsity.top_p is None else f" top_p={sparsity.top_p}"))
 
 
