@@ -26,7 +26,7 @@ A)
   run bench/smollm2_passkey.py --out out/passkey_8k_gamma/2 $PK --policies $PKPOL --depth-part 2/2
   run bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_gamma $PK --policies $PKPOL \
     --merge out/passkey_8k_gamma/1,out/passkey_8k_gamma/2
-  run bench/smollm2_long_text.py --out docs/smollm2/long_text_gamma --context 8192 --buckets 2048,4096,8160 \
+  run bench/smollm2_long_text.py --out docs/smollm2/long_text_gamma --context 8192 --buckets 2048,4096,8128 \
     --tokens 64 --budgets 1/8,1/16 --policies quest,quest:gamma=0.25,quest:gamma=0.5 --recipes default,sink1
   ;;
 B)
