@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..layer import DEFAULT_GAMMA
+from ..layer import DEFAULT_GAMMA, quest_settings
 
 __all__ = ["add_arguments", "run", "BenchRow", "FIELDS", "parse_config", "make_workload", "bench_config"]
 
@@ -246,10 +246,11 @@ def build_engine(model, config: str, args, num_pages: int | None = None):
 
 
 def _selection(base: str, args) -> dict:
-    """``gamma`` / ``top_p`` of the quest configurations (the other policies take none)."""
-    if base != "quest":
+    """``gamma`` / ``top_p`` of the quest configurations (:func:`tinyattn.layer.quest_settings`: the other policies,
+    and dense, take none)."""
+    if base == "dense":
         return {}
-    return dict(gamma=getattr(args, "gamma", DEFAULT_GAMMA), top_p=getattr(args, "top_p", None))
+    return quest_settings(base, getattr(args, "gamma", DEFAULT_GAMMA), getattr(args, "top_p", None))
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:

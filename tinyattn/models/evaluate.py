@@ -102,8 +102,8 @@ def long_range_mask(tokens: list[int], pieces: list[str], *, window: int = 64, m
 
 # ---------------------------------------------------------------------------------------------- results
 JSON_FIELDS = ("policy", "page_size", "page_budget", "token_budget", "nll", "ppl", "top1_agreement", "kl",
-               "hit_rate", "captured_mass", "pages_attended", "long_range_nll", "long_range_tokens", "repeat_nll", "repeat_tokens",
-               "pages_read_fraction", "num_tokens", "seconds")
+               "hit_rate", "captured_mass", "pages_attended", "long_range_nll", "long_range_tokens", "repeat_nll",
+               "repeat_tokens", "pages_read_fraction", "num_tokens", "seconds")
 
 
 @dataclass
