@@ -395,18 +395,18 @@ def test_gamma_and_top_p(model, prompts):
     refused naming the argument."""
     few = prompts[6:9]
     dense = alone(model, few, 16)
-    covering = Engine(model, page_size=16, num_pages=40, page_budget=8, num_sink_pages=0, gamma=0.25, top_p=1.0,
+    covering = Engine(model, page_size=16, num_pages=40, page_budget=8, num_sink_pages=0, gamma=0.5, top_p=1.0,
                       backend="torch")
     assert covering.generate(few, SamplingParams(16, ignore_eos=True)) == dense
-    want = alone(model, few, 16, page_budget=2, num_sink_pages=0, gamma=0.25, top_p=0.5)
-    engine = Engine(model, page_size=8, num_pages=40, page_budget=4, num_sink_pages=0, gamma=0.25, top_p=0.5,
+    want = alone(model, few, 16, page_budget=2, num_sink_pages=0, gamma=0.5, top_p=0.5)
+    engine = Engine(model, page_size=8, num_pages=40, page_budget=4, num_sink_pages=0, gamma=0.5, top_p=0.5,
                     backend="torch")
-    assert "gamma=0.25, top_p=0.5" in repr(engine)
+    assert "gamma=0.5, top_p=0.5" in repr(engine)         # not the default (0.25)
     engine.generate(few, SamplingParams(16, ignore_eos=True))
     s = engine.stats.pages_attended.summary()
     assert s["count"] > 0 and s["max"] <= 4 and s["mean"] < 4
     assert "attended:" in engine.stats.format()
-    sparse = Engine(model, page_size=16, num_pages=40, page_budget=2, num_sink_pages=0, gamma=0.25, top_p=0.5,
+    sparse = Engine(model, page_size=16, num_pages=40, page_budget=2, num_sink_pages=0, gamma=0.5, top_p=0.5,
                     backend="torch")
     assert sparse.generate(few, SamplingParams(16, ignore_eos=True)) == want
     for kw, name, err in (({"gamma": 1.5}, "gamma", ValueError), ({"top_p": 0.0}, "top_p", ValueError),

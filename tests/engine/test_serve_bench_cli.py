@@ -28,15 +28,15 @@ def test_serve_bench_tiny_run(tmp_path):
     pytest.importorskip("matplotlib", reason="the PNGs need the plots extra")
     proc = run_cli("serve-bench", "--num-requests", "5", "--request-rate", "200", "--output-len", "12",
                    "--num-pages", "8", "--configs", "dense,quest+exit", "--nll-stories", "1", "--nll-context", "40",
-                   "--gamma", "0.25", "--top-p", "0.9",
+                   "--gamma", "0.5", "--top-p", "0.9",      # gamma: not the default (0.25)
                    "--no-progress", "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
                    "--plot", str(tmp_path / "r.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "| dense | 5/5 |" in proc.stdout and "| quest+exit | 5/5 |" in proc.stdout
     saved = json.loads((tmp_path / "r.json").read_text())
     rows = saved["rows"]
-    assert (saved["settings"]["gamma"], saved["settings"]["top_p"]) == (0.25, 0.9)
-    assert "gamma 0.25, top_p 0.9" in proc.stdout
+    assert (saved["settings"]["gamma"], saved["settings"]["top_p"]) == (0.5, 0.9)
+    assert "gamma 0.5, top_p 0.9" in proc.stdout
     assert [r["config"] for r in rows] == ["dense", "quest+exit"]
     for r in rows:
         assert r["completed"] == r["num_requests"] == 5 and r["peak_kv_pages"] <= 8

@@ -25,11 +25,11 @@ def test_top_p_one_with_a_covering_capacity_gives_stocks_tokens(family):
     model, stock = models(family)
     ids, mask = inputs("left")
     ref = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
-    cache = hf.TinyAttnCache(model.config, page_size=PAGE, page_budget=64, num_sink_pages=0, gamma=0.25, top_p=1.0,
+    cache = hf.TinyAttnCache(model.config, page_size=PAGE, page_budget=64, num_sink_pages=0, gamma=0.5, top_p=1.0,
                              backend="torch")
     out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, **GEN)
     assert torch.equal(out.sequences, ref.sequences)
-    assert "gamma=0.25, top_p=1.0" in repr(cache)
+    assert "gamma=0.5, top_p=1.0" in repr(cache)              # not the default (0.25)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -67,12 +67,12 @@ def test_enable_saves_gamma_and_top_p_and_checks_them(tmp_path):
         assert model.config._attn_implementation == "sdpa" and not hf.is_enabled(model)
         with pytest.raises(err, match=match):
             hf.TinyAttnCache(model.config, **bad)
-    hf.enable(model, page_size=PAGE, page_budget=3, num_sink_pages=0, gamma=0.25, top_p=0.9, backend="torch")
+    hf.enable(model, page_size=PAGE, page_budget=3, num_sink_pages=0, gamma=0.5, top_p=0.9, backend="torch")  # not the default
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())[hf.CONFIG_KEY]
-    assert (saved["gamma"], saved["top_p"]) == (0.25, 0.9)
+    assert (saved["gamma"], saved["top_p"]) == (0.5, 0.9)
     loaded = hf.enable(transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval())
     ids, mask = inputs("left")
     out = loaded.generate(input_ids=ids, attention_mask=mask, **GEN)
-    assert (out.cache.gamma, out.cache.top_p) == (0.25, 0.9)
-    assert (out.cache._attention.plan.step.gamma, out.cache._attention.plan.step.top_p) == (0.25, 0.9)
+    assert (out.cache.gamma, out.cache.top_p) == (0.5, 0.9)
+    assert (out.cache._attention.plan.step.gamma, out.cache._attention.plan.step.top_p) == (0.5, 0.9)

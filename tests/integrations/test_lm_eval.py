@@ -20,6 +20,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness, of the e
 
 import tinyattn.integrations.lm_eval as lme  # noqa: E402  (lm-eval is there: a failure to import is a bug)
 import tinyattn.profiler as tp  # noqa: E402
+from tinyattn.layer import DEFAULT_GAMMA  # noqa: E402
 
 LENGTH = 480          # RULER's target length: the prompt plus the task's 128 generated tokens fit stories260K's 512
 LIMIT = 3
@@ -71,15 +72,15 @@ def test_the_registered_model_checks_its_settings(stories_hf):
 
 
 def test_model_args_take_gamma_and_top_p(stories_hf):
-    """``--model_args ...,gamma=0.25,top_p=0.9`` as lm-eval parses them (its own ``create_from_arg_string``) reach
+    """``--model_args ...,gamma=0.5,top_p=0.9`` as lm-eval parses them (its own ``create_from_arg_string``) reach
     the TinyAttnCache settings; ``top_p=none`` is the fixed budget; bad values are refused naming the argument."""
-    lm = lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_size=8,page_budget=4,gamma=0.25,"
+    lm = lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_size=8,page_budget=4,gamma=0.5,"
                                                f"top_p=0.9,attn_backend=torch", {"device": "cpu"})
     saved = lm.model.config.tinyattn
-    assert (saved["gamma"], saved["top_p"]) == (0.25, 0.9) and isinstance(saved["top_p"], float)
+    assert (saved["gamma"], saved["top_p"]) == (0.5, 0.9) and isinstance(saved["top_p"], float)   # not the default
     lm = lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_budget=4,top_p=none",
                                                {"device": "cpu"})
-    assert lm.model.config.tinyattn["top_p"] is None and lm.model.config.tinyattn["gamma"] == 1.0
+    assert lm.model.config.tinyattn["top_p"] is None and lm.model.config.tinyattn["gamma"] == DEFAULT_GAMMA
     for args, name in (("gamma=2", "gamma"), ("top_p=1.5", "top_p"), ("policy=h2o,top_p=0.9", "policy")):
         with pytest.raises(ValueError, match=name):
             lme.TinyAttnLM.create_from_arg_string(f"pretrained={stories_hf},page_budget=4,{args}", {"device": "cpu"})

@@ -6,7 +6,7 @@ import torch
 
 import tinyattn
 from tinyattn import reference as R
-from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.layer import DEFAULT_GAMMA, PagedAttention, SparsityConfig
 from tinyattn.models import LlamaRuntime
 
 from model_fixtures import model, tok  # noqa: F401 (fixtures)
@@ -21,7 +21,7 @@ BACKENDS = ["torch", "triton"]
 def test_sparsity_config_checks_gamma_and_top_p():
     s = SparsityConfig(page_budget=8, gamma=0.25, top_p=0.9)
     assert (s.gamma, s.top_p) == (0.25, 0.9)
-    assert (SparsityConfig().gamma, SparsityConfig().top_p) == (1.0, None)
+    assert (SparsityConfig().gamma, SparsityConfig().top_p) == (DEFAULT_GAMMA, None)    # the recipe's (0.25)
     with pytest.raises(ValueError, match="gamma"):
         SparsityConfig(page_budget=8, gamma=1.5)
     with pytest.raises(ValueError, match="top_p"):
@@ -57,8 +57,8 @@ def test_runtime_top_p_one_with_a_covering_capacity_generates_dense_tokens(model
     full = LlamaRuntime(model, page_size=4, page_budget=64, num_sink_pages=0, gamma=0.25, top_p=1.0,
                         backend="torch").generate([prompt], max_new_tokens=24)
     assert full.tokens == dense.tokens
-    rt = LlamaRuntime(model, page_size=4, page_budget=8, gamma=0.25, top_p=0.9, backend="torch")
-    assert "gamma=0.25, top_p=0.9" in repr(rt)
+    rt = LlamaRuntime(model, page_size=4, page_budget=8, gamma=0.5, top_p=0.9, backend="torch")
+    assert "gamma=0.5, top_p=0.9" in repr(rt)                                     # not the default (0.25)
     assert len(rt.generate([prompt], max_new_tokens=8).tokens[0]) == 8
 
 

@@ -319,9 +319,11 @@ def test_runtime_formats_track_the_fp32_cache(model, tok, fmt):  # noqa: F811
                         "park with her friends. One day, she saw a big red ball under a tree.", bos=True)
     for budget, limit, agree in ((None, {"fp16": 1e-5, "bf16": 2e-4, "int8": 5e-3, "fp8_e4m3": 2e-2}, 0.95),
                                  (2, {"fp16": 1e-5, "bf16": 2e-2, "int8": 5e-2, "fp8_e4m3": 0.3}, 0.7)):
-        base, _ = _teacher_forced_logits(LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch"),
-                                         tokens)
-        rt = LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch", kv_cache_dtype=fmt)
+        # gamma=1.0: the limits were set with Quest's bound. With the recipe's default box estimate (0.25) fp16's
+        # rounding changes a selection of this text at budget 2 (KL 8e-7 -> 1e-3; bf16 / int8 / fp8 come out lower)
+        base, _ = _teacher_forced_logits(LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch",
+                                                      gamma=1.0), tokens)
+        rt = LlamaRuntime(model, page_size=4, page_budget=budget, backend="torch", kv_cache_dtype=fmt, gamma=1.0)
         got, cache = _teacher_forced_logits(rt, tokens)
         assert cache.kv_cache_dtype == fmt and cache.k_cache[0].dtype == quant.storage_dtype(fmt, model.dtype)
         assert torch.isfinite(got).all()

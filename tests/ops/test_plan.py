@@ -189,7 +189,8 @@ def test_layer_decision(policy):
     sparse = attn(1, q[:, 0], k, v, k_min, k_max)
     if policy == "quest":
         ref = reference.sparse_paged_attention(q[:, 0], k, v, table, sl, k_min=k_min, k_max=k_max, page_budget=3,
-                                       num_sink_pages=attn.sparsity.num_sink_pages)   # the default recipe's
+                                       num_sink_pages=attn.sparsity.num_sink_pages,   # the default recipe's
+                                       gamma=attn.sparsity.gamma)
         torch.testing.assert_close(sparse, ref, atol=2e-5, rtol=1e-4)
     else:
         assert not torch.allclose(sparse, dense)                    # 3 of 9 pages: not the dense answer
@@ -786,7 +787,8 @@ def test_layer_keeps_the_planned_tables(backend, policy):
     _close(attn(0, q, p.k_cache, p.v_cache, k_min, k_max), first)
     if policy == "quest":
         want = reference.sparse_paged_attention(q, p.k_cache, p.v_cache, *planned, k_min=k_min, k_max=k_max, page_budget=3,
-                                        num_sink_pages=attn.sparsity.num_sink_pages)    # the default recipe's
+                                        num_sink_pages=attn.sparsity.num_sink_pages,    # the default recipe's
+                                        gamma=attn.sparsity.gamma)
         _close(first, want)
 
 

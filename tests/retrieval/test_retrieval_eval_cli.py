@@ -65,12 +65,12 @@ def test_gamma_and_top_p_reach_the_quest_configs(checkpoint, tmp_path, capsys):
     as dense on every sample), and the other policies run as they are (no error for streaming)."""
     argv = ["eval", "--task", "passkey", "--model", str(checkpoint), "--contexts", str(MIN_PASSKEY + 32),
             "--depths", "0,1", "--budgets", "1,1/2", "--page-sizes", "8", "--policies", "dense,quest,streaming",
-            "--samples", "2", "--backend", "torch", "--no-progress", "--gamma", "0.25", "--top-p", "1.0",
+            "--samples", "2", "--backend", "torch", "--no-progress", "--gamma", "0.5", "--top-p", "1.0",
             "--json", str(tmp_path / "r.json")]
     code, out, err = run(argv, capsys)
     assert code == 0, err
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["meta"]["gamma"] == 0.25 and data["meta"]["top_p"] == 1.0
+    assert data["meta"]["gamma"] == 0.5 and data["meta"]["top_p"] == 1.0          # not the default (0.25)
     rows = data["rows"]
     dense = {r["depth"]: r for r in rows if r["policy"] == "dense"}
     full = {r["depth"]: r for r in rows if r["policy"] == "quest" and r["budget_fraction"] == 1.0}

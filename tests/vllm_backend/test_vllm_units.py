@@ -16,7 +16,7 @@ from tinyattn.integrations.vllm.paging import (attend_groups, block_pools, box_v
                                                uniform_decode_rows, write_kv)
 from tinyattn.integrations.vllm import paging
 from tinyattn.integrations.vllm.step_tables import StepTables
-from tinyattn.layer import PagedAttention, SparsityConfig
+from tinyattn.layer import DEFAULT_GAMMA, PagedAttention, SparsityConfig
 
 
 # ---- settings -------------------------------------------------------------------------------------------
@@ -39,9 +39,11 @@ def test_bad_setting_names_the_variable_and_the_allowed_values(name, bad):
 
 def test_gamma_and_top_p_from_the_environment():
     s = settings_from_env({})
-    assert (s.gamma, s.top_p) == (1.0, None)
-    s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_GAMMA": " 0.25 ", "TINYATTN_TOP_P": "0.9"})
-    assert (s.page_budget, s.gamma, s.top_p) == (8, 0.25, 0.9)
+    assert (s.gamma, s.top_p) == (DEFAULT_GAMMA, None)
+    # a value other than the recipe's default (0.25), so that reading the variable is what the test sees
+    s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_GAMMA": " 0.5 ", "TINYATTN_TOP_P": "0.9"})
+    assert (s.page_budget, s.gamma, s.top_p) == (8, 0.5, 0.9)
+    assert settings_from_env({"TINYATTN_GAMMA": "1"}).gamma == 1.0              # Quest's bound, asked for
     assert settings_from_env({"TINYATTN_TOP_P": "1"}).top_p == 1.0
     assert settings_from_env({"TINYATTN_GAMMA": "0"}).gamma == 0
 
@@ -498,7 +500,7 @@ def test_graph_decode_batch_padded_rows_give_zeros(backend, page_budget):
         assert torch.equal(output[real:], torch.zeros_like(output[real:]))
         if page_budget:
             want = ref.sparse_paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real], k_min=k_min,
-                                              k_max=k_max, page_budget=page_budget)
+                                              k_max=k_max, page_budget=page_budget, gamma=attn.sparsity.gamma)
         else:
             want = ref.paged_attention(query[:real], k_cache, v_cache, 2 * bt[:real], sl[:real])
         torch.testing.assert_close(output[:real], want, atol=2e-5, rtol=1e-4)
