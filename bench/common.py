@@ -49,6 +49,8 @@ if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a chec
 #: keys of a label that are settings of the fused quest selection (tinyattn.SparsityConfig's gamma / top_p), not
 #: constructor arguments of its policy (questmass:gamma=... stays questmass's own constructor argument)
 SELECTION_KEYS = ("gamma", "top_p")
+#: ``gamma`` of a bare ``quest`` label: Quest's upper bound (Quest §3.2), not tinyattn.layer.DEFAULT_GAMMA
+QUEST_GAMMA = 1.0
 
 
 def _label_parts(label: str) -> tuple[str, dict, dict]:
@@ -66,6 +68,10 @@ def _label_parts(label: str) -> tuple[str, dict, dict]:
         except ValueError:
             pass
         (selection if fused and key in SELECTION_KEYS else kwargs)[key] = value
+    if fused:
+        # a label names its selection whatever the library's default: ``quest`` is Quest's bound (gamma = 1), as in
+        # every committed result, and the recipe's default box estimate is ``quest:gamma=0.25``
+        selection.setdefault("gamma", QUEST_GAMMA)
     return name, kwargs, selection
 
 
@@ -82,7 +88,8 @@ def policy_from_label(label: str):
 
 def selection_from_label(label: str) -> dict:
     """``{"gamma": ..., "top_p": ...}`` of a quest label (``quest:gamma=0.25:top_p=0.9``), for
-    :class:`tinyattn.layer.SparsityConfig`; ``{}`` when the label sets neither."""
+    :class:`tinyattn.layer.SparsityConfig`: a bare ``quest`` gives ``{"gamma": 1.0}`` (Quest's bound); ``{}`` for a
+    policy other than quest."""
     return _label_parts(label)[2]
 
 

@@ -174,6 +174,9 @@ def test_quest_labels_take_gamma_and_top_p(run):
     module, out, _, argv = run
     assert module.selection_from_label("quest:gamma=0.25:top_p=0.9") == {"gamma": 0.25, "top_p": 0.9}
     assert module.selection_from_label("questmass:gamma=1.0") == {}
+    # a bare quest label is Quest's bound (Quest §3.2: gamma = 1), whatever the recipe's default
+    assert module.selection_from_label("quest") == {"gamma": 1.0}
+    assert module.selection_from_label("quest:top_p=0.9") == {"gamma": 1.0, "top_p": 0.9}
     assert module.policy_from_label("questmass:gamma=1.0").gamma == 1.0
     assert module.policy_from_label("quest:gamma=0.25").name == "quest"
     labels = "quest:gamma=0.25,quest:gamma=0.25:top_p=0.9"
