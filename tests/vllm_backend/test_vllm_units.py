@@ -643,7 +643,7 @@ def test_builder_keeps_its_buffers_and_plans_graph_batches_over_all_rows(vllm_co
             start += tq
             if tq == 1:
                 want = ref.sparse_paged_attention(q, k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1], k_min=k_min,
-                                                  k_max=k_max, page_budget=2)
+                                                  k_max=k_max, page_budget=2, gamma=DEFAULT_GAMMA)   # the plug-in's
             else:
                 want = ref.paged_attention(q[None], k_cache, v_cache, 2 * bt[i: i + 1], sl[i: i + 1])
             torch.testing.assert_close(got, want.reshape(got.shape), atol=2e-5, rtol=1e-4)
