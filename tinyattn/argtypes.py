@@ -28,24 +28,23 @@ def _int_at_least(minimum: int):
     return parse
 
 
-def _finite_float(*, positive: bool):
-    bound = "> 0" if positive else ">= 0"
-
+def _float_in(what: str, ok):
+    """A float parser: ``ok(value)`` or the error "expected <what>, got <text>" (NaN fails every range)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
         return value
     return parse
 
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
-positive_float = _finite_float(positive=True)
-non_negative_float = _finite_float(positive=False)
+positive_float = _float_in("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+non_negative_float = _float_in("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -56,29 +55,15 @@ def positive_int_list(text: str) -> list[int]:
     return [positive_int(t) for t in items]
 
 
-def _fraction(*, open_low: bool):
-    bound = "in (0, 1]" if open_low else "in [0, 1]"
+unit_interval = _float_in("a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)       # --gamma
+top_p_fraction = _float_in("a number in (0, 1]", lambda v: 0.0 < v <= 1.0)      # --top-p
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}") from None
-        if not (0.0 < value <= 1.0 if open_low else 0.0 <= value <= 1.0):      # NaN fails both
-            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
-        return value
-    return parse
-
-
-unit_interval = _fraction(open_low=False)      # --gamma: [0, 1]
-top_p_fraction = _fraction(open_low=True)      # --top-p: (0, 1]
 
 GAMMA_HELP = ("page estimate of the quest selection, in [0, 1]: q·c + gamma·|q|·r over each page's key box "
-              "(centre c, half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35) "
-              f"(default: {DEFAULT_GAMMA:g})")
+              "(centre c, half-width r); 1 = Quest's upper bound, 0.25 measured best on RULER niah_single_1 (issue 35)")
 TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forced pages, keep the fewest best pages "
               "whose estimated attention mass reaches P (Twilight), --page-budget being the most pages kept; "
-              "1 keeps the budget (default: off, a fixed --page-budget)")
+              "1 keeps the budget")
 
 
 def add_selection_options(group, applies_to: str | None = None) -> None:
@@ -86,5 +71,6 @@ def add_selection_options(group, applies_to: str | None = None) -> None:
     which runs of a comparing command take them (eval: the quest passes)."""
     also = f"; applies to {applies_to}" if applies_to else ""
     group.add_argument("--gamma", type=unit_interval, default=DEFAULT_GAMMA, metavar="G",
-                       help=GAMMA_HELP[:-1] + also + ")")
-    group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P", help=TOP_P_HELP[:-1] + also + ")")
+                       help=f"{GAMMA_HELP} (default: {DEFAULT_GAMMA:g}{also})")
+    group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P",
+                       help=f"{TOP_P_HELP} (default: off, a fixed --page-budget{also})")
