@@ -421,7 +421,8 @@ def format_eval_table(result: EvalResult) -> str:
                f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
                f"the dense row keeps the model dtype)")
             + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}")
-            + ("" if o.get("gamma", DEFAULT_GAMMA) == DEFAULT_GAMMA or policy != "quest" else f", gamma={o['gamma']}")
+            # always named for quest: the default moved from Quest's bound (1.0) to the box estimate (0.25)
+            + (f", gamma={o.get('gamma', DEFAULT_GAMMA)}" if policy == "quest" else "")
             + ("" if o.get("top_p") is None or policy != "quest" else
                f", top_p={o['top_p']} (pages read: the capacity; then the pages attended, mean per sparse layer, "
                f"KV head, row and step)"),
