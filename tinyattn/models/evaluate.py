@@ -414,6 +414,7 @@ def format_eval_table(result: EvalResult) -> str:
     if not groups:
         groups[(result.page_size, result.policies[0] if result.policies else "quest")] = []
     for (ps, policy), rows in groups.items():
+        fused = tinyattn.selection.get_policy(policy).fused  # those that take gamma / top_p
         lines = [
             f"page_size={ps}, policy={policy}, num_sink_pages={o.get('num_sink_pages')}, "
             f"num_recent_pages={o.get('num_recent_pages')}, dense_layers={o.get('dense_layers')}"
@@ -421,9 +422,9 @@ def format_eval_table(result: EvalResult) -> str:
                f", kv_cache_dtype={o['kv_cache_dtype']} ({o['kv_bytes_per_token']:.0f} cache bytes per token; "
                f"the dense row keeps the model dtype)")
             + ("" if o.get("box_dtype", "auto") == "auto" else f", box_dtype={o['box_dtype']}")
-            # always named for quest: the default moved from Quest's bound (1.0) to the box estimate (0.25)
-            + (f", gamma={o.get('gamma', DEFAULT_GAMMA)}" if policy == "quest" else "")
-            + ("" if o.get("top_p") is None or policy != "quest" else
+            # always named for the fused quest selection: the default moved from Quest's bound (1.0) to 0.25
+            + (f", gamma={o.get('gamma', DEFAULT_GAMMA)}" if fused else "")
+            + ("" if o.get("top_p") is None or not fused else
                f", top_p={o['top_p']} (pages read: the capacity; then the pages attended, mean per sparse layer, "
                f"KV head, row and step)"),
             "",
