@@ -141,11 +141,21 @@ def _merge(args) -> int:
             if key not in seen:                 # each run scores dense again: keep one copy
                 seen.add(key)
                 rows.append(r)
-    args.tokens = runs[0]["meta"]["tokens"]
+    # the merged file says what its parts ran, not this command's defaults: each setting the union of the parts'
+    for key in ("context", "windows", "buckets", "tokens", "budgets", "page_sizes", "policies", "threads"):
+        setattr(args, key, _union(run["meta"][key] for run in runs if key in run["meta"]))
     names = (run["meta"]["recipes"] for run in runs)          # a dict, or the option's text in older runs
     args.recipes = ",".join(dict.fromkeys(r for n in names for r in (n.split(",") if isinstance(n, str) else n)))
     _write(args, rows, sum(run["meta"]["seconds"] for run in runs), merged=args.merge.split(","))
     return 0
+
+
+def _union(values):
+    """The parts' values of one setting: the value when they agree, else a comma-joined union of their items."""
+    values = list(values)
+    if len(set(map(str, values))) == 1:
+        return values[0]
+    return ",".join(dict.fromkeys(item for v in values for item in str(v).split(",")))
 
 
 def summary_table(rows) -> str:

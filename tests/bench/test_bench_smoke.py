@@ -6,6 +6,7 @@ They are not timed tests (DESIGN.md §6): this only proves they run, on the torc
 
 import ast
 import csv
+import json
 import importlib.util
 import sys
 import warnings
@@ -214,3 +215,25 @@ def test_hf_perplexity_takes_comma_separated_budgets(capsys):
     assert hf_perplexity.parse_args([]).text is None                 # the shipped stories
     with pytest.raises(SystemExit):
         hf_perplexity.parse_args(["--page-budgets", "2", "4"])
+
+
+def test_long_text_merge_records_what_its_parts_ran(tmp_path, capsys):
+    """``smollm2_long_text.py --merge A,B``: the merged meta holds the parts' settings (page sizes 8 and 16, their
+    windows and buckets), not the merging command's defaults; each part's dense rows kept once."""
+    module = _load("smollm2_long_text")
+    parts = []
+    for ps in (8, 16):
+        meta = dict(context=8192, windows=2, buckets="4096,5120", tokens=64, budgets="1/8", page_sizes=str(ps),
+                    policies="quest:gamma=0.25", threads=1, seconds=10.0, recipes={"sink1": {}})
+        rows = [dict(window=0, position=p, page_size=ps, recipe=rec, policy=pol, budget_fraction=f, page_budget=None,
+                     nll=2.0 + (pol != "dense") * 0.1, dense_nll=2.0, ratio=1.0)
+                for p in (4096, 5120) for rec, pol, f in (("dense", "dense", None), ("sink1", "quest:gamma=0.25", 0.125))]
+        (tmp_path / f"ps{ps}").mkdir()
+        (tmp_path / f"ps{ps}" / "long_text.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+        parts.append(str(tmp_path / f"ps{ps}"))
+    assert module.main(["--out", str(tmp_path / "merged"), "--merge", ",".join(parts)]) == 0
+    merged = json.loads((tmp_path / "merged" / "long_text.json").read_text())
+    meta = merged["meta"]
+    assert (meta["windows"], meta["buckets"], meta["page_sizes"], meta["seconds"]) == (2, "4096,5120", "8,16", 20.0)
+    assert meta["policies"] == "quest:gamma=0.25" and meta["merged"] == parts
+    assert len(merged["rows"]) == 8                          # 2 positions x (dense + sparse) x 2 page sizes
