@@ -227,7 +227,8 @@ def test_long_text_merge_records_what_its_parts_ran(tmp_path, capsys):
                     policies="quest:gamma=0.25", threads=1, seconds=10.0, recipes={"sink1": {}})
         rows = [dict(window=0, position=p, page_size=ps, recipe=rec, policy=pol, budget_fraction=f, page_budget=None,
                      nll=2.0 + (pol != "dense") * 0.1, dense_nll=2.0, ratio=1.0)
-                for p in (4096, 5120) for rec, pol, f in (("dense", "dense", None), ("sink1", "quest:gamma=0.25", 0.125))]
+                for p in (4096, 5120)
+                for rec, pol, f in (("dense", "dense", None), ("sink1", "quest:gamma=0.25", 0.125))]
         (tmp_path / f"ps{ps}").mkdir()
         (tmp_path / f"ps{ps}" / "long_text.json").write_text(json.dumps({"meta": meta, "rows": rows}))
         parts.append(str(tmp_path / f"ps{ps}"))
