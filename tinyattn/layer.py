@@ -60,9 +60,10 @@ DEFAULT_SINK_MIN_BUDGET = 16
 #: default from here, so the recipe changes in one place. It lives beside the other defaults of the recipe. The ops
 #: (:func:`tinyattn.page_scores`, :func:`tinyattn.sparse_paged_attention`, :class:`tinyattn.PagedAttentionPlan`,
 #: the custom ops and kernels) keep ``gamma = 1.0``: Quest's upper bound (Quest §3.2), the primitive as published.
-#: 0.25: the box estimate, which beat the bound on every SmolLM2-135M measurement of issue 35 (docs/accuracy.md,
-#: "Issue 35"): RULER niah_single_1 98-100% vs 44-60% at 1/8 of 2K / 4K, the held-out niah_single_2 / 3, passkey at
-#: 8K (87 vs 80% at 1/32), long-text NLL (+3.6 vs +4.5% at 1/8). ``gamma=1.0`` at any entry point is Quest.
+#: 0.25: the box estimate, which beat or tied the bound on every SmolLM2-135M measurement of issue 35 at page size 16
+#: (docs/accuracy.md, issue 35's section): RULER niah_single_1 98-100% vs 44-60% at 1/8 of 2K / 4K, the held-out
+#: niah_single_2 / 3, passkey at 8K (87 vs 80% at 1/32), long-text NLL (+3.2 vs +4.6% at 1/8); level with it at page
+#: size 8. ``gamma=1.0`` at any entry point is Quest.
 DEFAULT_GAMMA = 0.25
 
 
