@@ -48,7 +48,7 @@ def test_generate_top_p_one_covering_is_dense_and_top_p_is_reported(capsys):
     code, out, err = run_main([*common, "--page-budget", "4", "--num-sink-pages", "0", "--gamma", "0.5",
                                "--top-p", "0.5"], capsys)
     assert code == 0, err
-    assert "gamma=0.5, top_p=0.5" in out              # a gamma other than the default (0.25) is reported
+    assert "gamma=0.5, top_p=0.5" in out
     line = next(x for x in out.splitlines() if x.startswith("pages attended:"))
     mean = float(re.search(r"([0-9.]+) pages", line).group(1))
     assert 1 <= mean < 4 and re.search(r"max [1-4]\b", line), line

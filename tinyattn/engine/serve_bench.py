@@ -417,7 +417,7 @@ def run(args) -> int:
     rate = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     kv = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
-             f"{kv}, page_budget {args.page_budget}" + ("" if args.gamma == DEFAULT_GAMMA else f", gamma {args.gamma}")
+             f"{kv}, page_budget {args.page_budget}, gamma {args.gamma:g}"
              + ("" if args.top_p is None else f", top_p {args.top_p}")
              + f"; {_device_words(model, torch.get_num_threads())}")
     print(title)

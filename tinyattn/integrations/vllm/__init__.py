@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tinyattn.layer import DEFAULT_GAMMA
+from tinyattn.layer import DEFAULT_GAMMA, quest_settings
 
 __all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "BACKEND_PATH"]
 
@@ -113,8 +113,8 @@ def describe(sparsity) -> str:
         return "dense"
     return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
             f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}"
-            + ("" if sparsity.gamma == DEFAULT_GAMMA else f" gamma={sparsity.gamma}")
-            + ("" if sparsity.top_p is None else f" top_p={sparsity.top_p}"))
+            + "".join(f" {k}={v}" for k, v in quest_settings(sparsity.policy, sparsity.gamma, sparsity.top_p).items()
+                      if v is not None))
 
 
 def enabled(environ=None) -> bool:
