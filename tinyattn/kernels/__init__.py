@@ -33,6 +33,16 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def strides(name: str, t, axes: str) -> dict:
+    """The stride keywords of one tensor argument: ``{"stride_<name><axis>": t.stride(i)}`` for each letter of
+    ``axes`` (``strides("q", q, "bthd")`` gives ``stride_qb`` ... ``stride_qd``); zeros when ``t`` is ``None`` (an
+    argument the kernel never reads, its constexpr off)."""
+    if t is None:
+        return {f"stride_{name}{a}": 0 for a in axes}
+    assert len(axes) <= t.dim(), (name, axes, tuple(t.shape))
+    return {f"stride_{name}{a}": s for a, s in zip(axes, t.stride())}
+
+
 def pad_head_dim(head_dim: int) -> int:
     """Head dim padded to a power of two >= 16 (``tl.arange`` and ``tl.dot`` need both)."""
     return max(16, triton.next_power_of_2(head_dim))

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import triton
 
-from ...kernels import needs_upcast
+from ...kernels import needs_upcast, strides
 from ...kernels.attention import (LOG2E, attention_blocks, attn_fwd_kernel, choose_num_splits, merge_blocks,
                                   merge_splits_kernel, num_sms)
 from ...kernels.attention_bwd import attn_bwd_kernel, page_grad_norm_kernel, page_norm_blocks
@@ -70,19 +70,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     attn_fwd_kernel[(batch, num_kv_heads * num_mb, num_splits)](
         q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
         page_indices=idx, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
-        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
-        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
-        stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
-        stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
-        stride_zh=ws_lse.stride(3) if split else 0,
+        # (the strides of an argument the kernel does not read, its constexpr off, are zeros)
+        **strides("q", q, "bthd"), **strides("k", k_cache, "pshd"), **strides("v", v_cache, "pshd"),
+        **strides("b", block_table, "t"), **strides("i", page_indices, "bh"),
+        **strides("s", k_scale if quantized else None, "ph"), **strides("o", out, "bthd"), **strides("l", lse, "bth"),
+        **strides("w", ws_o if split else None, "sbth"), **strides("z", ws_lse if split else None, "sbth"),
         qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
         NUM_SPLITS=num_splits, WINDOW_LEFT=window_left, SPARSE=sparse, SPLIT=split, UPCAST=needs_upcast(q.dtype),
         PRECISION="ieee", QUANT=quantized, **meta,
@@ -91,11 +83,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         mmeta = merge_blocks(num_heads, num_splits, head_dim)
         merge_splits_kernel[(batch * num_queries, triton.cdiv(num_heads, mmeta["BH"]))](
             ws_o=ws_o, ws_lse=ws_lse, out=out, lse=lse,
-            stride_ws=ws_o.stride(0), stride_wb=ws_o.stride(1), stride_wt=ws_o.stride(2), stride_wh=ws_o.stride(3),
-            stride_zs=ws_lse.stride(0), stride_zb=ws_lse.stride(1), stride_zt=ws_lse.stride(2),
-            stride_zh=ws_lse.stride(3),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
+            **strides("w", ws_o, "sbth"), **strides("z", ws_lse, "sbth"), **strides("o", out, "bthd"),
+            **strides("l", lse, "bth"),
             TQ=num_queries, HQ=num_heads, D=head_dim, NUM_SPLITS=num_splits, **mmeta,
         )
 
@@ -130,19 +119,10 @@ def paged_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k_cache: torch.Tens
     attn_bwd_kernel[(batch, num_kv_heads * num_mb)](
         q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens, page_indices=idx,
         out=out, dout=dout, lse=lse, dlse=dl, dq=dq, dk=dk, dv=dv,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_ib=idx.stride(0), stride_ih=idx.stride(1) if sparse else 0,
-        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2), stride_od=out.stride(3),
-        stride_gb=dout.stride(0), stride_gt=dout.stride(1), stride_gh=dout.stride(2), stride_gd=dout.stride(3),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1), stride_lh=lse.stride(2),
-        stride_eb=dl.stride(0), stride_et=dl.stride(1), stride_eh=dl.stride(2),
-        stride_xb=dq.stride(0), stride_xt=dq.stride(1), stride_xh=dq.stride(2), stride_xd=dq.stride(3),
-        stride_ap=dk.stride(0), stride_as=dk.stride(1), stride_ah=dk.stride(2),
+        **strides("q", q, "bthd"), **strides("k", k_cache, "pshd"), **strides("v", v_cache, "pshd"),
+        **strides("b", block_table, "t"), **strides("i", page_indices, "bh"), **strides("o", out, "bthd"),
+        **strides("g", dout, "bthd"), **strides("l", lse, "bth"), **strides("e", dl, "bth"), **strides("x", dq, "bthd"),
+        **strides("a", dk, "psh"),           # dv: dk's strides (both contiguous, pool-shaped)
         scale=scale, qk_scale=scale * LOG2E, TQ=num_queries, D=head_dim, NUM_MB=num_mb, NUM_LIST=num_list,
         WINDOW_LEFT=window_left, SPARSE=sparse, HAS_DLSE=has_dlse, UPCAST=needs_upcast(q.dtype), PRECISION="ieee",
         **meta,
@@ -161,8 +141,6 @@ def page_grad_norms(dk: torch.Tensor, dv: torch.Tensor, *, out: torch.Tensor) ->
     meta = page_norm_blocks(page_size, head_dim)
     page_grad_norm_kernel[(triton.cdiv(num_pages, meta["BP"]), num_kv_heads)](
         dk=dk, dv=dv, norms=out,
-        stride_kp=dk.stride(0), stride_ks=dk.stride(1), stride_kh=dk.stride(2), stride_kd=dk.stride(3),
-        stride_vp=dv.stride(0), stride_vs=dv.stride(1), stride_vh=dv.stride(2), stride_vd=dv.stride(3),
-        stride_np=out.stride(0), stride_nh=out.stride(1),
+        **strides("k", dk, "pshd"), **strides("v", dv, "pshd"), **strides("n", out, "ph"),
         P=num_pages, D=head_dim, **meta,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...kernels import strides
 from ...kernels.kv_write import kv_write_kernel, kv_write_blocks
 from ...kernels.metadata import metadata_blocks, page_minmax_kernel
 
@@ -35,13 +36,9 @@ def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_l
     page_minmax_kernel[grid](
         k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, k_min=k_min, k_max=k_max,
         k_scale=k_scale if quantized else k_min,
-        stride_sp=k_scale.stride(0) if quantized else 0, stride_sh=k_scale.stride(1) if quantized else 0,
-        QUANT=quantized,
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
-        stride_bt=block_table.stride(0),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
+        **strides("s", k_scale, "ph"), QUANT=quantized,
+        **strides("k", k_cache, "pshd"), **strides("b", block_table, "t"), **strides("n", k_min, "phd"),
+        **strides("x", k_max, "phd"),
         MAXP=max_pages, D=head_dim, **meta,
     )
 
@@ -67,17 +64,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
         k_min=k_min if boxes else dummy, k_max=k_max if boxes else dummy,
         k_scale=k_scale if quant else dummy, v_scale=v_scale if quant else dummy, fill=fill if quant else dummy,
         N=N, D=D,
-        stride_kn=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
-        stride_vn=v.stride(0), stride_vh=v.stride(1), stride_vd=v.stride(2),
-        stride_cp=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-        stride_cd=k_cache.stride(3),
-        stride_wp=v_cache.stride(0), stride_ws=v_cache.stride(1), stride_wh=v_cache.stride(2),
-        stride_wd=v_cache.stride(3),
-        stride_np=k_min.stride(0) if boxes else 0, stride_nh=k_min.stride(1) if boxes else 0,
-        stride_nd=k_min.stride(2) if boxes else 0,
-        stride_xp=k_max.stride(0) if boxes else 0, stride_xh=k_max.stride(1) if boxes else 0,
-        stride_xd=k_max.stride(2) if boxes else 0,
-        stride_ksp=k_scale.stride(0) if quant else 0, stride_ksh=k_scale.stride(1) if quant else 0,
-        stride_vsp=v_scale.stride(0) if quant else 0, stride_vsh=v_scale.stride(1) if quant else 0,
+        **strides("k", k, "nhd"), **strides("v", v, "nhd"), **strides("c", k_cache, "pshd"),
+        **strides("w", v_cache, "pshd"), **strides("n", k_min, "phd"), **strides("x", k_max, "phd"),
+        **strides("ks", k_scale if quant else None, "ph"), **strides("vs", v_scale if quant else None, "ph"),
         **meta,
     )

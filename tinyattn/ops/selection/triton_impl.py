@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...kernels import strides
 from ...kernels.chunk_topk import merge_chunks_kernel, score_chunk_topk_kernel
 from ...kernels.scoring import page_scores_kernel, score_blocks
 from ...kernels.topk import select_pages_kernel, top_p_blocks, top_p_filter_kernel, topk_blocks
@@ -37,11 +38,8 @@ def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block
     grid = (batch, num_kv_heads, triton.cdiv(max_pages, meta["BP"]))
     page_scores_kernel[grid](
         q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, out=out,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
-        stride_bt=block_table.stride(0),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_oj=out.stride(2),
+        **strides("q", q, "bthd"), **strides("n", k_min, "phd"), **strides("x", k_max, "phd"),
+        **strides("b", block_table, "t"), **strides("o", out, "bhj"),
         MAXP=max_pages, TQ=num_queries, D=head_dim, GAMMA=float(gamma), **meta,
     )
 
@@ -59,8 +57,7 @@ def select_pages(scores: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int
     meta = topk_blocks(max_pages, page_budget, page_size)
     select_pages_kernel[(batch, num_kv_heads)](
         scores=scores, seq_lens=seq_lens, out=out,
-        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        **strides("s", scores, "bhj"), **strides("o", out, "bhk"),
         MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
         TQ=num_query_tokens, **meta,
     )
@@ -91,11 +88,9 @@ def score_chunks(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, bloc
     out_scores = ws_key if scores is None else scores          # a dummy pointer when not written (SCORES=False)
     score_chunk_topk_kernel[(batch, num_kv_heads, meta["NC"])](
         q=q, k_min=k_min, k_max=k_max, block_table=block_table, seq_lens=seq_lens, ws_key=ws_key, ws_page=ws_page,
-        scores=out_scores, stride_sb=out_scores.stride(0), stride_sh=out_scores.stride(1),
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2), stride_qd=q.stride(3),
-        stride_np=k_min.stride(0), stride_nh=k_min.stride(1), stride_nd=k_min.stride(2),
-        stride_xp=k_max.stride(0), stride_xh=k_max.stride(1), stride_xd=k_max.stride(2),
-        stride_bt=block_table.stride(0), stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
+        scores=out_scores, **strides("s", out_scores, "bh"),
+        **strides("q", q, "bthd"), **strides("n", k_min, "phd"), **strides("x", k_max, "phd"),
+        **strides("b", block_table, "t"), **strides("w", ws_key, "bh"),
         MAXP=max_pages, TQ=num_queries, D=head_dim, BUDGET=page_budget, NUM_SINK=num_sink_pages,
         NUM_RECENT=num_recent_pages, WINDOW=window_left, KC=meta["KC"], GAMMA=float(gamma), **meta["stage1"],
         SCORES=scores is not None,
@@ -114,8 +109,7 @@ def merge_chunks(ws_key: torch.Tensor, ws_page: torch.Tensor, seq_lens: torch.Te
         return
     merge_chunks_kernel[(batch, num_kv_heads)](
         ws_key=ws_key, ws_page=ws_page, seq_lens=seq_lens, out=out,
-        stride_wb=ws_key.stride(0), stride_wh=ws_key.stride(1),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        **strides("w", ws_key, "bh"), **strides("o", out, "bhk"),
         NCAND=meta["NC"] * meta["KC"], MAXP=max_pages, TQ=num_query_tokens, BUDGET=page_budget,
         NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages, **meta["stage2"],
     )
@@ -136,9 +130,7 @@ def top_p_filter(scores: torch.Tensor, selected: torch.Tensor, seq_lens: torch.T
     max_pages = scores.shape[2]
     top_p_filter_kernel[(batch, num_kv_heads)](
         scores=scores, sel=selected, seq_lens=seq_lens, out=out,
-        stride_sb=scores.stride(0), stride_sh=scores.stride(1), stride_sj=scores.stride(2),
-        stride_cb=selected.stride(0), stride_ch=selected.stride(1), stride_ck=selected.stride(2),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ok=out.stride(2),
+        **strides("s", scores, "bhj"), **strides("c", selected, "bhk"), **strides("o", out, "bhk"),
         MAXP=max_pages, BUDGET=page_budget, NUM_SINK=num_sink_pages, NUM_RECENT=num_recent_pages,
         TQ=num_query_tokens, TOP_P=float(top_p), SCALE=float(scale),
         **top_p_blocks(max_pages, page_budget, page_size),
