@@ -416,7 +416,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                                           num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                                           backend=backend, prefill_chunk=prefill_chunk,
                                           on_prefill=lambda: bar.update(1), on_config=bar.update,
-                                          selection=dict(gamma=gamma, top_p=top_p))
+                                          gamma=gamma, top_p=top_p)
                     for config, per_item in zip(configs, outcomes):
                         for depth, (exact, share) in zip(where[chunk], per_item):
                             t = tallies.setdefault((task, context, depth, ps, config), _Tally())
@@ -454,12 +454,13 @@ def _run_sample(model, sample, page_size: int, configs: list[_Config], *, prefil
 
 def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
                num_recent_pages: int, dense_layers: int, backend, prefill_chunk: int, on_prefill=lambda: None,
-               on_config=lambda n: None, selection: dict | None = None) -> list[list[tuple[bool, float]]]:
+               on_config=lambda n: None, gamma: float = DEFAULT_GAMMA,
+               top_p: float | None = None) -> list[list[tuple[bool, float]]]:
     """``items``: ``(sample, prefill_tokens)`` pairs of one (task, context). Each sample's first
     ``prefill_tokens`` prompt tokens are prefilled once (dense) into a sequence of one shared cache; then, per
     config, the rest of every prompt and the answers are decoded greedily, all samples as one batch, from the
-    prefilled cache, which is rolled back after each config. ``[config][item]`` ->
-    ``(exact match, share of answer tokens matched)``."""
+    prefilled cache, which is rolled back after each config (``gamma`` / ``top_p``: the quest configs' estimate and
+    top-p budget). ``[config][item]`` -> ``(exact match, share of answer tokens matched)``."""
     from tinyattn.layer import PagedAttention, SparsityConfig, quest_settings
     from tinyattn.selection import H2OPolicy, RandomPolicy, get_policy
 
@@ -472,7 +473,7 @@ def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config]
 
     def sparsity(budget, policy):
         return SparsityConfig(page_budget=budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                              dense_layers=dense_layers, policy=policy, **quest_settings(policy, **(selection or {})))
+                              dense_layers=dense_layers, policy=policy, **quest_settings(policy, gamma, top_p))
 
     # H2O observes the prefill's attention mass (the runtime prefills with the policy attached)
     observer = H2OPolicy() if any(c.policy == "h2o" for c in configs) else None
