@@ -181,6 +181,18 @@ def test_generate_and_eval_run_with_no_path(tmp_path, capsys, monkeypatch):
     assert "warning" not in err
 
 
+def test_generate_names_sparse_options_that_a_dense_run_ignores(capsys):
+    """``--gamma 1`` or ``--top-p`` without ``--page-budget`` decode densely: the run says so rather than pass for
+    the sparse one asked for; with a budget, or with no such option, no note."""
+    base = ["generate", "--max-new-tokens", "2", "--no-stats"]
+    code, _, err = run_main([*base, "--gamma", "1", "--top-p", "0.9", "--dense-layers", "1"], capsys)
+    assert code == 0, err
+    assert "note: no --page-budget, so every decode step is dense and ignores --gamma, --top-p, --dense-layers" in err
+    for args in ([*base, "--gamma", "1", "--page-budget", "4"], base):
+        code, _, err = run_main(args, capsys)
+        assert code == 0 and "note:" not in err, err
+
+
 def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(["finetune", "--chunk-size", "32", "--retention", "recency", "--kv-budget-pages", "4",
