@@ -10,6 +10,7 @@ import struct
 import sys
 
 import pytest
+import torch
 
 from paths import CKPT, KNOWN_GOOD, REPO, TOKENIZER, VALID  # the shipped model and texts
 from commands import assert_clean_error, model_args, run_cli, run_main, run_subprocess
@@ -191,6 +192,14 @@ def test_generate_names_sparse_options_that_a_dense_run_ignores(capsys):
     for args in ([*base, "--gamma", "1", "--page-budget", "4"], base):
         code, _, err = run_main(args, capsys)
         assert code == 0 and "note:" not in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on a GPU: no warning")
+def test_generate_prints_set_up_warnings_as_one_line(capsys):
+    code, _, err = run_main(["generate", "--cuda-graphs", "--max-new-tokens", "2", "--no-stats"], capsys)
+    assert code == 0, err
+    assert "warning: cuda_graphs=True: the model is on cpu, CUDA graphs need a CUDA device" in err
+    assert "UserWarning" not in err and "LlamaRuntime(" not in err
 
 
 def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
