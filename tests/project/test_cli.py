@@ -182,24 +182,30 @@ def test_generate_and_eval_run_with_no_path(tmp_path, capsys, monkeypatch):
     assert "warning" not in err
 
 
-def test_generate_names_sparse_options_that_a_dense_run_ignores(capsys):
-    """``--gamma 1`` or ``--top-p`` without ``--page-budget`` decode densely: the run says so rather than pass for
-    the sparse one asked for; with a budget, or with no such option, no note."""
+def test_generate_refuses_sparse_options_without_a_budget(capsys):
+    """``--gamma 1`` or ``--top-p`` without ``--page-budget`` would decode densely and pass for the sparse run
+    asked for: a usage error naming them; with a budget, or at their defaults, the run goes ahead."""
     base = ["generate", "--max-new-tokens", "2", "--no-stats"]
-    code, _, err = run_main([*base, "--gamma", "1", "--top-p", "0.9", "--dense-layers", "1"], capsys)
-    assert code == 0, err
-    assert "note: no --page-budget, so every decode step is dense and ignores --gamma, --top-p, --dense-layers" in err
-    for args in ([*base, "--gamma", "1", "--page-budget", "4"], base):
+    code, out, err = run_main([*base, "--gamma", "1", "--top-p", "0.9", "--dense-layers", "1"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("tinyattn generate: error: --gamma, --top-p, --dense-layers: settings of sparse decode, "
+                          "which needs --page-budget (without it every decode step is dense)")
+    code, _, err = run_main([*base, "--policy", "h2o"], capsys)
+    assert code == 2 and "error: --policy: a setting of sparse decode, which needs --page-budget" in err, err
+    for args in ([*base, "--gamma", "1", "--page-budget", "4"], [*base, "--num-recent-pages", "1"], base):
         code, _, err = run_main(args, capsys)
-        assert code == 0 and "note:" not in err, err
+        assert code == 0 and "error" not in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on a GPU: no warning")
-def test_generate_prints_set_up_warnings_as_one_line(capsys):
-    code, _, err = run_main(["generate", "--cuda-graphs", "--max-new-tokens", "2", "--no-stats"], capsys)
+@pytest.mark.parametrize("command", [["generate", "--max-new-tokens", "2", "--no-stats"],
+                                     ["serve-bench", "--num-requests", "1", "--output-len", "2", "--configs", "quest",
+                                      "--no-progress", "--backend", "torch"]])
+def test_warnings_print_as_one_line(command, capsys):
+    code, _, err = run_main([*command, "--cuda-graphs"], capsys)
     assert code == 0, err
     assert "warning: cuda_graphs=True: the model is on cpu, CUDA graphs need a CUDA device" in err
-    assert "UserWarning" not in err and "LlamaRuntime(" not in err
+    assert "UserWarning" not in err and "Runtime(" not in err and "Engine(" not in err
 
 
 def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
