@@ -218,6 +218,17 @@ def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_version_and_no_command(capsys):
+    import tinyattn
+
+    code, out, _ = run_main(["--version"], capsys)
+    assert code == 0 and out == f"tinyattn {tinyattn.__version__}\n"
+    code, out, err = run_main([], capsys)             # a first try with no command lists the commands
+    assert code == 2 and out == "" and err.startswith("usage: tinyattn [-h] [--version] COMMAND")
+    for command in ("generate", "eval", "convert", "finetune", "serve-bench", "train-retrieval"):
+        assert f"\n    {command}" in err, command
+
+
 def test_usage_names_the_program(capsys):
     code, out, _ = run_main(["--help"], capsys)                    # main()'s default: the console script
     assert code == 0 and out.startswith("usage: tinyattn ")
