@@ -134,9 +134,11 @@ class SparsityConfig:
         object.__setattr__(self, "gamma", float(check_gamma(self.gamma)))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
         # "set" = other than the default: a dataclass cannot tell the default from the same value passed
-        if (self.gamma != DEFAULT_GAMMA or self.top_p is not None) and not self.policy.fused:
+        given = {k: v for k, v in (("gamma", self.gamma), ("top_p", self.top_p))   # name only what was set
+                 if v is not None and not (k == "gamma" and v == DEFAULT_GAMMA)}
+        if given and not self.policy.fused:
             raise ValueError(f"policy: gamma and top_p are settings of the 'quest' selection, got policy="
-                             f"{self.policy.name!r} with gamma={self.gamma}, top_p={self.top_p}")
+                             f"{self.policy.name!r} with " + ", ".join(f"{k}={v}" for k, v in given.items()))
         for name in ("num_recent_pages", "dense_layers", "num_sink_pages"):
             v = getattr(self, name)
             if name == "num_sink_pages" and v is None:     # unset: the default recipe, from the checked fields

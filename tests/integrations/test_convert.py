@@ -1,6 +1,7 @@
 """llama2.c -> Hugging Face converter, on the real stories260K checkpoint (the copy shipped in tinyattn/data)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -238,7 +239,9 @@ def test_retrieval_checkpoint_converts_with_its_character_tokenizer(tmp_path, ca
     ckpt = save_retrieval_model(model, CharTokenizer(), tmp_path / "ckpt")
     out = tmp_path / "hf"
     assert C.main(["--model", str(ckpt), "--out", str(out), "--check"]) == 0
-    assert "tokenizer.json" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tokenizer.json" in printed
+    assert re.search(r"check passed: max \|logit difference\| vs tinyattn runtime = \S+ \(limit 0\.0001\)", printed)
     assert C.load_hf(out)[0] == model.config
     tok = transformers.AutoTokenizer.from_pretrained(out)
     for text in ["The pass key is 7f3a.\n  What is the pass key? 7f3a", "naïve <s> é", " x"]:

@@ -352,6 +352,16 @@ def test_stats_rates_are_labelled_and_consistent(model, tok):
     assert "incl. prefill" not in text
 
 
+def test_stats_count_one_in_the_singular(model, tok):
+    """The default command decodes one row from BOS: its stats read "1 prompt token", not "1 prompt tokens"."""
+    rt = LlamaRuntime(model, page_size=8, backend=TORCH)
+    text = rt.generate([[tok.bos_id]], max_new_tokens=2, eos_id=None, stop_token_ids=()).stats.format()
+    # 1 BOS token; 2 new tokens = the prefill's + 1 decode step; 3 tokens in one page of 8
+    assert "sequences:          1 (1 prompt token, 2 generated, 1 decode step)" in text
+    assert ", 1 prompt token (" in text and ", 1 step, " in text and "tokens/s (one row)" in text
+    assert "1 page of 8 tokens in use" in text
+
+
 def test_fused_weights_follow_weight_updates(model, tok):
     """The runtime's stacked wq|wk|wv and w1|w3 (RMSNorm weights folded in) are rebuilt when a weight changes in
     place."""

@@ -32,6 +32,20 @@ def test_sparsity_config_checks_gamma_and_top_p():
         SparsityConfig(page_budget=8, policy="oracle", top_p=0.9)
 
 
+@pytest.mark.parametrize("given, named", [
+    ({"top_p": 0.9}, "with top_p=0.9"),
+    ({"gamma": 1.0}, "with gamma=1.0"),
+    ({"gamma": 0.5, "top_p": 0.9}, "with gamma=0.5, top_p=0.9"),
+])
+def test_a_policy_other_than_quest_names_only_the_settings_given(given, named):
+    # `generate --policy questmass --top-p 0.9` once answered "... with gamma=0.25, top_p=0.9": a gamma never given
+    with pytest.raises(ValueError) as err:
+        SparsityConfig(page_budget=8, policy="questmass", **given)
+    msg = str(err.value)
+    assert msg.startswith("policy: gamma and top_p are settings of the 'quest' selection, got policy='questmass'")
+    assert msg.endswith(named)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_layer_decodes_with_the_configs_gamma_and_top_p(backend):

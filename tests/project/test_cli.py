@@ -10,6 +10,7 @@ import struct
 import sys
 
 import pytest
+import torch
 
 from paths import CKPT, KNOWN_GOOD, REPO, TOKENIZER, VALID  # the shipped model and texts
 from commands import assert_clean_error, model_args, run_cli, run_main, run_subprocess
@@ -181,6 +182,32 @@ def test_generate_and_eval_run_with_no_path(tmp_path, capsys, monkeypatch):
     assert "warning" not in err
 
 
+def test_generate_refuses_sparse_options_without_a_budget(capsys):
+    """``--gamma 1`` or ``--top-p`` without ``--page-budget`` would decode densely and pass for the sparse run
+    asked for: a usage error naming them; with a budget, or at their defaults, the run goes ahead."""
+    base = ["generate", "--max-new-tokens", "2", "--no-stats"]
+    code, out, err = run_main([*base, "--gamma", "1", "--top-p", "0.9", "--dense-layers", "1"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("tinyattn generate: error: --gamma, --top-p, --dense-layers: settings of sparse decode, "
+                          "which needs --page-budget (without it every decode step is dense)")
+    code, _, err = run_main([*base, "--policy", "h2o"], capsys)
+    assert code == 2 and "error: --policy: a setting of sparse decode, which needs --page-budget" in err, err
+    for args in ([*base, "--gamma", "1", "--page-budget", "4"], [*base, "--num-recent-pages", "1"], base):
+        code, _, err = run_main(args, capsys)
+        assert code == 0 and "error" not in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on a GPU: no warning")
+@pytest.mark.parametrize("command", [["generate", "--max-new-tokens", "2", "--no-stats"],
+                                     ["serve-bench", "--num-requests", "1", "--output-len", "2", "--configs", "quest",
+                                      "--no-progress", "--backend", "torch"]])
+def test_warnings_print_as_one_line(command, capsys):
+    code, _, err = run_main([*command, "--cuda-graphs"], capsys)
+    assert code == 0, err
+    assert "warning: cuda_graphs=True: the model is on cpu, CUDA graphs need a CUDA device" in err
+    assert "UserWarning" not in err and "Runtime(" not in err and "Engine(" not in err
+
+
 def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_main(["finetune", "--chunk-size", "32", "--retention", "recency", "--kv-budget-pages", "4",
@@ -189,6 +216,17 @@ def test_finetune_runs_with_no_path(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert out.startswith("recency: train_loss ") and "->" not in out       # no --json: nothing written
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_no_command(capsys):
+    import tinyattn
+
+    code, out, _ = run_main(["--version"], capsys)
+    assert code == 0 and out == f"tinyattn {tinyattn.__version__}\n"
+    code, out, err = run_main([], capsys)             # a first try with no command lists the commands
+    assert code == 2 and out == "" and err.startswith("usage: tinyattn [-h] [--version] COMMAND")
+    for command in ("generate", "eval", "convert", "finetune", "serve-bench", "train-retrieval"):
+        assert f"\n    {command}" in err, command
 
 
 def test_usage_names_the_program(capsys):

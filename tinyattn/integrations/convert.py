@@ -42,6 +42,9 @@ __all__ = ["permute_rope", "unpermute_rope", "llama2c_to_hf_state_dict", "hf_to_
            "hf_config_dict", "llama_config_from_hf", "is_hybrid", "convert", "convert_retrieval", "save_pretrained",
            "load_hf", "write_tokenizer", "write_char_tokenizer", "check", "add_arguments", "run", "main"]
 
+#: ``--check``'s limit on max |logit difference| between the converted model and the runtime (fp32 math)
+CHECK_ATOL = 1e-4
+
 
 def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder the output rows of a q/k projection ``[n_heads * D, dim]`` from interleaved RoPE pairs
@@ -426,7 +429,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="after writing, load the result with transformers and compare its logits on 33 tokens "
                         "(2 x --sliding-window + 1 if more, within the context length) with tinyattn's runtime "
                         "(same weights and per-layer options, fp32 math); exit with status 1 if they differ by more "
-                        "than 1e-4")
+                        f"than {CHECK_ATOL:g}")
     p.add_argument("--layer-types", type=_name_list, default=None, metavar="T,T,...",
                    help="per-layer attention of a hybrid model stored in the llama2.c format (its header has no "
                         "such field): one of full_attention, sliding_attention per layer, comma-separated "
@@ -462,7 +465,7 @@ def _parser() -> argparse.ArgumentParser:
                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-def check(model_path, out_dir, atol: float = 1e-4, dtype: torch.dtype = torch.float32) -> float:
+def check(model_path, out_dir, atol: float = CHECK_ATOL, dtype: torch.dtype = torch.float32) -> float:
     """Max |logit difference| between the converted model in ``out_dir`` (transformers, SDPA, loaded in fp32) and
     :class:`tinyattn.models.LlamaModel` with the weights of ``model_path`` (a llama2.c file or a retrieval
     checkpoint directory, rounded to ``dtype``) and the
@@ -526,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
         except AssertionError as e:
             print(f"check FAILED: {e}", file=sys.stderr)
             return 1
-        print(f"check: max |logit difference| vs tinyattn runtime = {diff:.2e}")
+        print(f"check passed: max |logit difference| vs tinyattn runtime = {diff:.2e} (limit {CHECK_ATOL:g})")
     return 0
 
 

@@ -486,12 +486,13 @@ class GenerationStats:
             return f"{a / b:.1%}" if b else "n/a"
 
         return "\n".join([
-            f"sequences:          {self.num_sequences} ({self.prompt_tokens} prompt tokens, "
-            f"{self.generated_tokens} generated, {self.decode_steps} decode steps)",
-            f"prefill:            {self.prefill_s * 1e3:.1f} ms, {self.prompt_tokens} prompt tokens "
+            f"sequences:          {self.num_sequences} ({_count(self.prompt_tokens, 'prompt token')}, "
+            f"{self.generated_tokens} generated, {_count(self.decode_steps, 'decode step')})",
+            f"prefill:            {self.prefill_s * 1e3:.1f} ms, {_count(self.prompt_tokens, 'prompt token')} "
             f"({self.prefill_tokens_per_s:.0f} tokens/s)",
-            f"decode:             {self.decode_s * 1e3:.1f} ms, {self.decode_steps} steps, {self.tokens_per_s:.1f} "
-            f"generated tokens/s (all {self.num_sequences} rows together)",
+            f"decode:             {self.decode_s * 1e3:.1f} ms, {_count(self.decode_steps, 'step')}, "
+            f"{self.tokens_per_s:.1f} generated tokens/s "
+            + (f"(all {self.num_sequences} rows together)" if self.num_sequences > 1 else "(one row)"),
             f"end to end:         {(self.prefill_s + self.decode_s) * 1e3:.1f} ms, "
             f"{self.end_to_end_tokens_per_s:.1f} generated tokens/s (prefill + decode time)",
             f"pages read / step:  {self.pages_read_per_step:.1f} vs {self.pages_dense_per_step:.1f} dense "
@@ -500,7 +501,7 @@ class GenerationStats:
             f"KV bytes / step:    {_fmt_bytes(self.kv_bytes_read_per_step)} vs "
             f"{_fmt_bytes(self.kv_bytes_dense_per_step)} dense ({ratio(self.kv_bytes_read, self.kv_bytes_dense)}; "
             f"sparse includes page min/max)",
-            f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {self.pages_used} pages of "
+            f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {_count(self.pages_used, 'page')} of "
             f"{self.page_size} tokens in use at the end",
         ] + ([f"pages attended:     {self.pages_attended.format(self.page_size)}"]
              if self.pages_attended is not None and self.pages_attended.hist is not None else [])
@@ -508,6 +509,11 @@ class GenerationStats:
              if self.selection is not None and self.selection.samples else [])
           + ([f"cuda graphs:        {self.graphed_steps} of {self.decode_steps} decode steps replayed"]
              if self.graphed_steps else []))
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 prompt token``, ``2 prompt tokens``: the stats block's first line reads ``1 prompt token`` from BOS."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _fmt_bytes(n: float) -> str:
