@@ -113,7 +113,7 @@ def describe(sparsity) -> str:
         return "dense"
     return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
             f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}"
-            + "".join(f" {k}={v}" for k, v in quest_settings(sparsity.policy, sparsity.gamma, sparsity.top_p).items()
+            + "".join(f" {k}={v:g}" for k, v in quest_settings(sparsity.policy, sparsity.gamma, sparsity.top_p).items()
                       if v is not None))
 
 
