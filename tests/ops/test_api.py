@@ -81,6 +81,12 @@ def test_page_ids_out_of_range_raise():
     (lambda p: tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=p.k_cache[:, 0].half(),
                                                k_max=p.k_cache[:, 0], page_budget=2),
      r"k_max: expected the dtype of k_min \(float16\), got float32"),
+    # page_scores has no pool: its boxes are held to q's dtype (integer boxes were scored as they were, silently)
+    (lambda p: tinyattn.page_scores(p.q, p.k_cache[:, 0].int(), p.k_cache[:, 0].int(), p.block_table, p.seq_lens,
+                                    page_size=4, gamma=0.25),
+     r"k_min: expected dtype float32 \(that of q\) or bfloat16, float16 \(narrower boxes rounded outward\), got int32"),
+    (lambda p: tinyattn.page_scores(p.q, p.k_cache[:, 0].double(), p.k_cache[:, 0].double(), p.block_table, p.seq_lens,
+                                    page_size=4), r"k_min: expected dtype float32 \(that of q\) .*got float64"),
 ])
 def test_bad_input_names_the_argument(call, match):
     p = make_problem(53, batch=2, seq_lens=[5, 11], page_size=4, num_kv_heads=1, group=2, head_dim=8)

@@ -138,3 +138,24 @@ def test_reference_rejects_duplicate_page_indices():
     dup = torch.tensor([[[0, 0, 2]]], dtype=torch.int32)
     with pytest.raises(ValueError, match="page_indices"):
         reference.sparse_paged_attention(p.q[:, 0], p.k_cache, p.v_cache, p.block_table, p.seq_lens, page_indices=dup)
+
+
+@pytest.mark.parametrize("gamma,top_p", [(1.0, None), (0.25, 0.5)])
+def test_no_query_tokens_score_minus_inf_and_attend_nothing(gamma, top_p):
+    """``Tq = 0`` (legal: the ops return empty outputs): a page's score is a max over no query, so ``-inf`` on every
+    page, and the sparse op with boxes returns ``[B, 0, Hq, D]``. The reference raised torch's "max(): Expected
+    reduction dim" here while both backends answered; the backends are held to the same values."""
+    import tinyattn
+
+    p = make_problem(4, batch=2, seq_lens=[7, 3], page_size=4, num_kv_heads=2, group=2, head_dim=8)
+    k_min, k_max = p.bounds()
+    q0 = p.q[:, :0]                                                    # [B, 0, Hq, D]
+    want = torch.full((2, 2, p.block_table.shape[1]), float("-inf"))
+    for backend in (None, "torch", "triton"):
+        fn = reference.page_scores if backend is None else tinyattn.page_scores
+        kw = {} if backend is None else dict(backend=backend)
+        assert torch.equal(fn(q0, k_min, k_max, p.block_table, p.seq_lens, page_size=4, gamma=gamma, **kw), want)
+        fn = reference.sparse_paged_attention if backend is None else tinyattn.sparse_paged_attention
+        out, lse = fn(q0, p.k_cache, p.v_cache, p.block_table, p.seq_lens, k_min=k_min, k_max=k_max, page_budget=1,
+                      gamma=gamma, top_p=top_p, return_lse=True, **kw)
+        assert out.shape == (2, 0, 4, 8) and lse.shape == (2, 0, 4)

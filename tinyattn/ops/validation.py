@@ -277,14 +277,15 @@ def box_dtype(q, k_cache) -> torch.dtype:
 
 
 def check_page_bounds(k_min, k_max, num_pages: int, num_kv_heads: int, head_dim: int,
-                      cache_dtype: torch.dtype, device: torch.device) -> None:
-    """k_min / k_max: [num_pages, Hkv, D], dtype of the cache, float32, or (rounded outward) bfloat16 / float16."""
+                      cache_dtype: torch.dtype, device: torch.device, whose: str = "the cache") -> None:
+    """k_min / k_max: [num_pages, Hkv, D], dtype of the cache, float32, or (rounded outward) bfloat16 / float16
+    (``whose``: what ``cache_dtype`` is the dtype of, for the message)."""
     for name, x in (("k_min", k_min), ("k_max", k_max)):
         expect_tensor(name, x)
         expect_shape(name, x, (num_pages, num_kv_heads, head_dim), "[num_pages, Hkv, D]")
         others = [d for d in (torch.float32, torch.bfloat16, torch.float16) if d != cache_dtype]
         if x.dtype != cache_dtype and x.dtype not in others:
-            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of the cache) or "
+            raise TypeError(f"{name}: expected dtype {_dtype_name(cache_dtype)} (that of {whose}) or "
                             f"{', '.join(map(_dtype_name, others))} (narrower boxes rounded outward), "
                             f"got {_dtype_name(x.dtype)}")
         if x.dtype != k_min.dtype:
@@ -442,7 +443,9 @@ def check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, page_size,
         raise ValueError(f"k_min: expected head_dim {q4.shape[-1]} (that of q) in dim 2, got {D}")
     if Hkv == 0 or q4.shape[2] % Hkv != 0:
         raise ValueError(f"q: expected a number of query heads divisible by num_kv_heads={Hkv}, got Hq={q4.shape[2]}")
-    check_page_bounds(k_min, k_max, num_pages, Hkv, D, k_min.dtype, q.device)
+    # no pool here: the boxes may hold q's dtype (the pool's, or what an int8 / fp8 pool's boxes may hold) or a
+    # float one; k_min's own dtype would let integer boxes through
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D, q.dtype, q.device, whose="q")
     check_tables(block_table, seq_lens, q4.shape[0], q.device)
     check_table_values(block_table, seq_lens, page_size, num_pages)
     return q4, page_size

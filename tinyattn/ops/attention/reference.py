@@ -125,14 +125,17 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     k_cache, v_cache = _dequantized(q, k_cache, v_cache, k_scale, v_scale)
     if page_indices is None:
         V.check_window_selection(window_left, num_sink_pages)
-        scores = selection.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size,
-                                       gamma=gamma)
-        selection.mask_pages_before_window(scores, seq_lens, page_size=shapes.page_size,
-                                           num_query_tokens=shapes.num_query_tokens, window_left=window_left)
-        page_indices = selection.select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
-                                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                                    num_query_tokens=shapes.num_query_tokens, top_p=top_p,
-                                    scale=scale if top_p is not None else None)
+        if shapes.num_query_tokens == 0:                          # no query attends: nothing to select (as the ops)
+            page_indices = torch.empty((block_table.shape[0], k_cache.shape[2], 0), dtype=torch.int32)
+        else:
+            scores = selection.page_scores(q, k_min, k_max, block_table, seq_lens, page_size=shapes.page_size,
+                                           gamma=gamma)
+            selection.mask_pages_before_window(scores, seq_lens, page_size=shapes.page_size,
+                                               num_query_tokens=shapes.num_query_tokens, window_left=window_left)
+            page_indices = selection.select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
+                                        num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
+                                        num_query_tokens=shapes.num_query_tokens, top_p=top_p,
+                                        scale=scale if top_p is not None else None)
 
     def selected(b, h):
         n = _cdiv(int(seq_lens[b]), shapes.page_size)

@@ -56,7 +56,8 @@ def page_scores(q, k_min, k_max, block_table, seq_lens, *, page_size, gamma=1.0,
                 else:                                                                 # the box estimate
                     pos, neg = (qg + gamma * qg.abs()) / 2, (qg - gamma * qg.abs()) / 2     # a, b
                     ub = (pos * hi + neg * lo).sum(-1)                                # [Tq*G]
-                scores[b, h, j] = ub.max().float()
+                if ub.numel():                       # no query (Tq = 0): the max over none stays -inf
+                    scores[b, h, j] = ub.max().float()
     return scores.to(q.device)
 
 
