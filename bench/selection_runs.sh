@@ -38,7 +38,9 @@ B)
   # held out: top-p on niah_single_2; niah_single_3 at 4K (20 samples so far)
   R --tasks niah_single_2 --contexts 2048 --samples 50 --batch 8 --budgets 1/4 --stock none \
     --policies quest:top_p=0.9,quest:gamma=0.25:top_p=0.9
-  R --tasks niah_single_3 --contexts 4096 --samples 20 --batch 4 --stock 5 \
+  R --tasks niah_single_3 --contexts 4096 --samples 50 --batch 4 --stock 5 \
+    --policies dense,quest,quest:gamma=0.25,oracle,streaming
+  R --tasks niah_single_2,niah_single_3 --contexts 8192 --samples 20 --batch 4 --stock 5 \
     --policies dense,quest,quest:gamma=0.25,oracle,streaming
   # page size 8: passkey at 1/64 and NLL at 1/8 (docs/accuracy.md, "Page size 8")
   run bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_ps8 --contexts 8192 --depths 10 --samples 3 \
