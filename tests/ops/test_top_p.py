@@ -175,6 +175,25 @@ def test_a_bad_top_p_is_an_error_naming_top_p(top_p, error):
                                            page_size=4, page_budget=2, top_p=top_p)
 
 
+@pytest.mark.parametrize("rule", [dict(top_p=0.5), dict(gamma=0.25), dict(gamma=0)])
+def test_box_rules_without_a_selection_by_boxes_are_errors(rule):
+    """gamma / top_p where no selection by boxes happens (listed page_indices, a plan without page_budget) would be
+    ignored: each is a ValueError naming it, as the CASES.md pass found them silently dropped."""
+    name = next(iter(rule))
+    p = make_problem(0, batch=1, seq_lens=[9], page_size=4, num_kv_heads=1, group=2, head_dim=8)
+    with pytest.raises(ValueError, match=f"^{name}: expected .* with page_indices"):
+        tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                        page_indices=torch.zeros(1, 1, 2, dtype=torch.int32), **rule)
+    with pytest.raises(ValueError, match=f"^{name}: expected .* without page_budget"):
+        tinyattn.PagedAttentionPlan().plan(p.block_table, p.seq_lens, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                           page_size=4, **rule)
+    # the defaults stay accepted on both (gamma = 1.0 given explicitly, top_p = None)
+    tinyattn.sparse_paged_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                                    page_indices=torch.zeros(1, 1, 2, dtype=torch.int32), gamma=1.0, top_p=None)
+    tinyattn.PagedAttentionPlan().plan(p.block_table, p.seq_lens, num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                       page_size=4, gamma=1, top_p=None)
+
+
 def test_top_p_needs_a_positive_scale():
     scores, lens = torch.zeros(1, 1, 4), torch.tensor([16], dtype=torch.int32)
     with pytest.raises(ValueError, match="scale"):

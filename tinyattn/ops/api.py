@@ -186,7 +186,8 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         ``num_sink_pages + max(num_recent_pages, 1)`` pages; ``window_left`` not an int ``>= -1``, or
         ``num_sink_pages > 0`` with a window and a selection by boxes; boxes that do not hold their page's keys
         (never filled by :func:`update_page_metadata`); ``gamma`` outside ``[0, 1]`` or ``top_p`` outside
-        ``(0, 1]`` (``ValueError`` naming it; ``TypeError`` for a non-number), ``top_p`` with ``page_indices``,
+        ``(0, 1]`` (``ValueError`` naming it; ``TypeError`` for a non-number), ``top_p`` or a ``gamma`` other than 1
+        with ``page_indices`` (they shape a selection by boxes only; ignoring them would be silent),
         ``top_p`` with a ``scale <= 0``.
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2); the box

@@ -166,7 +166,8 @@ class PagedAttentionPlan:
                 attends with. ``1.0`` keeps the capacity (the same pages as ``None``).
 
         Raises:
-            TypeError / ValueError naming the argument, the expected and the actual value.
+            TypeError / ValueError naming the argument, the expected and the actual value; ``top_p`` or a
+            ``gamma`` other than 1 without ``page_budget`` (no selection by boxes for them to shape).
         """
         self.step = None              # until this step's checks pass: a plan that failed must not run the last step
         for name, value, low in (("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
@@ -191,6 +192,8 @@ class PagedAttentionPlan:
             page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
                 page_budget, num_sink_pages, num_recent_pages)
         gamma, top_p = float(V.check_gamma(gamma)), V.check_top_p(top_p)
+        if page_budget is None:
+            V.check_no_box_rules(gamma, top_p, "without page_budget", "pass page_budget, the capacity")
         backend = resolve_backend(self._backend_arg, block_table.device)
         if backend == "triton":
             V.check_kernel_page_size(page_size)

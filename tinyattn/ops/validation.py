@@ -571,6 +571,16 @@ def check_top_p(top_p) -> float | None:
     return top_p
 
 
+def check_no_box_rules(gamma: float, top_p: float | None, where: str, instead: str) -> None:
+    """``gamma`` and ``top_p`` shape a selection by boxes: where none happens (listed ``page_indices``, a plan
+    without ``page_budget``) a value other than the default would be ignored, so it is an error instead."""
+    if top_p is not None:
+        raise ValueError(f"top_p: expected None {where} (top_p prunes a selection by boxes: {instead}), got {top_p}")
+    if gamma != 1.0:
+        raise ValueError(f"gamma: expected the default 1.0 {where} (gamma is the page estimate of a selection by "
+                         f"boxes: {instead}), got {gamma}")
+
+
 def check_top_p_scale(scale) -> float:
     """The softmax scale of a top-p selection's estimated mass: a finite real ``> 0``."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -734,9 +744,7 @@ def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indi
             check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
             rules.update(gamma=gamma, top_p=top_p)
         else:
-            if top_p is not None:
-                raise ValueError(f"top_p: expected None with page_indices (top_p prunes a selection by boxes: pass "
-                                 f"k_min, k_max and page_budget), got {top_p}")
+            check_no_box_rules(gamma, top_p, "with page_indices", "pass k_min, k_max and page_budget")
             rules["page_budget"] = None
         num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
     call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left, **rules)
