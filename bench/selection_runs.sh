@@ -6,6 +6,7 @@
 #
 #   nohup bash bench/selection_runs.sh A > /tmp/selection_A.log 2>&1 &
 #   nohup bash bench/selection_runs.sh B > /tmp/selection_B.log 2>&1 &
+#   bash bench/selection_runs.sh C                  # the 4-bit re-rank prototype, into out/prototypes
 #   python bench/smollm2_ruler.py --report          # RULER tables and plot from whatever has finished
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,8 +47,20 @@ B)
   run bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_ps8 --contexts 8192 --depths 10 --samples 3 \
     --budgets 1/64 --recipes default --batch 5 --threads 1 --page-size 8 --policies dense,quest,quest:gamma=0.25,oracle
   ;;
+C)
+  # the 4-bit re-rank prototype (bench/prototypes/int4_rerank.py) on the stored samples, beside the library's cells:
+  # its own output folder (copy docs/ruler/samples and results there first to report them side by side)
+  PR() { run bench/prototypes/int4_rerank.py bench/smollm2_ruler.py --out out/prototypes --threads 1 --stock none \
+    --samples 50 --batch 8 "$@"; }
+  PR --tasks niah_single_2 --contexts 2048 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  PR --tasks niah_single_2 --contexts 2048 --budgets 1/8,1/16,1/32 --policies int4rerank:candidates=2
+  PR --tasks niah_single_3 --contexts 2048 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  PR --tasks niah_single_1 --contexts 2048 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  PR --tasks niah_single_3 --contexts 2048 --budgets 1/8,1/16 --policies int4rerank:candidates=2
+  PR --tasks niah_single_1 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  ;;
 *)
-  echo "usage: bash bench/selection_runs.sh A|B" >&2
+  echo "usage: bash bench/selection_runs.sh A|B|C" >&2
   exit 2
   ;;
 esac
