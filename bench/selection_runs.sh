@@ -58,6 +58,9 @@ C)
   PR --tasks niah_single_1 --contexts 2048 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
   PR --tasks niah_single_3 --contexts 2048 --budgets 1/8,1/16 --policies int4rerank:candidates=2
   PR --tasks niah_single_1 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  PR --tasks niah_single_2 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
+  run bench/prototypes/int4_rerank.py bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_rerank $PK \
+    --budgets 1/64 --policies dense,int4rerank:candidates=2,oracle
   ;;
 *)
   echo "usage: bash bench/selection_runs.sh A|B|C" >&2
