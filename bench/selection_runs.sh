@@ -61,6 +61,9 @@ C)
   PR --tasks niah_single_2 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
   run bench/prototypes/int4_rerank.py bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_rerank $PK \
     --budgets 1/64 --policies dense,int4rerank:candidates=2,oracle
+  run bench/prototypes/int4_rerank.py bench/smollm2_long_text.py --out docs/smollm2/long_text_rerank_640 --windows 2 \
+    --buckets 4096,5120,6144,7168,8064 --tokens 64 --budgets 1/8 --recipes sink1 --page-sizes 16 --threads 1 \
+    --policies int4rerank:candidates=2,quest:gamma=0.25
   ;;
 *)
   echo "usage: bash bench/selection_runs.sh A|B|C" >&2
