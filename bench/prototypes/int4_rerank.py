@@ -30,6 +30,7 @@ import torch
 
 import tinyattn
 from tinyattn import selection as _sel
+from tinyattn.ops.attention.torch_impl import page_rows
 
 NEG_INF = float("-inf")
 
@@ -45,20 +46,14 @@ def box_quantize(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bit
 
 
 def candidate_keys(ctx, cand: torch.Tensor):
-    """fp32 keys ``[B, Hkv, C, S, D]``, token mask ``[B, Hkv, C, S]`` and boxes ``[B, Hkv, C, D]`` of the candidate
-    logical pages ``cand`` (``-1`` padded; padding reads physical page 0, masked)."""
-    B, Hkv, C = cand.shape
-    S, D = ctx.page_size, ctx.k_cache.shape[-1]
-    valid = cand >= 0
-    bt = ctx.block_table.long()
-    logical = cand.clamp(min=0).long()
-    phys = torch.where(valid, bt.gather(1, logical.view(B, -1)).view(B, Hkv, C), 0)
-    head = torch.arange(Hkv, device=cand.device)[None, :, None]
-    slots = torch.arange(S, device=cand.device)
-    keys = ctx.k_cache.reshape(-1, D)[(phys[..., None] * S + slots) * Hkv + head[..., None]].float()
-    mask = valid[..., None] & (logical[..., None] * S + slots < ctx.seq_lens.long()[:, None, None, None])
-    box = phys * Hkv + head
-    return keys, mask, ctx.k_min.reshape(-1, D)[box].float(), ctx.k_max.reshape(-1, D)[box].float()
+    """fp32 keys ``[B, Hkv, C, S, D]``, the decode query's visible-key mask ``[B, Hkv, C, S]`` and boxes
+    ``[B, Hkv, C, D]`` of the candidate logical pages ``cand`` (``-1`` padded), through the torch attention's own
+    gather (:func:`tinyattn.ops.attention.torch_impl.page_rows`: hidden slots read a filler key, masked)."""
+    S, Hkv, D = ctx.page_size, ctx.num_kv_heads, ctx.k_cache.shape[-1]
+    rows, _, visible = page_rows(ctx.block_table, ctx.seq_lens, cand, page_size=S, num_kv_heads=Hkv)
+    keys = ctx.k_cache.reshape(-1, D)[rows].float()
+    box = rows[..., 0] // (S * Hkv) * Hkv + torch.arange(Hkv, device=rows.device)[None, :, None]   # phys * Hkv + h
+    return keys, visible[:, :, 0], ctx.k_min.reshape(-1, D)[box].float(), ctx.k_max.reshape(-1, D)[box].float()
 
 
 class Int4Rerank(_sel.SelectionPolicy):

@@ -132,10 +132,10 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
                                            gamma=gamma)
             selection.mask_pages_before_window(scores, seq_lens, page_size=shapes.page_size,
                                                num_query_tokens=shapes.num_query_tokens, window_left=window_left)
-            page_indices = selection.select_pages(scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget,
-                                        num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                                        num_query_tokens=shapes.num_query_tokens, top_p=top_p,
-                                        scale=scale if top_p is not None else None)
+            page_indices = selection.select_pages(
+                scores, seq_lens, page_size=shapes.page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
+                num_recent_pages=num_recent_pages, num_query_tokens=shapes.num_query_tokens, top_p=top_p,
+                scale=scale if top_p is not None else None)
 
     def selected(b, h):
         n = _cdiv(int(seq_lens[b]), shapes.page_size)
