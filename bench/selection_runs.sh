@@ -59,8 +59,9 @@ C)
   PR --tasks niah_single_3 --contexts 2048 --budgets 1/8,1/16 --policies int4rerank:candidates=2
   PR --tasks niah_single_1 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
   PR --tasks niah_single_2 --contexts 4096 --budgets 1/4 --policies int4rerank:top_p=0.8,int4rerank:top_p=0.9
-  run bench/prototypes/int4_rerank.py bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_rerank $PK \
-    --budgets 1/64 --policies dense,int4rerank:candidates=2,oracle
+  run bench/prototypes/int4_rerank.py bench/smollm2_passkey.py --out docs/smollm2/passkey_8k_rerank --contexts 8192 \
+    --depths 10 --samples 3 --budgets 1/64 --recipes default --batch 5 --threads 1 \
+    --policies dense,int4rerank:candidates=2,oracle
   run bench/prototypes/int4_rerank.py bench/smollm2_long_text.py --out docs/smollm2/long_text_rerank_640 --windows 2 \
     --buckets 4096,5120,6144,7168,8064 --tokens 64 --budgets 1/8 --recipes sink1 --page-sizes 16 --threads 1 \
     --policies int4rerank:candidates=2,quest:gamma=0.25
