@@ -19,7 +19,7 @@ import torch
 from .. import quant
 from .. import validation as V
 
-__all__ = ["update_page_metadata", "write_kv", "outward"]
+__all__ = ["update_page_metadata", "write_kv", "outward", "encode_key_codes"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -108,3 +108,29 @@ def write_kv(k, v, slots, k_cache, v_cache, *, k_min=None, k_max=None, k_scale=N
                 lo = torch.minimum(k_min[p, h].double(), lo.double()).to(k_min.dtype)
                 hi = torch.maximum(k_max[p, h].double(), hi.double()).to(k_max.dtype)
             k_min[p, h], k_max[p, h] = lo, hi
+
+
+def encode_key_codes(k_cache, slots, k_min, k_max, k_code, *, k_scale=None, backend=None):
+    """4-bit codes of the keys of every page that a slot of ``slots`` fills (its last slot, ``page_size - 1``),
+    one element at a time in fp32 (in place): ``code = clamp(floor((k - k_min) / step + 0.5), 0, 15)`` with
+    ``step = (k_max - k_min) / 15`` per (page, KV head, channel), ``0`` where ``step`` is not ``> 0`` or the
+    quotient is NaN; channel ``i`` in the low nibble of byte ``i``, channel ``i + D/2`` in its high nibble."""
+    page_size, Hkv, D = k_cache.shape[1:]
+    keys = quant.dequantize(k_cache, k_scale) if k_scale is not None else k_cache
+    half = D // 2
+    for t in range(slots.shape[0]):
+        slot = int(slots[t])
+        if slot % page_size != page_size - 1:
+            continue
+        p = slot // page_size
+        for s in range(page_size):
+            for h in range(Hkv):
+                codes = []
+                for i in range(D):
+                    lo = torch.tensor(float(k_min[p, h, i]), dtype=torch.float32)
+                    step = (torch.tensor(float(k_max[p, h, i]), dtype=torch.float32) - lo) / 15.0
+                    x = (keys[p, s, h, i].float() - lo) / step + 0.5
+                    ok = bool(step > 0) and not bool(torch.isnan(x))
+                    codes.append(int(torch.clamp(torch.floor(x), 0, 15)) if ok else 0)
+                k_code[p, s, h] = torch.tensor([codes[i] | (codes[i + half] << 4) for i in range(half)],
+                                               dtype=torch.uint8)

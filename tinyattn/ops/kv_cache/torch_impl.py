@@ -33,7 +33,8 @@ from .. import quant
 from ..layout import num_valid_pages
 from ..spans import span
 
-__all__ = ["round_down", "round_up", "store_box", "reset_boxes", "update_page_metadata", "write_kv", "refit_page"]
+__all__ = ["round_down", "round_up", "store_box", "reset_boxes", "update_page_metadata", "write_kv", "refit_page",
+           "key_codes", "encode_key_codes"]
 
 # torch marks index_reduce_ beta and warns once per process; its semantics here are plain amin / amax
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
@@ -209,3 +210,33 @@ def refit_page(k_cache: torch.Tensor, v_cache: torch.Tensor, k_min: torch.Tensor
         table = torch.tensor([[page]], dtype=torch.int64, device=k_cache.device)
         lens = torch.tensor([valid], dtype=torch.int64, device=k_cache.device)
         update_page_metadata(k_cache, table, lens, k_min, k_max, k_scale)
+
+
+def key_codes(keys: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit codes ``[..., S, Hkv, D/2]`` uint8 of ``keys`` ``[..., S, Hkv, D]`` inside their page's box
+    ``[..., Hkv, D]``: ``clamp(floor((k - k_min) / step + 0.5), 0, 15)``, ``step = (k_max - k_min) / 15`` in fp32
+    (``0`` where ``step`` is not ``> 0`` or the quotient is NaN); channel ``i`` in the low nibble of byte ``i``,
+    channel ``i + D/2`` in the high one. The page's box is the quantization range: no scale is stored (issue 35,
+    docs/design_rerank.md; Twilight's INT4 keys, arXiv 2502.02770)."""
+    lo, hi = k_min.float().unsqueeze(-3), k_max.float().unsqueeze(-3)             # [..., 1, Hkv, D]
+    step = (hi - lo) / 15.0
+    x = (keys.float() - lo) / step + 0.5
+    codes = torch.where((step > 0) & ~torch.isnan(x), x.floor().clamp(0, 15), 0.0).to(torch.uint8)
+    half = keys.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
+def encode_key_codes(k_cache: torch.Tensor, slots: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
+                     k_code: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
+    """Write ``k_code`` of every page that a slot of ``slots`` fills (its slot ``page_size - 1``), from the page's
+    keys (dequantized with ``k_scale``) and its current box (:func:`key_codes`), in place. Call it after the
+    write that stored those slots and grew the boxes."""
+    page_size = k_cache.shape[1]
+    slots = slots.to(torch.int64)
+    full = torch.div(slots[slots % page_size == page_size - 1], page_size, rounding_mode="floor")
+    if full.numel() == 0:
+        return
+    keys = k_cache.index_select(0, full)                                             # [N, S, Hkv, D]
+    if k_scale is not None:
+        keys = keys.float() * k_scale.index_select(0, full)[:, None, :, None]
+    k_code.index_copy_(0, full, key_codes(keys, k_min.index_select(0, full), k_max.index_select(0, full)))

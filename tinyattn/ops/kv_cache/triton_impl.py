@@ -11,10 +11,11 @@ import torch
 import triton
 
 from ...kernels import strides
+from ...kernels.key_codes import encode_key_codes_kernel, key_codes_blocks
 from ...kernels.kv_write import kv_write_kernel, kv_write_blocks
 from ...kernels.metadata import metadata_blocks, page_minmax_kernel
 
-__all__ = ["update_page_metadata", "write_kv"]
+__all__ = ["update_page_metadata", "write_kv", "encode_key_codes"]
 
 
 def update_page_metadata(k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -68,4 +69,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
         **strides("w", v_cache, "pshd"), **strides("n", k_min, "phd"), **strides("x", k_max, "phd"),
         **strides("ks", k_scale if quant else None, "ph"), **strides("vs", v_scale if quant else None, "ph"),
         **meta,
+    )
+
+
+def encode_key_codes(k_cache: torch.Tensor, slots: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
+                     k_code: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
+    """Launch ``kernels/key_codes.py`` over the ``N`` written ``slots`` (one launch, grid ``(N, Hkv)``): the codes
+    ``k_code`` ``[num_pages, page_size, Hkv, D/2]`` uint8 of every page a slot fills, from its keys and box."""
+    N = slots.shape[0]
+    _, page_size, Hkv, D = k_cache.shape
+    if N == 0 or Hkv == 0:
+        return
+    quantized = k_scale is not None
+    encode_key_codes_kernel[(N, Hkv)](
+        k_cache=k_cache, slots=slots, k_min=k_min, k_max=k_max, k_code=k_code,
+        k_scale=k_scale if quantized else k_min,
+        **strides("k", k_cache, "pshd"), **strides("n", k_min, "phd"), **strides("x", k_max, "phd"),
+        **strides("c", k_code, "pshd"), **strides("s", k_scale, "ph"),
+        HALF=D // 2, QUANT=quantized, **key_codes_blocks(page_size, D),
     )

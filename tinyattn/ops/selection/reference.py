@@ -18,9 +18,10 @@ import math
 
 import torch
 
+from .. import quant
 from .. import validation as V
 
-__all__ = ["page_scores", "select_pages", "mask_pages_before_window"]
+__all__ = ["page_scores", "select_pages", "mask_pages_before_window", "rerank_scores"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -151,3 +152,65 @@ def mask_pages_before_window(scores, seq_lens, *, page_size: int, num_query_toke
             if (j + 1) * page_size - 1 < first_key:
                 scores[b, :, j] = float("-inf")
     return scores
+
+
+def _decoded_keys(k_code, k_min, k_max, phys: int, h: int, dt) -> torch.Tensor:
+    """``[page_size, D]`` keys of physical page ``phys``, KV head ``h`` as its 4-bit codes stand for them:
+    ``k_min + code · (k_max - k_min) / 15`` per channel (low nibble of byte ``i``: channel ``i``; high: ``i + D/2``)."""
+    packed = k_code[phys, :, h].to(torch.int64).cpu()                                  # [S, D/2]
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).to(dt)                      # [S, D]
+    lo, hi = k_min[phys, h].to(dt).cpu(), k_max[phys, h].to(dt).cpu()
+    step = (hi - lo) / 15.0
+    return lo + codes * torch.where(step > 0, step, torch.zeros_like(step))
+
+
+def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, page_size, scale,
+                  window_left=-1, k_scale=None, backend=None):
+    """The log of each candidate page's estimated attention mass, per (row, KV head), from 4-bit keys.
+
+    For row ``b``, KV head ``h`` and its ``M = Tq·G`` query rows ``q_m``: every key of a candidate page is read as
+    its codes decode (:func:`_decoded_keys`), except the row's last page, read exactly (it is always attended and
+    its codes are written only once it fills); ``λ_mt = scale · q_m·k_t`` over the keys query ``m`` sees (causal,
+    window); ``Z_m = logsumexp_t λ_mt``; ``μ_j = log Σ_m Σ_{t∈j} exp(λ_mt - Z_m)`` (queries that see no candidate
+    key add nothing). Returns fp32 ``[B, Hkv, max_pages]``: ``μ_j`` at candidate pages, ``-inf`` elsewhere.
+    Computed in fp64."""
+    from ..attention.reference import window_start
+
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    B, Tq, Hq, D = q4.shape
+    Hkv = k_min.shape[1]
+    G = Hq // Hkv
+    keys = quant.dequantize(k_cache, k_scale) if k_scale is not None else k_cache
+    out = torch.full((B, Hkv, block_table.shape[1]), float("-inf"), dtype=torch.float32)
+    for b in range(B):
+        n_tokens = int(seq_lens[b])
+        n = _cdiv(n_tokens, page_size)
+        for h in range(Hkv):
+            pages = sorted({int(j) for j in candidates[b, h].tolist() if 0 <= int(j) < n})
+            if not pages:
+                continue
+            logits = {}                                                   # (m, page) -> [S] fp64, -inf hidden
+            for j in pages:
+                phys = int(block_table[b, j])
+                k = (keys[phys, :, h].double().cpu() if j == n - 1
+                     else _decoded_keys(k_code, k_min, k_max, phys, h, torch.float64))          # [S, D]
+                for t in range(Tq):
+                    q_pos = n_tokens - Tq + t
+                    first = window_start(q_pos, window_left)
+                    for g in range(G):
+                        row = scale * (k @ q4[b, t, h * G + g].double().cpu())                 # [S]
+                        for s in range(page_size):
+                            pos = j * page_size + s
+                            if pos >= n_tokens or pos > q_pos or pos < first:
+                                row[s] = float("-inf")
+                        logits[(t * G + g, j)] = row
+            mass = {j: 0.0 for j in pages}
+            for m in range(Tq * G):
+                z = torch.logsumexp(torch.cat([logits[(m, j)] for j in pages]), 0)
+                if z == float("-inf"):
+                    continue                                              # sees no candidate key
+                for j in pages:
+                    mass[j] += float(torch.exp(logits[(m, j)] - z).sum())
+            for j in pages:
+                out[b, h, j] = math.log(mass[j]) if mass[j] > 0 else float("-inf")
+    return out.to(q.device)

@@ -20,6 +20,9 @@ No Python loop over rows, heads or pages. Inputs are already validated and canon
   take ``torch.topk`` of unique int64 keys (an order-preserving integer image of the bound, then
   ``max_pages - 1 - j``),
   much cheaper than sorting thousands of pages. Both encode the one order above.
+- **Re-rank** (:func:`rerank_scores`, issue 35's second stage): the candidates' 4-bit codes gathered and decoded
+  in their page's box, one batched matmul of the group's queries against them, a masked ``logsumexp`` per query
+  and a sum per page: the log of each candidate's estimated attention mass, scattered to ``[B, Hkv, max_pages]``.
 - **Top-p** (:func:`top_p_keep`, Twilight's adaptive budget): over the capacity's pages in rank order, the masses
   ``softmax(scale · score)`` gathered, an exclusive ``cumsum`` of the scored pages' after the forced pages' mass, and
   a mask: fixed shapes ``[B, Hkv, page_budget]``, no host sync.
@@ -33,7 +36,8 @@ from ..attention.torch_impl import first_window_key
 from ..layout import NEG_INF, group_queries, math_dtype, num_valid_pages
 
 __all__ = ["float_order_key", "canonical_page_indices", "physical_pages", "box_operands", "page_bounds", "page_scores",
-           "mask_pages_before_window", "selection_keys", "top_pages", "top_p_keep", "select_pages"]
+           "mask_pages_before_window", "selection_keys", "top_pages", "top_p_keep", "select_pages",
+           "decode_key_codes", "rerank_scores"]
 
 # pool-wide matmuls are used while their [Hkv, rows * Tq * G, pool] intermediate stays under this size
 _POOL_LOGITS_BYTES = 64 * 2**20
@@ -256,3 +260,58 @@ def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_
     first = first_window_key(seq_lens.to(scores.device), num_query_tokens, window_left)
     before = (j[None, :] + 1) * page_size <= first[:, None]                             # [B, max_pages]
     return scores.masked_fill_(before[:, None, :], NEG_INF)
+
+
+def decode_key_codes(codes: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
+    """fp32 keys ``[..., S, D]`` of packed codes ``[..., S, D/2]`` uint8 in their box ``[..., D]``:
+    ``k_min + code · (k_max - k_min) / 15`` per channel (a channel of zero width decodes to ``k_min``)."""
+    lo, hi = k_min.float().unsqueeze(-2), k_max.float().unsqueeze(-2)               # [..., 1, D]
+    step = (hi - lo) / 15.0
+    nibbles = torch.cat([codes & 15, codes >> 4], dim=-1).float()                   # [..., S, D]
+    return lo + nibbles * torch.where(step > 0, step, 0.0)
+
+
+def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, page_size, scale,
+                  window_left=-1, k_scale=None):
+    """The log of each candidate page's estimated attention mass from 4-bit keys (the rule: the reference's
+    :func:`tinyattn.ops.selection.reference.rerank_scores`): fp32 ``[B, Hkv, max_pages]``, ``-inf`` off the
+    candidates. ``candidates`` ``[B, Hkv, C]`` logical pages (``-1`` padded, distinct); the row's last page is read
+    from ``k_cache`` (``k_scale`` for an int8 / fp8 pool), every other one from ``k_code``."""
+    from ..attention.torch_impl import window_start
+
+    B, Tq, Hq, D = q4.shape
+    Hkv, max_pages = k_min.shape[1], block_table.shape[1]
+    out = torch.full((B, Hkv, max_pages + 1), NEG_INF, dtype=torch.float32, device=q4.device)
+    if B * Hkv * candidates.shape[-1] == 0 or max_pages == 0:
+        return out[..., :max_pages]
+    lens = seq_lens.to(torch.int64)
+    n = num_valid_pages(lens, page_size)[:, None, None]                               # [B, 1, 1]
+    cand = candidates.to(torch.int64)
+    ok = (cand >= 0) & (cand < n)                                                     # [B, Hkv, C]
+    j = torch.where(ok, cand, 0)
+    phys = block_table.to(torch.int64).gather(1, j.flatten(1)).view_as(j)            # [B, Hkv, C]
+    heads = torch.arange(Hkv, device=q4.device)[None, :, None]
+    keys = decode_key_codes(k_code[phys, :, heads], k_min[phys, heads], k_max[phys, heads])   # [B, Hkv, C, S, D]
+    # the row's last page, exactly (it is always attended; its codes exist only once it is full)
+    last_phys = block_table.to(torch.int64).gather(1, (n[:, 0] - 1).clamp(min=0)).squeeze(1)  # [B]
+    exact = k_cache.index_select(0, last_phys)                                       # [B, S, Hkv, D]
+    if k_scale is not None:
+        exact = exact.float() * k_scale.index_select(0, last_phys)[:, None, :, None]
+    exact = exact.float().permute(0, 2, 1, 3)[:, :, None]                            # [B, Hkv, 1, S, D]
+    keys = torch.where((j == n - 1)[..., None, None], exact, keys)
+    qg = group_queries(q4, Hkv, torch.float32)                                       # [B, Hkv, M, D]
+    logits = torch.einsum("bhmd,bhcsd->bhmcs", qg, keys) * scale                     # [B, Hkv, M, C, S]
+    key_pos = j[..., None] * page_size + torch.arange(page_size, device=q4.device)   # [B, Hkv, C, S]
+    M = qg.shape[2]
+    q_pos = lens[:, None] - Tq + torch.arange(M, device=q4.device)[None, :] // (Hq // Hkv)    # [B, M], rows (t, g)
+    q_pos = q_pos[:, None, :, None, None]                                            # [B, 1, M, 1, 1]
+    seen = (ok[..., None] & (key_pos < lens[:, None, None, None]))[:, :, None]       # [B, Hkv, 1, C, S]
+    seen = seen & (key_pos[:, :, None] <= q_pos) & (key_pos[:, :, None] >= window_start(q_pos, window_left))
+    logits = logits.masked_fill(~seen, NEG_INF)
+    z = logits.flatten(3).logsumexp(-1)                                              # [B, Hkv, M]
+    z = torch.where(z == NEG_INF, 0.0, z)       # a query that sees no candidate: its exps are all 0 anyway
+    mass = (logits - z[..., None, None]).exp().sum(dim=(2, 4))                       # [B, Hkv, C]
+    mu = torch.where(ok, mass.log(), NEG_INF)
+    out.scatter_(2, torch.where(ok, cand, max_pages), mu)
+    return out[..., :max_pages]
+

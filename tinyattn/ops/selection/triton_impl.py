@@ -14,10 +14,12 @@ import triton
 
 from ...kernels import strides
 from ...kernels.chunk_topk import merge_chunks_kernel, score_chunk_topk_kernel
+from ...kernels.rerank import rerank_blocks, rerank_kernel
 from ...kernels.scoring import page_scores_kernel, score_blocks
 from ...kernels.topk import select_pages_kernel, top_p_blocks, top_p_filter_kernel, topk_blocks
 
-__all__ = ["page_scores", "select_pages", "top_p_filter", "score_chunks", "merge_chunks", "score_and_select_pages"]
+__all__ = ["page_scores", "select_pages", "top_p_filter", "score_chunks", "merge_chunks", "score_and_select_pages",
+           "rerank_scores"]
 
 
 def page_scores(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_table: torch.Tensor,
@@ -149,3 +151,32 @@ def score_and_select_pages(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Te
                  gamma=gamma, **opts)
     merge_chunks(ws_key, ws_page, seq_lens, max_pages=block_table.shape[1], num_query_tokens=q.shape[1], out=out,
                  **opts)
+
+
+def rerank_scores(q: torch.Tensor, k_code: torch.Tensor, k_cache: torch.Tensor, k_min: torch.Tensor,
+                  k_max: torch.Tensor, candidates: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                  page_size: int, scale: float, out: torch.Tensor, window_left: int = -1,
+                  k_scale: torch.Tensor | None = None) -> None:
+    """Write the log of each candidate's estimated attention mass into ``out`` ``[B, Hkv, max_pages]`` fp32
+    (``-inf`` elsewhere; ``kernels/rerank.py``, one fill and one launch, grid ``(B, Hkv)``).
+
+    q ``[B, Tq, Hq, D]``; k_code ``[num_pages, page_size, Hkv, D/2]`` uint8; k_cache the pool (its last pages are
+    read exactly; int8 / fp8 with ``k_scale``); candidates ``[B, Hkv, C]`` int32, ``-1`` padded, distinct;
+    block_table ``[B, max_pages]`` int32; seq_lens ``[B]`` int32.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads, num_candidates = k_min.shape[1], candidates.shape[2]
+    out.fill_(float("-inf"))
+    if batch == 0 or num_kv_heads == 0 or num_candidates == 0 or block_table.shape[1] == 0:
+        return
+    quantized = k_scale is not None
+    rerank_kernel[(batch, num_kv_heads)](
+        q=q, k_code=k_code, k_cache=k_cache, k_min=k_min, k_max=k_max, k_scale=k_scale if quantized else k_min,
+        cand=candidates, block_table=block_table, seq_lens=seq_lens, out=out,
+        **strides("q", q, "bthd"), **strides("c", candidates, "bh"), **strides("b", block_table, "t"),
+        stride_cp=k_code.stride(0), stride_cs=k_code.stride(1), stride_chh=k_code.stride(2),
+        stride_cd=k_code.stride(3), **strides("k", k_cache, "pshd"), **strides("n", k_min, "phd"),
+        **strides("x", k_max, "phd"), **strides("s", k_scale, "ph"), **strides("o", out, "bhj"),
+        TQ=num_queries, C=num_candidates, HALF=head_dim // 2, scale=float(scale), WINDOW_LEFT=int(window_left),
+        QUANT=quantized, **rerank_blocks(num_queries, num_heads // num_kv_heads, head_dim, page_size, num_candidates),
+    )
