@@ -62,7 +62,7 @@ def _planned(op: str, call: checks.Call, block_table, seq_lens):
         setattr(_plans, key, plan)
     step = plan.step
     seen = getattr(plan, "_seen_tables", None)     # the tables as given (their dtype: a cheaper compare)
-    if (step is not None and step[1:15] == call.step and block_table.is_cpu and seen is not None
+    if (step is not None and step[1:17] == call.step and block_table.is_cpu and seen is not None
             and seen[0].dtype == block_table.dtype and seen[1].dtype == seq_lens.dtype
             and torch.equal(seen[0], block_table) and torch.equal(seen[1], seq_lens)):
         if not plan._unchecked or not checks.value_checks_active():
@@ -145,7 +145,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, r
 def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_indices=None, k_min=None,
                            k_max=None, page_budget=None, num_sink_pages=0, num_recent_pages=1, scale=None,
                            return_lse=False, backend=None, k_scale=None, v_scale=None, window_left=-1, gamma=1.0,
-                           top_p=None):
+                           top_p=None, rerank=None, candidates=1.0, k_code=None):
     """Query-aware sparse paged attention: attend only to the selected pages of each (row, KV head).
 
     Either pass ``page_indices`` (``[B, Hkv, K]`` logical pages, e.g. from :func:`select_pages`), or pass
@@ -176,6 +176,15 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
             attention mass ``softmax(scale · score)`` (this call's ``scale``), with the forced pages', reaches
             ``top_p`` (:func:`select_pages`). The result equals attention over the pages ``select_pages(
             page_scores(..., gamma=gamma), ..., top_p=top_p, scale=scale)`` keeps. Fixed shapes, no host sync.
+        rerank: ``None`` (default) or ``"int4"``: a second stage (Twilight's, arXiv 2502.02770). The estimate picks
+            ``C = ceil(candidates · page_budget)`` candidates (``select_pages(page_scores(..., gamma), page_budget=C)``,
+            forced pages included), :func:`rerank_scores` estimates each candidate's attention mass from its 4-bit
+            key codes, and ``page_budget`` pages are selected by that log-mass (with ``top_p``: pruned by it,
+            softmax scale 1). The result equals attention over ``select_pages(rerank_scores(...), ..., top_p=top_p,
+            scale=1.0)``. Needs ``k_code``; decode-time only (not while ``torch.compile`` traces).
+        candidates: a number ``>= 1``: the candidates as a multiple of ``page_budget`` (``1``: the capacity).
+        k_code: ``[num_pages, page_size, Hkv, D/2]`` uint8, the pool's 4-bit key codes (:func:`encode_key_codes`;
+            :class:`tinyattn.PagedKVCache` with ``key_codes=True`` keeps them), with ``rerank`` only.
 
     Returns:
         ``out`` like ``q`` (and fp32 ``lse`` if ``return_lse``).
@@ -188,7 +197,9 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         (never filled by :func:`update_page_metadata`); ``gamma`` outside ``[0, 1]`` or ``top_p`` outside
         ``(0, 1]`` (``ValueError`` naming it; ``TypeError`` for a non-number), ``top_p`` or a ``gamma`` other than 1
         with ``page_indices`` (they shape a selection by boxes only; ignoring them would be silent),
-        ``top_p`` with a ``scale <= 0``.
+        ``top_p`` with a ``scale <= 0``; ``rerank`` not ``None`` / ``"int4"``, ``candidates`` not a finite number
+        ``>= 1``, ``rerank`` with ``page_indices``, ``k_code`` missing or of the wrong shape / dtype / device with
+        ``rerank`` (or given without it), an odd ``head_dim`` with ``rerank``.
 
     Source: Quest (Tang et al., ICML 2024, §3.2-3.3), TinyServe (Liu & Yu, arXiv 2509.12211, §3, eq. 2); the box
     estimate: issue 35 (Quest's slack shrunk by ``gamma``); top-p over the estimated attention mass: Twilight (Lin
@@ -196,8 +207,11 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
     """
     call = checks.check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max,
                                          page_budget, num_sink_pages, num_recent_pages, scale, backend, k_scale,
-                                         v_scale, window_left, gamma, top_p)
+                                         v_scale, window_left, gamma, top_p, rerank, candidates, k_code)
     if torch.compiler.is_compiling():
+        if call.plan_args["rerank"] is not None:
+            raise NotImplementedError("rerank: the re-ranked selection runs eagerly only (not while torch.compile "
+                                      "traces); compile with rerank=None")
         return _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse,
                          k_scale, v_scale)
     impl = _planned("sparse", call, block_table, seq_lens)     # checks the table values first
@@ -205,7 +219,7 @@ def sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, page_i
         checks.check_boxes_filled(k_min, k_max, k_cache, block_table, seq_lens, call.plan_args["page_size"], k_scale)
     scales = None if k_scale is None else (k_scale, v_scale)
     return impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, None, call.scale, scales,
-                    call.window_left)
+                    call.window_left, k_code)
 
 
 def _compiled(q, k_cache, v_cache, block_table, seq_lens, call, page_indices, k_min, k_max, return_lse, k_scale,

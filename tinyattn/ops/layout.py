@@ -8,9 +8,11 @@ whole GQA group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["NEG_INF", "math_dtype", "num_valid_pages", "cdiv_pages", "group_queries", "ungroup"]
+__all__ = ["NEG_INF", "math_dtype", "num_valid_pages", "cdiv_pages", "group_queries", "ungroup", "num_candidates"]
 
 NEG_INF = float("-inf")
 
@@ -52,3 +54,8 @@ def ungroup(x: torch.Tensor, num_query_tokens: int) -> torch.Tensor:
     if Tq == 1:
         return x.reshape(B, 1, Hkv * M, *rest)
     return x.reshape(B, Hkv, Tq, M // Tq, *rest).transpose(1, 2).reshape(B, Tq, Hkv * (M // Tq), *rest)
+
+
+def num_candidates(page_budget: int, candidates: float) -> int:
+    """Pages the page estimate hands to the re-rank (``rerank="int4"``): ``ceil(candidates · page_budget)``."""
+    return int(math.ceil(candidates * page_budget - 1e-9))

@@ -84,7 +84,7 @@ class PagedAttentionPlan:
         s = self.step
         return (f"PagedAttentionPlan(backend={s.backend!r}, batch={s.batch}, num_query_tokens={s.num_query_tokens}, "
                 f"heads={s.num_q_heads}/{s.num_kv_heads}, head_dim={s.head_dim}, page_size={s.page_size}, "
-                f"page_budget={s.page_budget}, gamma={s.gamma}, top_p={s.top_p})")
+                f"page_budget={s.page_budget}, gamma={s.gamma}, top_p={s.top_p}, rerank={s.rerank!r})")
 
     # the planned step's values, read by the attention layer and the selection policies
     @property
@@ -133,7 +133,8 @@ class PagedAttentionPlan:
              num_sink_pages: int = 0, num_recent_pages: int = 1, scale: float | None = None,
              num_pages: int | None = None, trusted: bool = False, max_batch: int | None = None,
              max_pages_per_seq: int | None = None, gamma: float = 1.0,
-             top_p: float | None = None) -> "PagedAttentionPlan":
+             top_p: float | None = None, rerank: str | None = None,
+             candidates: float = 1.0) -> "PagedAttentionPlan":
         """Validate the step's tables and settings, copy them into the plan, build what the layers reuse; returns
         ``self``.
 
@@ -164,10 +165,16 @@ class PagedAttentionPlan:
                 the row's valid pages), with the forced pages', reaches ``top_p``; ``page_budget`` stays the
                 capacity (Twilight, Lin et al., arXiv 2502.02770). The mass uses the softmax scale :meth:`run`
                 attends with. ``1.0`` keeps the capacity (the same pages as ``None``).
+            rerank: ``None`` (default) or ``"int4"``: the estimate (``gamma``) picks ``ceil(candidates ·
+                page_budget)`` candidate pages, and :meth:`run` ranks them again by their attention mass estimated
+                from 4-bit keys (:func:`tinyattn.rerank_scores`; :meth:`run` then needs ``k_code``); ``top_p`` then
+                prunes by that mass (softmax scale 1 over its log). Twilight's second stage (arXiv 2502.02770).
+            candidates: a number ``>= 1``, the candidates as a multiple of ``page_budget`` (``1``: the capacity).
 
         Raises:
             TypeError / ValueError naming the argument, the expected and the actual value; ``top_p`` or a
-            ``gamma`` other than 1 without ``page_budget`` (no selection by boxes for them to shape).
+            ``gamma`` other than 1 without ``page_budget`` (no selection by boxes for them to shape); ``rerank`` not
+            ``None`` / ``"int4"``, ``candidates`` not a finite number ``>= 1``, ``rerank`` without ``page_budget``.
         """
         self.step = None              # until this step's checks pass: a plan that failed must not run the last step
         for name, value, low in (("num_q_heads", num_q_heads, 1), ("num_kv_heads", num_kv_heads, 1),
@@ -192,8 +199,9 @@ class PagedAttentionPlan:
             page_budget, num_sink_pages, num_recent_pages = V.check_selection_options(
                 page_budget, num_sink_pages, num_recent_pages)
         gamma, top_p = float(V.check_gamma(gamma)), V.check_top_p(top_p)
+        rerank, candidates = V.check_rerank(rerank, candidates)
         if page_budget is None:
-            V.check_no_box_rules(gamma, top_p, "without page_budget", "pass page_budget, the capacity")
+            V.check_no_box_rules(gamma, top_p, "without page_budget", "pass page_budget, the capacity", rerank)
         backend = resolve_backend(self._backend_arg, block_table.device)
         if backend == "triton":
             V.check_kernel_page_size(page_size)
@@ -215,7 +223,8 @@ class PagedAttentionPlan:
             lens is None or max((cdiv_pages(n, page_size) for n in lens), default=0) > (0 if prunes else page_budget))
         nothing = batch == 0 or num_query_tokens == 0 or width == 0 or (lens is not None and not any(lens))
         step = Step(backend, block_table.device, batch, width, num_q_heads, num_kv_heads, head_dim, page_size,
-                    num_query_tokens, page_budget, num_sink_pages, num_recent_pages, scale, gamma, top_p, lens,
+                    num_query_tokens, page_budget, num_sink_pages, num_recent_pages, scale, gamma, top_p, rerank,
+                    candidates, lens,
                     selects, nothing)
         impl = self._impls.get(backend)
         if impl is None:
@@ -235,7 +244,7 @@ class PagedAttentionPlan:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_min=None, k_max=None,
             page_indices=None, return_lse: bool = False, out: torch.Tensor | None = None,
             scale: float | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            window_left: int = -1):
+            window_left: int = -1, k_code: torch.Tensor | None = None):
         """Attention of one layer under this plan.
 
         Args:
@@ -260,6 +269,9 @@ class PagedAttentionPlan:
                 the pages that overlap a window; a selection by boxes ranks the pages wholly before the earliest
                 query's window last (``-inf``) and needs ``num_sink_pages = 0``; listed ``page_indices`` are
                 attended within the window.
+            k_code: ``[num_pages, page_size, Hkv, D/2]`` uint8 4-bit key codes (:class:`tinyattn.PagedKVCache`
+                with ``key_codes=True``: ``k_code[layer]``): required when the plan has ``rerank`` and selects, else
+                ``None``.
 
         Nothing is validated here (see :meth:`plan`) beyond the shapes (``page_indices`` ``[B, Hkv, K]`` included),
         the dtypes (``TypeError`` for an integer ``q``, a float ``k_cache`` of another dtype than ``q``, a ``v_cache``
@@ -279,12 +291,17 @@ class PagedAttentionPlan:
         scale = step.scale if scale is None else V.check_scale(scale, step.head_dim)
         if step.top_p is not None and scale <= 0:
             V.check_top_p_scale(scale)
+        if k_code is not None or (step.rerank is not None and k_min is not None):
+            V.check_key_codes(k_code, step.rerank, k_cache, q)
+        if step.rerank is not None and k_min is not None and torch.compiler.is_compiling():
+            raise NotImplementedError("rerank: the re-ranked selection runs eagerly only (not while torch.compile "
+                                      "traces); compile the model with rerank=None")
         scales = None
         if k_scale is not None or v_scale is not None or k_cache.dtype in V.QUANTIZED_DTYPES:
             self._check_kv_format(q, k_cache, v_cache, k_scale, v_scale)
             scales = (k_scale, v_scale)
         return self._impl.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                              window_left)
+                              window_left, k_code)
 
     def _check_kv_format(self, q, k_cache, v_cache, k_scale, v_scale) -> None:
         """A quantized pool: same format for K and V, scales ``[num_pages, Hkv]`` fp32, a backend that reads it."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from . import custom_ops, quant
 from . import spans as _spans
 from .attention import torch_impl as attention_torch
-from .layout import NEG_INF, cdiv_pages, group_queries, ungroup
+from .layout import NEG_INF, cdiv_pages, group_queries, num_candidates, ungroup
 from .selection import torch_impl as selection_torch
 from .spans import span
 from .step import Step
@@ -80,6 +80,7 @@ class TorchPlan:
         self._run = False                # the one row's pages in pool order (see _pool_run), not known yet
         self._tables: dict = {}          # ("every" | "dense" | "sparse", window_left) -> rows / masks of the step
         self._keys = None                # selection keys (selection_torch.selection_keys)
+        self._candidate_keys = None      # those of the re-rank's candidates (rerank='int4')
         self._last = None                # (pages, keep) of the last selecting run (see last_selection)
         self._blocks: dict = {}          # window_left -> [(t0, t1, sub-plan)]
 
@@ -91,7 +92,8 @@ class TorchPlan:
         return pages if keep is None else torch.where(keep, pages, -1)
 
     # ------------------------------------------------------------------------------------------- run
-    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
+    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left,
+            k_code=None):
         """Attention of one layer (see :meth:`tinyattn.PagedAttentionPlan.run`): :meth:`attend`, its lse cast to fp32
         (DESIGN.md §2), written into ``out`` if given. The torch forms are differentiable, so eager autograd runs
         them itself; while ``torch.compile`` traces, the custom ops (:func:`tinyattn.ops.custom_ops.differentiable`)
@@ -103,12 +105,14 @@ class TorchPlan:
                 scale=scale, window_left=window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
                 selection=step.selection if step.selects else None, scales=scales, nothing=step.nothing)
             return attention_torch.finish_output(q, o, lse, return_lse, out)
-        o, lse = self.attend(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, scale, scales, window_left)
+        o, lse = self.attend(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, scale, scales, window_left,
+                             k_code)
         if out is None and not return_lse:
             return o
         return attention_torch.finish_output(q, o.unsqueeze(1) if q.dim() == 3 else o, lse, return_lse, out)
 
-    def attend(self, q, k_cache, v_cache, k_min, k_max, page_indices, need_lse, scale, scales, window_left):
+    def attend(self, q, k_cache, v_cache, k_min, k_max, page_indices, need_lse, scale, scales, window_left,
+               k_code=None):
         """``(out, lse)`` of one layer: ``out`` shaped and typed like ``q``; ``lse`` ``[B, Tq, Hq]`` in the math
         dtype (fp32, fp64 for fp64), or ``None`` unless ``need_lse``. Differentiable in ``q``, ``k_cache``,
         ``v_cache`` (float pools)."""
@@ -138,7 +142,8 @@ class TorchPlan:
             qg = group_queries(q.unsqueeze(1) if q.dim() == 3 else q, step.num_kv_heads, dt)   # [B, Hkv, M, D]
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if selects:
-            page_indices, keep = self._select_ranked(q, k_min, k_max, window_left, qg, scale)
+            codes = None if k_code is None else (k_code, k_cache, None if scales is None else scales[0])
+            page_indices, keep = self._select_ranked(q, k_min, k_max, window_left, qg, scale, codes)
             self._last = (page_indices, keep)
             rows, bias, n_keys = self._selected_rows(page_indices, window_left, keep)
             if _spans.recorder is not None:          # the profiler reads canonical page lists and the rules
@@ -168,15 +173,17 @@ class TorchPlan:
             o = (o if o.dtype == q.dtype else o.to(q.dtype)).view(q.shape)
         return o, None if lse is None or not need_lse else ungroup(lse, Tq)
 
-    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None) -> torch.Tensor:
+    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None,
+               codes=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, K]`` the Quest selection keeps for this layer (rank order; a row with fewer
         than ``K`` valid pages also lists pages past its end, which the tables hide; with top-p the pages it drops
         read ``-1``). ``q4``: ``[B, Tq, Hq, D]`` (or a decode ``[B, Hq, D]``); ``qg``: its grouped form when the
-        caller has it; ``scale``: the softmax scale of top-p's mass (``None``: the plan's)."""
-        pages, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale)
+        caller has it; ``scale``: the softmax scale of top-p's mass (``None``: the plan's); ``codes``: ``(k_code,
+        k_cache, k_scale)`` for a plan with ``rerank``."""
+        pages, keep = self._select_ranked(q4, k_min, k_max, window_left, qg, scale, codes)
         return pages if keep is None else torch.where(keep, pages, -1)
 
-    def _select_ranked(self, q4, k_min, k_max, window_left: int, qg, scale):
+    def _select_ranked(self, q4, k_min, k_max, window_left: int, qg, scale, codes=None):
         """``(pages [B, Hkv, K] in rank order, keep [B, Hkv, K] bool or None)``: the capacity's pages and, with
         top-p, which of them it keeps (:func:`~tinyattn.ops.selection.torch_impl.top_p_keep`)."""
         step = self.step
@@ -196,6 +203,8 @@ class TorchPlan:
                 self._phys = selection_torch.physical_pages(self.block_table[:, :num_pages], self.seq_lens,
                                                             step.page_size)
         top_p = step.top_p if step.top_p is not None and step.top_p < 1.0 else None
+        if step.rerank is not None:
+            return self._rerank_ranked(q4, k_min, k_max, window_left, qg, scale, codes, top_p)
         if _spans.recorder is None and window_left < 0 and top_p is None:      # the decode layer: no span, no window
             # the bound is not differentiated (detach only when autograd could record: an op less per layer)
             return selection_torch.top_pages(selection_torch.page_bounds(
@@ -211,6 +220,39 @@ class TorchPlan:
                 return pages, None
             return pages, selection_torch.top_p_keep(scores, pages, self._keys, top_p,
                                                      step.scale if scale is None else scale)
+
+    def _rerank_ranked(self, q4, k_min, k_max, window_left: int, qg, scale, codes, top_p):
+        """The re-ranked selection (issue 35's second stage): the estimate's ``ceil(candidates · page_budget)``
+        best pages (forced pages first), their log attention mass from 4-bit keys
+        (:func:`~tinyattn.ops.selection.torch_impl.rerank_scores`), then the selection of :meth:`_select_ranked`
+        over that mass (top-p with softmax scale 1: the scores are log-masses)."""
+        step = self.step
+        if codes is None:
+            raise ValueError("k_code: expected the pool's 4-bit key codes for a plan with rerank='int4' (PagedKVCache("
+                             "..., key_codes=True).k_code[layer]), got None")
+        k_code, k_cache, k_scale = codes
+        scale = step.scale if scale is None else scale
+        q4 = q4.unsqueeze(1) if q4.dim() == 3 else q4
+        if self._candidate_keys is None:
+            self._candidate_keys = selection_torch.selection_keys(
+                self.seq_lens, self._num_pages, page_size=step.page_size,
+                page_budget=num_candidates(step.page_budget, step.candidates), num_sink_pages=step.num_sink_pages,
+                num_recent_pages=step.num_recent_pages, num_query_tokens=step.num_query_tokens)
+        with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_size=step.page_size):
+            scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys, step.gamma)
+            scores = selection_torch.mask_pages_before_window(scores, self.seq_lens, step.page_size,
+                                                              step.num_query_tokens, window_left)
+            candidates = selection_torch.top_pages(scores, self._candidate_keys)          # [B, Hkv, C]
+            mass = selection_torch.rerank_scores(q4.detach(), k_code, k_cache, k_min, k_max, candidates,
+                                                 self.block_table[:, : self._num_pages], self.seq_lens,
+                                                 page_size=step.page_size, scale=scale, window_left=window_left,
+                                                 k_scale=k_scale)
+        with span("topk", scores=mass, seq_lens=self.seq_lens, page_budget=step.page_budget):
+            pages = selection_torch.top_pages(mass, self._keys)
+            if top_p is None:
+                return pages, None
+            return pages, selection_torch.top_p_keep(mass, pages, self._keys, top_p, 1.0)
 
     # ------------------------------------------------------------------------------ rows and masks
     def _page_tables(self, pages: torch.Tensor, window_left: int):

@@ -15,11 +15,14 @@ the paged attention kernel (split-K over pages, merged by lse, when rows are few
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import custom_ops
 from .attention import torch_impl as attention_torch
 from .attention import triton_impl as attention_triton
+from .layout import num_candidates
 from .plan_torch import TorchPlan
 from .selection import torch_impl as selection_torch
 from .selection import triton_impl as selection_triton
@@ -63,13 +66,19 @@ class TritonPlan:
         # top-p prunes the capacity selection into a second buffer (the filter reads one and writes the other)
         self._top_p = step.top_p if budget is not None and step.top_p is not None and step.top_p < 1.0 else None
         self._kept = None if self._top_p is None else self._buffer("kept", (cap_b, Hkv, budget), torch.int32)[:B]
+        # the re-rank (rerank='int4'): the estimate's candidates, then their log-mass, selected again
+        self._rerank = budget is not None and step.rerank is not None
+        if self._rerank:
+            n_cand = num_candidates(budget, step.candidates)
+            self._candidates = self._buffer("candidates", (cap_b, Hkv, n_cand), torch.int32)[:B]
+            self._mass = self._buffer("mass", (cap_b, Hkv, width), torch.float32)[:B]
         self._last = None            # the buffer the last selecting run attended (see last_selection)
         # selection in two stages (kernels/chunk_topk.py) when B * Hkv programs would leave the GPU idle or rows
         # are long; its candidate workspace is allocated here, never in forward()
         self._chunks = None
         if budget is not None:
             num_sms = attention_blocks.num_sms(step.device)
-            if chunk_topk.use_two_stage(cap_b, Hkv, width, budget, num_sms):
+            if not self._rerank and chunk_topk.use_two_stage(cap_b, Hkv, width, budget, num_sms):
                 self._chunks = chunk_topk.chunk_blocks(cap_b, Hkv, width, budget, Tq, Hq // Hkv, D, step.page_size,
                                                          num_sms)
                 shape = chunk_topk.workspace_shape(cap_b, Hkv, self._chunks)
@@ -99,7 +108,8 @@ class TritonPlan:
         return buf[:numel].view(shape)
 
     # ------------------------------------------------------------------------------------------- run
-    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
+    def run(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left,
+            k_code=None):
         """Attention of one layer; see :meth:`tinyattn.PagedAttentionPlan.run`. With autograd (or while
         ``torch.compile`` traces): the plan's selection, then the custom op with its backward kernel
         (:func:`tinyattn.ops.custom_ops.differentiable`); else :meth:`forward`."""
@@ -109,19 +119,27 @@ class TritonPlan:
                 q, k_cache, v_cache, self.block_table, self.seq_lens, page_size=step.page_size, backend=step.backend,
                 scale=scale, window_left=window_left, k_min=k_min, k_max=k_max, page_indices=page_indices,
                 selection=step.selection if step.selects else None, scales=scales, nothing=step.nothing,
-                select=None if torch.compiler.is_compiling() else self.select)
+                select=None if torch.compiler.is_compiling() else functools.partial(self.select,
+                                                                                      codes=self._codes(k_code,
+                                                                                                        k_cache,
+                                                                                                        scales)))
             return attention_torch.finish_output(q, o, lse, return_lse, out)
         return self.forward(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                            window_left)
+                            window_left, k_code)
+
+    @staticmethod
+    def _codes(k_code, k_cache, scales):
+        """What the re-rank reads besides the boxes: ``(k_code, k_cache, k_scale)``, or ``None`` without codes."""
+        return None if k_code is None else (k_code, k_cache, None if scales is None else scales[0])
 
     def forward(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                window_left):
+                window_left, k_code=None):
         """Attention of one layer with no autograd (the kernels)."""
         step = self.step
         q4 = q.unsqueeze(1) if q.dim() == 3 else q
         if q4.dtype == torch.float64:      # the kernels compute in fp32 at most: fp64 runs the reference-exact path
             return self._fp64(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                              window_left)
+                              window_left, k_code)
         if page_indices is not None and page_indices.shape[-1]:
             # ascending, de-duplicated, -1 past the end: duplicates never count twice (DESIGN.md §3)
             page_indices = selection_torch.canonical_page_indices(page_indices, self.seq_lens, step.page_size)
@@ -130,7 +148,8 @@ class TritonPlan:
             return attention_torch.finish_output(q, o, lse, return_lse, out)
         selection = None              # the rules the pages were chosen under (read by the profiler's oracle)
         if k_min is not None and step.selects:
-            page_indices = self.select(q4, k_min, k_max, window_left, scale=scale)
+            page_indices = self.select(q4, k_min, k_max, window_left, scale=scale,
+                                       codes=self._codes(k_code, k_cache, scales))
             selection = step.selection
         elif page_indices is not None:
             selection = dict(step.selection, page_budget=page_indices.shape[-1])
@@ -151,12 +170,16 @@ class TritonPlan:
                                        v_scale=None if scales is None else scales[1], window_left=window_left)
         return attention_torch.finish_output(q, o4, lse, return_lse, out)
 
-    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None) -> torch.Tensor:
+    def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None,
+               codes=None) -> torch.Tensor:
         """Logical pages ``[B, Hkv, page_budget]`` (ascending, ``-1`` padded) of the Quest selection, written into
         the plan's selection buffer (rewritten by the next layer's call). With top-p the capacity selection is then
         pruned into a second buffer (``kernels/topk.py::top_p_filter_kernel``; the two-stage path has its stage 1
-        write every valid page's score for it); ``scale``: the softmax scale of its mass (``None``: the plan's)."""
+        write every valid page's score for it); ``scale``: the softmax scale of its mass (``None``: the plan's).
+        With ``rerank`` (``codes = (k_code, k_cache, k_scale)``): :meth:`_select_reranked`."""
         step = self.step
+        if self._rerank:
+            return self._select_reranked(q4, k_min, k_max, window_left, scale, codes)
         opts = dict(page_size=step.page_size, page_budget=step.page_budget, num_sink_pages=step.num_sink_pages,
                     num_recent_pages=step.num_recent_pages)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
@@ -190,13 +213,50 @@ class TritonPlan:
         self._last = self._kept
         return self._kept
 
+    def _select_reranked(self, q4, k_min, k_max, window_left: int, scale, codes) -> torch.Tensor:
+        """The re-ranked selection (issue 35's second stage), five launches into the plan's buffers: the estimate's
+        scores, its ``ceil(candidates · page_budget)`` best pages (``kernels/topk.py``), their log attention mass
+        from 4-bit keys (``kernels/rerank.py``), the selection over that mass, and top-p (softmax scale 1: the
+        scores are log-masses). Fixed shapes, no host sync."""
+        step = self.step
+        if codes is None:
+            raise ValueError("k_code: expected the pool's 4-bit key codes for a plan with rerank='int4' (PagedKVCache("
+                             "..., key_codes=True).k_code[layer]), got None")
+        k_code, k_cache, k_scale = codes
+        opts = dict(page_size=step.page_size, num_sink_pages=step.num_sink_pages,
+                    num_recent_pages=step.num_recent_pages, num_query_tokens=step.num_query_tokens)
+        with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
+                  page_size=step.page_size):
+            selection_triton.page_scores(q4, k_min, k_max, self._bt32, self._sl32, page_size=step.page_size,
+                                         out=self._scores, gamma=step.gamma)
+            if window_left >= 0:
+                selection_torch.mask_pages_before_window(self._scores, self._sl32, step.page_size,
+                                                         step.num_query_tokens, window_left)
+            selection_triton.select_pages(self._scores, self._sl32, page_budget=self._candidates.shape[-1],
+                                          out=self._candidates, **opts)
+            selection_triton.rerank_scores(q4, k_code, k_cache, k_min, k_max, self._candidates, self._bt32,
+                                           self._sl32, page_size=step.page_size,
+                                           scale=step.scale if scale is None else scale, out=self._mass,
+                                           window_left=window_left, k_scale=k_scale)
+        with span("topk", scores=self._mass, seq_lens=self.seq_lens, page_budget=step.page_budget):
+            selection_triton.select_pages(self._mass, self._sl32, page_budget=step.page_budget, out=self._selected,
+                                          **opts)
+            if self._top_p is None:
+                self._last = self._selected
+                return self._selected
+            selection_triton.top_p_filter(self._mass, self._selected, self._sl32, top_p=self._top_p, scale=1.0,
+                                          out=self._kept, **opts)
+        self._last = self._kept
+        return self._kept
+
     def last_selection(self) -> torch.Tensor | None:
         """The pages the last selecting run attended (ascending, ``-1`` padded), or ``None``."""
         if self._torch is not None and self._torch_step is self.step and self._torch._last is not None:
             return self._torch.last_selection()                 # an fp64 step ran the torch plan
         return self._last
 
-    def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left):
+    def _fp64(self, q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales, window_left,
+              k_code=None):
         """fp64 inputs on the Triton backend run the torch backend's plan (the kernels compute in fp32 at most)."""
         if self._torch is None:
             self._torch = TorchPlan()                  # kept across steps, as its workspaces are
@@ -204,4 +264,4 @@ class TritonPlan:
             self._torch.plan(self.step, self._bt32, self._sl32)
             self._torch_step = self.step
         return self._torch.run(q, k_cache, v_cache, k_min, k_max, page_indices, return_lse, out, scale, scales,
-                                   window_left)
+                               window_left, k_code)

@@ -18,7 +18,9 @@ class Step(NamedTuple):
     """One step's sizes (DESIGN.md §2 names) and selection rules.
 
     ``gamma``: the share of the box half-width in the page estimate (``1``: Quest's bound); ``top_p``: the estimated
-    attention mass a selection keeps (``None``: the whole ``page_budget``).
+    attention mass a selection keeps (``None``: the whole ``page_budget``); ``rerank``: ``"int4"`` ranks the
+``ceil(candidates · page_budget)`` best pages of the estimate again by their attention mass estimated from 4-bit
+keys (``None``: the estimate alone).
 
     ``lens``: the rows' ``seq_lens`` on the host, or ``None`` when planning made no host sync (trusted tables on a
     GPU); ``selects``: some row holds more than ``page_budget`` pages (or unknown: ``lens`` is ``None``);
@@ -40,6 +42,8 @@ class Step(NamedTuple):
     scale: float
     gamma: float
     top_p: float | None
+    rerank: str | None
+    candidates: float
     lens: tuple | None
     selects: bool
     nothing: bool

@@ -9,6 +9,7 @@ cost one host sync; :func:`value_checks` turns them off for hot loops whose inpu
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import threading
@@ -571,14 +572,52 @@ def check_top_p(top_p) -> float | None:
     return top_p
 
 
-def check_no_box_rules(gamma: float, top_p: float | None, where: str, instead: str) -> None:
-    """``gamma`` and ``top_p`` shape a selection by boxes: where none happens (listed ``page_indices``, a plan
-    without ``page_budget``) a value other than the default would be ignored, so it is an error instead."""
+def check_no_box_rules(gamma: float, top_p: float | None, where: str, instead: str, rerank=None) -> None:
+    """``gamma``, ``top_p`` and ``rerank`` shape a selection by boxes: where none happens (listed ``page_indices``, a
+    plan without ``page_budget``) a value other than the default would be ignored, so it is an error instead."""
+    if rerank is not None:
+        raise ValueError(f"rerank: expected None {where} (rerank ranks the candidates of a selection by boxes: "
+                         f"{instead}), got {rerank!r}")
     if top_p is not None:
         raise ValueError(f"top_p: expected None {where} (top_p prunes a selection by boxes: {instead}), got {top_p}")
     if gamma != 1.0:
         raise ValueError(f"gamma: expected the default 1.0 {where} (gamma is the page estimate of a selection by "
                          f"boxes: {instead}), got {gamma}")
+
+
+RERANKS = ("int4",)
+
+
+def check_rerank(rerank, candidates) -> tuple[str | None, float]:
+    """``rerank``: ``None`` or one of :data:`RERANKS`; ``candidates``: the share of ``page_budget`` the estimate
+    hands to the re-rank, a finite real ``>= 1`` (``ceil(candidates · page_budget)`` pages)."""
+    if rerank is not None and rerank not in RERANKS:
+        raise ValueError(f"rerank: expected None or one of {RERANKS}, got {rerank!r}")
+    if isinstance(candidates, bool) or not isinstance(candidates, numbers.Real):
+        raise TypeError(f"candidates: expected a real number >= 1 (a multiple of page_budget), got "
+                        f"{type(candidates).__name__}")
+    candidates = float(candidates)
+    if not (1.0 <= candidates < float("inf")):
+        raise ValueError(f"candidates: expected a finite number >= 1 (a multiple of page_budget), got {candidates}")
+    return rerank, candidates
+
+
+def check_key_codes(k_code, rerank, k_cache, q) -> None:
+    """``k_code``: ``[num_pages, page_size, Hkv, D/2]`` uint8 on the pool's device with ``rerank``, ``None``
+    without (a code tensor nothing reads would be silent)."""
+    if rerank is None:
+        if k_code is not None:
+            raise ValueError("k_code: expected None without rerank (only the re-rank reads the key codes), got a "
+                             "tensor; pass rerank='int4'")
+        return
+    D = q.shape[-1]
+    if D % 2:
+        raise ValueError(f"rerank: expected an even head_dim (two 4-bit codes per byte), got head_dim={D}")
+    expect_tensor("k_code", k_code)
+    want = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], D // 2)
+    expect_shape("k_code", k_code, want, "[num_pages, page_size, Hkv, D/2]")
+    expect_dtype("k_code", k_code, (torch.uint8,))
+    expect_device("k_code", k_code, k_cache.device, "k_cache")
 
 
 def check_top_p_scale(scale) -> float:
@@ -640,7 +679,7 @@ def check_write_inputs(k, v, slots, k_cache, v_cache, k_min, k_max, k_scale, v_s
 
 class Call(NamedTuple):
     """A checked call of an attention op: its backend, softmax scale and window; ``step``: the sizes and rules a
-    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:15]``); ``plan_args``: the keyword
+    plan's :class:`~tinyattn.ops.step.Step` must have to serve it (``Step[1:17]``); ``plan_args``: the keyword
     arguments of :meth:`tinyattn.PagedAttentionPlan.plan` that give that step; ``num_pages``: the pool's pages
     (the bound of the block-table ids, checked with the table values by :func:`check_step_values`)."""
     backend: str
@@ -657,7 +696,7 @@ _INDEX = (torch.int32, torch.int64)
 
 
 def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, window_left, page_budget=None,
-          num_sink_pages=0, num_recent_pages=1, gamma=1.0, top_p=None) -> Call:
+          num_sink_pages=0, num_recent_pages=1, gamma=1.0, top_p=None, rerank=None, candidates=1.0) -> Call:
     """The :class:`Call` of checked arguments (``scale``, ``backend`` and ``window_left`` are checked here;
     ``gamma`` and ``top_p`` by the caller)."""
     Tq = 1 if q.dim() == 3 else q.shape[1]
@@ -675,10 +714,10 @@ def _call(q, num_pages, page_size, num_kv_heads, max_pages, scale, backend, wind
     if top_p is not None and scale <= 0:
         check_top_p_scale(scale)
     step = (q.device, B, max_pages, Hq, num_kv_heads, D, page_size, Tq, page_budget, num_sink_pages,
-            num_recent_pages, scale, gamma, top_p)
+            num_recent_pages, scale, gamma, top_p, rerank, candidates)
     args = dict(num_q_heads=Hq, num_kv_heads=num_kv_heads, head_dim=D, page_size=page_size, num_query_tokens=Tq,
                 page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                scale=scale, gamma=gamma, top_p=top_p)
+                scale=scale, gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
     if backend == "triton":
         check_kernel_page_size(page_size)
     return Call(backend, scale, window_left, step, args, num_pages)
@@ -715,7 +754,7 @@ def check_attention(q, k_cache, v_cache, block_table, seq_lens, scale, backend, 
 
 def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indices, k_min, k_max, page_budget,
                            num_sink_pages, num_recent_pages, scale, backend, k_scale, v_scale, window_left,
-                           gamma=1.0, top_p=None) -> Call:
+                           gamma=1.0, top_p=None, rerank=None, candidates=1.0, k_code=None) -> Call:
     """The arguments of :func:`tinyattn.sparse_paged_attention` but the table values: those of
     :func:`check_attention`, the pages (listed, or boxes of the pool's shape and a budget that holds the forced
     pages) and the window rule (no sink pages with a window and a selection by boxes). With ``page_indices`` the
@@ -730,7 +769,7 @@ def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indi
             and (k_min.dtype == k_cache.dtype or k_min.dtype in _FLOATS)
             and k_min.shape == k_max.shape == (k_cache.shape[0], k_cache.shape[2], k_cache.shape[3])
             and k_min.device == q.device and k_max.device == q.device
-            and type(gamma) is float and 0.0 <= gamma <= 1.0
+            and type(gamma) is float and 0.0 <= gamma <= 1.0 and rerank is None and k_code is None
             and (top_p is None or (type(top_p) is float and 0.0 < top_p <= 1.0))):
         num_pages, page_size, Hkv, _ = k_cache.shape
         rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
@@ -740,11 +779,14 @@ def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indi
         _, shapes = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, values=False)
         rules = check_sparse_selection(shapes, q, k_cache, seq_lens, page_indices, k_min, k_max, page_budget,
                                        num_sink_pages, num_recent_pages, values=False)
+        rerank, candidates = check_rerank(rerank, candidates)
         if page_indices is None:
             check_window_selection(check_window_left(window_left), rules["num_sink_pages"])
-            rules.update(gamma=gamma, top_p=top_p)
+            rules.update(gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
+            check_key_codes(k_code, rerank, k_cache, q)
         else:
-            check_no_box_rules(gamma, top_p, "with page_indices", "pass k_min, k_max and page_budget")
+            check_no_box_rules(gamma, top_p, "with page_indices", "pass k_min, k_max and page_budget", rerank)
+            check_key_codes(k_code, None, k_cache, q)
             rules["page_budget"] = None
         num_pages, page_size, Hkv = shapes.num_pages, shapes.page_size, shapes.num_kv_heads
     call = _call(q, num_pages, page_size, Hkv, block_table.shape[1], scale, backend, window_left, **rules)
