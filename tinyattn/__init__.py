@@ -21,8 +21,8 @@ import sys as _sys
 if "torch" not in _sys.modules and _sys.argv and (_sys.argv[0] == "-m" or _os.path.basename(_sys.argv[0]) == "tinyattn"):
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .ops import (page_scores, paged_attention, reference, select_pages, sparse_paged_attention,
-                  update_page_metadata, value_checks)
+from .ops import (encode_key_codes, page_scores, paged_attention, reference, rerank_scores, select_pages,
+                  sparse_paged_attention, update_page_metadata, value_checks)
 from .ops.plan import PagedAttentionPlan
 
 __version__ = "0.1.0"
@@ -53,6 +53,7 @@ _SUBMODULES = ("cache", "engine", "integrations", "kernels", "layer", "metrics",
                "training")
 
 __all__ = ["paged_attention", "update_page_metadata", "page_scores", "select_pages", "sparse_paged_attention",
+           "rerank_scores", "encode_key_codes",
            "reference", "value_checks", "PagedAttentionPlan", "__version__", *_LAZY]
 
 

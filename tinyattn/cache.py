@@ -82,10 +82,15 @@ class PagedKVCache:
             ``"bf16"`` or ``"fp16"``. A box narrower than the keys is rounded outward (``k_min`` down, ``k_max``
             up; :mod:`tinyattn.ops.kv_cache.torch_impl`), so Quest's bound stays an upper bound while scoring reads half the
             bytes (bf16 keeps fp32's range; fp16 boxes of keys beyond 65504 become infinite).
+        key_codes: also keep 4-bit codes of the keys (``k_code``: a list per layer of ``[num_pages, page_size, Hkv,
+            D/2]`` uint8), written by :meth:`write` when a page fills (:func:`tinyattn.encode_key_codes`, inside the
+            page's box): what the re-ranked selection (``rerank="int4"``) reads. ``D`` must be even; needs boxes.
+            Default ``False`` (``k_code`` is then an empty list).
 
     Memory: ``2 * num_layers * num_pages * page_size * Hkv * D`` elements for K/V, plus
     ``2 * num_layers * num_pages * Hkv * D`` for the boxes (of ``box_dtype``), plus ``2 * num_layers * num_pages * Hkv`` fp32
-    scales for int8 / fp8 (see :attr:`kv_bytes`).
+    scales for int8 / fp8, plus ``num_layers * num_pages * page_size * Hkv * D / 2`` bytes of key codes with
+    ``key_codes=True`` (1/8 of fp32 keys; see :attr:`kv_bytes`).
 
     Pages are owned here: besides :meth:`extend` / :meth:`free`, :meth:`fork` (copy a sequence, beam search),
     :meth:`truncate` (crop, boxes kept exact), :meth:`resize` (grow or shrink the pool, contents kept),
@@ -98,7 +103,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, page_size: int, num_pages: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", page_boxes: bool = True,
-                 kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", box_dtype: str = "auto", key_codes: bool = False):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -126,6 +131,12 @@ class PagedKVCache:
         box_layers = num_layers if page_boxes else 0
         self.k_min = [torch.full(box, float("inf"), dtype=box_dtype, device=self.device) for _ in range(box_layers)]
         self.k_max = [torch.full(box, float("-inf"), dtype=box_dtype, device=self.device) for _ in range(box_layers)]
+        if key_codes and (not page_boxes or head_dim % 2):
+            raise ValueError(f"key_codes: expected page_boxes=True and an even head_dim (4-bit codes inside each "
+                             f"page's box, two per byte), got page_boxes={page_boxes}, head_dim={head_dim}")
+        code = (num_pages, page_size, num_kv_heads, head_dim // 2)
+        self.k_code = [torch.zeros(code, dtype=torch.uint8, device=self.device)
+                       for _ in range(num_layers if key_codes else 0)]
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # a stack: low ids are handed out first
         self._pages: dict[int, list[int]] = {}                        # seq id -> physical pages, in order
         self._lens: dict[int, int] = {}                               # seq id -> valid tokens
@@ -164,7 +175,7 @@ class PagedKVCache:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the K/V pools, bounding boxes and scales (int8 / fp8), all layers."""
-        tensors = self.k_cache + self.v_cache + self.k_min + self.k_max + self.k_scale + self.v_scale
+        tensors = self.k_cache + self.v_cache + self.k_min + self.k_max + self.k_scale + self.v_scale + self.k_code
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -250,7 +261,7 @@ class PagedKVCache:
             return
         s = torch.tensor(src_ids, dtype=torch.int64, device=self.device)
         d = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
-        for pools in (self.k_cache, self.v_cache, self.k_min, self.k_max, self.k_scale, self.v_scale):
+        for pools in (self.k_cache, self.v_cache, self.k_min, self.k_max, self.k_scale, self.v_scale, self.k_code):
             for t in pools:
                 t[d] = t[s]
         if self.quantized:
@@ -343,6 +354,7 @@ class PagedKVCache:
         self.v_cache = [resized(t, 0.0) for t in self.v_cache]
         self.k_min = [resized(t, float("inf")) for t in self.k_min]
         self.k_max = [resized(t, float("-inf")) for t in self.k_max]
+        self.k_code = [resized(t, 0) for t in self.k_code]
         self.k_scale = [resized(t, 0.0) for t in self.k_scale]
         self.v_scale = [resized(t, 0.0) for t in self.v_scale]
         if self.quantized:
@@ -468,6 +480,10 @@ class PagedKVCache:
                      k_scale=self.k_scale[layer] if self.quantized else None,
                      v_scale=self.v_scale[layer] if self.quantized else None,
                      fill=self._fill if self.quantized else None, pages=pages, backend=backend, trusted=True)
+        if self.k_code:          # the pages this write filled: their codes, inside their grown boxes
+            api.encode_key_codes(self.k_cache[layer], slots, self.k_min[layer], self.k_max[layer],
+                                 self.k_code[layer], k_scale=self.k_scale[layer] if self.quantized else None,
+                                 backend=backend, trusted=True)
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 
 from .ops import quant
 from .ops.plan import PagedAttentionPlan
-from .ops.validation import check_gamma, check_selection_options, check_top_p, check_window_left
+from .ops.validation import check_gamma, check_rerank, check_selection_options, check_top_p, check_window_left
 
 __all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
            "default_num_sink_pages", "DEFAULT_GAMMA"]
@@ -108,8 +108,14 @@ class SparsityConfig:
             after the forced pages, the fewest best pages whose estimated attention mass (``softmax(scale ·
             score)``) reaches ``top_p``, ``page_budget`` being the capacity (Twilight, arXiv 2502.02770;
             :func:`tinyattn.select_pages`).
+        rerank: ``None`` (default) or ``"int4"``: the ``quest`` selection's second stage (issue 35; Twilight, arXiv
+            2502.02770): the estimate hands ``ceil(candidates · page_budget)`` candidates to a re-rank by their
+            attention mass estimated from 4-bit key codes (:func:`tinyattn.rerank_scores`), and ``top_p`` prunes by
+            that mass. The cache must keep the codes (:class:`tinyattn.PagedKVCache` ``key_codes=True``; the
+            runtime, the engine, the Hugging Face cache and the vLLM backend do so when this is set).
+        candidates: a number ``>= 1``: the re-rank's candidates as a multiple of ``page_budget`` (default ``1``).
 
-    ``gamma`` and ``top_p`` are settings of the ``quest`` selection (the fused plan's), not policies of their own:
+    ``gamma``, ``top_p`` and ``rerank`` are settings of the ``quest`` selection (the fused plan's), not policies of their own:
     they combine freely with the budget and each other, and run on every path that runs Quest's fused selection.
 
     Raises:
@@ -126,6 +132,8 @@ class SparsityConfig:
     policy: object = "quest"
     gamma: float = DEFAULT_GAMMA
     top_p: float | None = None
+    rerank: str | None = None
+    candidates: float = 1.0
 
     def __post_init__(self):
         from .selection import get_policy
@@ -133,11 +141,14 @@ class SparsityConfig:
         object.__setattr__(self, "policy", get_policy(self.policy))
         object.__setattr__(self, "gamma", float(check_gamma(self.gamma)))
         object.__setattr__(self, "top_p", check_top_p(self.top_p))
+        rerank, candidates = check_rerank(self.rerank, self.candidates)
+        object.__setattr__(self, "rerank", rerank)
+        object.__setattr__(self, "candidates", candidates)
         # "set" = other than the default: a dataclass cannot tell the default from the same value passed
-        given = {k: v for k, v in (("gamma", self.gamma), ("top_p", self.top_p))   # name only what was set
-                 if v is not None and not (k == "gamma" and v == DEFAULT_GAMMA)}
+        given = {k: v for k, v in (("gamma", self.gamma), ("top_p", self.top_p), ("rerank", self.rerank))
+                 if v is not None and not (k == "gamma" and v == DEFAULT_GAMMA)}   # name only what was set
         if given and not self.policy.fused:
-            raise ValueError(f"policy: gamma and top_p are settings of the 'quest' selection, got policy="
+            raise ValueError(f"policy: gamma, top_p and rerank are settings of the 'quest' selection, got policy="
                              f"{self.policy.name!r} with " + ", ".join(f"{k}={v}" for k, v in given.items()))
         for name in ("num_recent_pages", "dense_layers", "num_sink_pages"):
             v = getattr(self, name)
@@ -195,7 +206,8 @@ class PagedAttention:
         s = self.sparsity
         return (f"PagedAttention(page_budget={s.page_budget}, num_sink_pages={s.num_sink_pages}, "
                 f"num_recent_pages={s.num_recent_pages}, dense_layers={s.dense_layers}, "
-                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, backend={self.backend!r})")
+                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, rerank={s.rerank!r}, "
+                f"backend={self.backend!r})")
 
     def begin(self, block_table: torch.Tensor, seq_lens: torch.Tensor, *, num_q_heads: int, num_kv_heads: int,
               head_dim: int, page_size: int, num_query_tokens: int = 1, decode: bool | None = None,
@@ -221,7 +233,8 @@ class PagedAttention:
                        page_budget=budget, num_sink_pages=s.num_sink_pages if budget else 0,
                        num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted,
                        max_batch=max_batch, max_pages_per_seq=max_pages_per_seq,
-                       gamma=s.gamma if budget else 1.0, top_p=s.top_p if budget else None)
+                       gamma=s.gamma if budget else 1.0, top_p=s.top_p if budget else None,
+                       rerank=s.rerank if budget else None, candidates=s.candidates)
         self.seq_ids = seq_ids
         self._fused = s.policy.fused and self.metrics is None
         return self
@@ -230,7 +243,8 @@ class PagedAttention:
                  k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None, *,
                  page_indices: torch.Tensor | None = None, scale: float | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 window_left: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+                 window_left: int = -1, out: torch.Tensor | None = None,
+                 k_code: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output (shape and dtype of ``q``) of model layer ``layer`` under the current step.
 
         ``q``: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``; the pool and boxes of this layer;
@@ -246,31 +260,35 @@ class PagedAttention:
         and never selects (see the module's table); ``TypeError`` / ``ValueError`` unless an int ``>= -1``.
         ``out``: a tensor like ``q`` to write the result into (returned); on the Triton backend's fused Quest,
         dense and windowed paths nothing else is allocated (a CUDA-graph step, :mod:`tinyattn.models.graphs`).
+        ``k_code``: this layer's 4-bit key codes (the cache's ``k_code[layer]``), read by sparse layers when the
+        config has ``rerank``; ignored otherwise (a dense step or layer reads no code).
         """
+        if self.sparsity.rerank is None:
+            k_code = None
         if (self._fused and page_indices is None and k_scale is None and v_scale is None and type(window_left) is int
                 and window_left == -1 and (scale is None or scale == self.plan.scale) and k_cache.dtype == q.dtype):
             # the common decode / prefill layer under fused Quest: the decision of the table below, in one test
             if self.decode and self.sparsity.layer_is_sparse(layer):
-                out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, out=out)
+                out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, out=out, k_code=k_code)
                 if self.attended is not None:
                     self._count_attended(None)
                 return out
             return self.plan.run(q, k_cache, v_cache, out=out)
         if out is not None:
             return _into(out, self._attend(layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale,
-                                           v_scale, window_left, out))
+                                           v_scale, window_left, out, k_code))
         return self._attend(layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale, v_scale,
-                            window_left, None)
+                            window_left, None, k_code)
 
     def _attend(self, layer, q, k_cache, v_cache, k_min, k_max, page_indices, scale, k_scale, v_scale, window_left,
-                out):
+                out, k_code=None):
         """:meth:`__call__` past its fast path (``out`` given to the plan where the layer's own dtype is kept)."""
         if not self.plan._planned:
             raise RuntimeError("PagedAttention: call begin(block_table, seq_lens, ...) once per step before the layers")
         if k_scale is None and k_cache.dtype != q.dtype and k_cache.is_floating_point() \
                 and k_cache.dtype not in quant.QUANTIZED_DTYPES:
             return self(layer, q.to(k_cache.dtype), k_cache, v_cache, k_min, k_max, page_indices=page_indices,
-                        scale=scale, window_left=window_left).to(q.dtype)
+                        scale=scale, window_left=window_left, k_code=k_code).to(q.dtype)
         # a layer's own scale (GPT-2 scales per layer) is passed down with every call, never stored in the plan
         scales = dict(k_scale=k_scale, v_scale=v_scale, scale=scale, out=out)
         if page_indices is not None:
@@ -279,7 +297,7 @@ class PagedAttention:
             return self.plan.run(q, k_cache, v_cache, window_left=window_left, **scales)
         sparse = self.decode and self.sparsity.layer_is_sparse(layer)
         if sparse and self._fused:
-            out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, **scales)
+            out = self.plan.run(q, k_cache, v_cache, k_min=k_min, k_max=k_max, k_code=k_code, **scales)
             if self.attended is not None:
                 self._count_attended(None)
             return out
@@ -289,7 +307,7 @@ class PagedAttention:
             k_cache, v_cache = quant.dequantize(k_cache, k_scale, q.dtype), quant.dequantize(v_cache, v_scale, q.dtype)
             scales = dict(scale=scale)
         if sparse:        # every step, even one where all pages fit: a stateful policy observes each one
-            return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max, scale)
+            return self._policy_attend(layer, q, k_cache, v_cache, k_min, k_max, scale, k_code, k_scale)
         out = self.plan.run(q, k_cache, v_cache, **scales)
         if stateful:
             from . import selection
@@ -316,22 +334,31 @@ class PagedAttention:
                                 seq_ids=self.seq_ids, scale=p.scale if scale is None else float(scale),
                                 backend=self.backend)
 
-    def _policy_attend(self, layer, q, k_cache, v_cache, k_min, k_max, scale=None):
+    def _policy_attend(self, layer, q, k_cache, v_cache, k_min, k_max, scale=None, k_code=None, k_scale=None):
         """A policy other than fused Quest (or metrics on): select, attend to the pages, observe, record."""
         from .selection import page_attention_mass
 
         policy, s = self.sparsity.policy, self.sparsity
         ctx = self._context(layer, q, k_cache, v_cache, k_min, k_max, scale)
         # quest with metrics: the plan's rule, unless it is QuestPolicy.select's (Quest's bound, gamma = 1, no top_p)
-        if policy.fused and (s.gamma != 1.0 or s.top_p is not None):
+        if policy.fused and (s.gamma != 1.0 or s.top_p is not None or s.rerank is not None):
             from .ops import api
+            from .ops.layout import num_candidates
 
             scores = api.page_scores(q, k_min, k_max, ctx.block_table, ctx.seq_lens, page_size=ctx.page_size,
                                      gamma=s.gamma, backend=self.backend)
+            rules = dict(num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
+                         num_query_tokens=ctx.num_query_tokens, backend=self.backend)
+            mass_scale = ctx.scale
+            if s.rerank is not None:    # the plan's second stage, op by op: candidates, their log-mass
+                cand = api.select_pages(scores, ctx.seq_lens, page_size=ctx.page_size,
+                                        page_budget=num_candidates(s.page_budget, s.candidates), **rules)
+                # the pool as the plan read it (a dequantized pool here: its codes are those of the same keys)
+                scores = api.rerank_scores(q, k_code, k_cache, k_min, k_max, cand, ctx.block_table, ctx.seq_lens,
+                                           scale=ctx.scale, backend=self.backend)
+                mass_scale = 1.0
             idx = api.select_pages(scores, ctx.seq_lens, page_size=ctx.page_size, page_budget=s.page_budget,
-                                   num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
-                                   num_query_tokens=ctx.num_query_tokens, backend=self.backend, top_p=s.top_p,
-                                   scale=ctx.scale)
+                                   top_p=s.top_p, scale=mass_scale, **rules)
         else:
             idx = policy.select(ctx)
         out = self.plan.run(q, k_cache, v_cache, page_indices=idx, scale=ctx.scale)

@@ -27,6 +27,7 @@ from .selection import torch_impl as selection
 from .spans import span
 
 __all__ = ["paged_attention", "sparse_paged_attention", "update_page_metadata", "page_scores", "select_pages",
+           "rerank_scores", "encode_key_codes",
            "write_kv", "resolve_backend", "resolve_write_backend", "BACKENDS", "WRITE_BACKENDS"]
 
 WRITE_BACKENDS = ("torch", "triton")
@@ -352,6 +353,86 @@ def run_select_pages(scores, seq_lens, page_size: int, page_budget: int, num_sin
     options.pop("page_budget")
     kernels.top_p_filter(scores, out, seq_lens, top_p=top_p, scale=scale, out=kept, **options)
     return kept
+
+
+def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, scale=None, window_left=-1,
+                  k_scale=None, backend=None):
+    """The log of each candidate page's estimated attention mass, from 4-bit key codes: fp32
+    ``[B, Hkv, max_pages_per_seq]``, ``-inf`` off the candidates (issue 35's second stage; docs/design_rerank.md).
+
+    For row ``b``, KV head ``h`` and the ``M = Tq·G`` query rows ``q_m`` of its group: each key of a candidate page
+    is read as its codes decode, ``k~ = k_min + code · (k_max - k_min) / 15`` per channel (the row's last page: its
+    exact keys, as it is always attended and coded only once full); ``λ_mt = scale · q_m·k~_t`` over the keys query
+    ``m`` sees (causal, bottom-right; ``window_left``); ``Z_m = logsumexp_t λ_mt`` over all candidates;
+    ``μ_j = log Σ_m Σ_{t∈j} exp(λ_mt - Z_m)``: the group's estimated attention mass on page ``j`` (up to ``M``).
+    Feed it to :func:`select_pages` with ``scale=1.0`` (top-p over ``softmax(μ)`` is then top-p over that mass).
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``, ``D`` even. k_code: ``[num_pages, page_size, Hkv, D/2]`` uint8
+            (:func:`encode_key_codes`). k_cache: the pool ``[num_pages, page_size, Hkv, D]`` (int8 / fp8 with
+            ``k_scale``). k_min, k_max: its boxes ``[num_pages, Hkv, D]``.
+        candidates: ``[B, Hkv, C]`` int32 / int64 logical pages, ``-1`` padded, distinct (e.g. :func:`select_pages`
+            of :func:`page_scores`); ids past a row's end are ignored.
+        block_table, seq_lens, window_left, backend: as in :func:`paged_attention`. scale: default ``D ** -0.5``.
+
+    Raises:
+        TypeError / ValueError naming the argument (shapes, dtypes, devices, table values as
+        :func:`page_scores`; ``k_code`` of another shape than ``[num_pages, page_size, Hkv, D/2]`` or not uint8,
+        ``candidates`` not ``[B, Hkv, C]`` int, an odd ``head_dim``).
+
+    Source: Twilight (Lin et al., arXiv 2502.02770: INT4 keys estimate the attention of Quest's candidates); the
+    box as the quantization range: this library (docs/design_rerank.md).
+    """
+    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, k_cache.shape[1]
+                                                if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 else 0)
+    checks.check_key_codes(k_code, "int4", k_cache, q4)
+    checks.check_candidates(candidates, q4.shape[0], k_min.shape[1], q.device)
+    scale = checks.check_scale(scale, q4.shape[-1])
+    window_left = checks.check_window_left(window_left)
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        checks.check_kernel_page_size(page_size)
+    if backend == "torch" or q4.dtype == torch.float64:
+        return selection.rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens,
+                                       page_size=page_size, scale=scale, window_left=window_left,
+                                       k_scale=k_scale).contiguous()
+    out = torch.empty(q4.shape[0], k_min.shape[1], block_table.shape[1], dtype=torch.float32, device=q.device)
+    _selection_kernels().rerank_scores(q4, k_code, k_cache, k_min, k_max, _int32(candidates), _int32(block_table),
+                                       _int32(seq_lens), page_size=page_size, scale=scale, out=out,
+                                       window_left=window_left, k_scale=k_scale)
+    return out
+
+
+def encode_key_codes(k_cache, slots, k_min, k_max, k_code, *, k_scale=None, backend=None, trusted=False):
+    """Write the 4-bit key codes of every page that a slot of ``slots`` fills (the write of its last slot,
+    ``page_size - 1``), in place; returns ``None``. Call it after the write that stored ``slots`` and grew the boxes
+    (:meth:`tinyattn.PagedKVCache.write` does, with ``key_codes=True``).
+
+    ``code = clamp(floor((k - k_min) / step + 0.5), 0, 15)``, ``step = (k_max - k_min) / 15`` per (page, KV head,
+    channel), in fp32 (``0`` where ``step <= 0``); channel ``i`` in the low nibble of ``k_code[p, s, h, i]``,
+    channel ``i + D/2`` in its high nibble. The page's box is the quantization range (no scale is stored): ``D/2``
+    bytes per key and head, 1/8 of fp32 keys.
+
+    Args:
+        k_cache: ``[num_pages, page_size, Hkv, D]`` float (int8 / fp8 with ``k_scale``: the dequantized keys).
+        slots: ``[N]`` int32 / int64 physical slots just written (``page * page_size + offset``).
+        k_min, k_max: ``[num_pages, Hkv, D]`` the boxes, already grown by the write.
+        k_code: ``[num_pages, page_size, Hkv, D/2]`` uint8, written in place.
+        backend: ``None`` (Triton for CUDA pools, torch otherwise), ``"torch"`` or ``"triton"``.
+        trusted: the caller made and checked every tensor (:meth:`tinyattn.PagedKVCache.write`): no checks.
+
+    Raises:
+        TypeError / ValueError naming the argument (shapes, dtypes, devices; an odd ``head_dim``).
+
+    Source: docs/design_rerank.md (issue 35); Twilight's INT4 keys (Lin et al., arXiv 2502.02770).
+    """
+    if not trusted:
+        checks.check_code_inputs(k_cache, slots, k_min, k_max, k_code, k_scale)
+    backend = resolve_write_backend(backend, k_cache.device)
+    if backend == "triton" and k_cache.dtype != torch.float64:
+        _kv_kernels().encode_key_codes(k_cache, slots, k_min, k_max, k_code, k_scale)
+        return
+    kv_cache.encode_key_codes(k_cache, slots, k_min, k_max, k_code, k_scale)
 
 
 # ------------------------------------------------------------------------------------------- the page pool

@@ -620,6 +620,40 @@ def check_key_codes(k_code, rerank, k_cache, q) -> None:
     expect_device("k_code", k_code, k_cache.device, "k_cache")
 
 
+def check_candidates(candidates, batch: int, num_kv_heads: int, device) -> None:
+    """``candidates`` of :func:`tinyattn.rerank_scores`: ``[B, Hkv, C]`` int32 / int64 on ``q``'s device."""
+    expect_tensor("candidates", candidates)
+    expect_dtype("candidates", candidates, INDEX_DTYPES)
+    if candidates.dim() != 3 or tuple(candidates.shape[:2]) != (batch, num_kv_heads):
+        raise ValueError(f"candidates: expected shape [B={batch}, Hkv={num_kv_heads}, C], got "
+                         f"{tuple(candidates.shape)}")
+    expect_device("candidates", candidates, device, "q")
+
+
+def check_code_inputs(k_cache, slots, k_min, k_max, k_code, k_scale) -> None:
+    """Arguments of :func:`tinyattn.encode_key_codes`: the pool and boxes as :func:`check_metadata_inputs` reads
+    them, ``slots`` ``[N]`` int on the pool's device, ``k_code`` ``[num_pages, page_size, Hkv, D/2]`` uint8."""
+    expect_tensor("k_cache", k_cache)
+    expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
+    expect_tensor("slots", slots)
+    expect_dtype("slots", slots, INDEX_DTYPES)
+    if slots.dim() != 1:
+        raise ValueError(f"slots: expected a [N] tensor, got shape {tuple(slots.shape)}")
+    expect_device("slots", slots, k_cache.device, "k_cache")
+    num_pages, _, Hkv, D = k_cache.shape
+    check_page_bounds(k_min, k_max, num_pages, Hkv, D,
+                      torch.float32 if k_cache.dtype in QUANTIZED_DTYPES else k_cache.dtype, k_cache.device)
+    if D % 2:
+        raise ValueError(f"k_cache: expected an even head_dim (two 4-bit codes per byte), got head_dim={D}")
+    expect_tensor("k_code", k_code)
+    expect_shape("k_code", k_code, (num_pages, k_cache.shape[1], Hkv, D // 2), "[num_pages, page_size, Hkv, D/2]")
+    expect_dtype("k_code", k_code, (torch.uint8,))
+    expect_device("k_code", k_code, k_cache.device, "k_cache")
+    if k_cache.dtype in QUANTIZED_DTYPES:
+        expect_tensor("k_scale", k_scale)
+        expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
+
+
 def check_top_p_scale(scale) -> float:
     """The softmax scale of a top-p selection's estimated mass: a finite real ``> 0``."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

@@ -164,8 +164,8 @@ def _decoded_keys(k_code, k_min, k_max, phys: int, h: int, dt) -> torch.Tensor:
     return lo + codes * torch.where(step > 0, step, torch.zeros_like(step))
 
 
-def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, page_size, scale,
-                  window_left=-1, k_scale=None, backend=None):
+def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, scale=None, window_left=-1,
+                  k_scale=None, backend=None):
     """The log of each candidate page's estimated attention mass, per (row, KV head), from 4-bit keys.
 
     For row ``b``, KV head ``h`` and its ``M = Tq·G`` query rows ``q_m``: every key of a candidate page is read as
@@ -178,8 +178,9 @@ def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq
 
     q4 = q.unsqueeze(1) if q.dim() == 3 else q
     B, Tq, Hq, D = q4.shape
-    Hkv = k_min.shape[1]
+    Hkv, page_size = k_min.shape[1], k_cache.shape[1]
     G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
     keys = quant.dequantize(k_cache, k_scale) if k_scale is not None else k_cache
     out = torch.full((B, Hkv, block_table.shape[1]), float("-inf"), dtype=torch.float32)
     for b in range(B):
