@@ -52,6 +52,9 @@ class Engine:
             (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another policy: ``ValueError`` naming
             ``policy``; out of range: ``ValueError`` naming the argument (``TypeError`` for a non-number).
             :attr:`stats` ``pages_attended`` counts the pages each sparse step attended.
+        rerank, candidates: the ``quest`` selection's second stage (:class:`tinyattn.SparsityConfig`): ``"int4"``
+            re-ranks ``ceil(candidates · page_budget)`` candidates by their attention mass estimated from 4-bit key
+            codes, which the engine's cache then keeps (issue 35; docs/design_rerank.md).
         backend: ``None`` (by device), ``"torch"`` or ``"triton"``.
         max_num_batched_tokens: tokens per step, decode and prefill chunks together (vLLM's name); a prompt
             longer than this is prefilled in chunks over several steps.
@@ -86,7 +89,8 @@ class Engine:
                  backend: str | None = None, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  recompute: str = "replay", eos_token_id: int | None = 2, plugins=(), clock=time.perf_counter,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
-                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None):
+                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None, rerank: str | None = None,
+                 candidates: float = 1.0):
         for name, v in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -105,7 +109,7 @@ class Engine:
         self.model = model
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                        num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy,
-                                       gamma=gamma, top_p=top_p)
+                                       gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
         self.page_size, self.num_pages = page_size, num_pages
         self.eos_token_id = eos_token_id
         self.plugins = plugins
@@ -121,7 +125,8 @@ class Engine:
         graphed = self.cuda_graphs and self.graphs_off is None
         self._reserved_pages = int(graphed)            # the padding rows' scratch page, outside num_pages
         self.cache = model.new_cache(page_size=page_size, num_pages=num_pages + self._reserved_pages,
-                                     kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)
+                                     kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,
+                                     key_codes=self.sparsity.rerank is not None)
         self.runner = ModelRunner(model, self.cache, self.sparsity, backend=backend, plugins=plugins)
         self._logit_hooks = [p for p in plugins if type(p).after_logits is not Plugin.after_logits]
         if graphed:
@@ -141,7 +146,8 @@ class Engine:
     def __repr__(self) -> str:
         s = self.sparsity
         return (f"Engine(page_size={self.page_size}, num_pages={self.num_pages}, page_budget={s.page_budget}, "
-                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, plugins={list(self.plugins)})")
+                f"policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, rerank={s.rerank!r}, "
+                f"plugins={list(self.plugins)})")
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, arrival_time: float | None = None

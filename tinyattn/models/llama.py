@@ -150,6 +150,7 @@ class ForwardStep:
     norm_eps: list = None         # each block's (attention_norm, ffn_norm) eps, then the final norm's
     attn_out: torch.Tensor = None  # a [B, Hq, D] buffer every layer's attention writes into (a graphed step)
     trusted_slots: bool = False   # slots in range by construction: the cache skips its range check (graphs.py)
+    codes: list = None            # each layer's 4-bit key codes (a cache with key_codes=True), else None per layer
 
 
 def _derived(owner, name: str, weights, build):
@@ -217,17 +218,20 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto", box_dtype: str = "auto"):
+    def new_cache(self, *, page_size: int, num_pages: int, kv_cache_dtype: str = "auto", box_dtype: str = "auto",
+                  key_codes: bool = False):
         """An empty :class:`tinyattn.cache.PagedKVCache` shaped for this model.
 
         ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8_e4m3"``
         (per-(page, KV head) scales); ``box_dtype``: ``"auto"`` (exact boxes), ``"fp32"``, ``"bf16"`` or ``"fp16"``
-        (rounded outward); ``ValueError`` naming the supported set otherwise."""
+        (rounded outward); ``ValueError`` naming the supported set otherwise. ``key_codes``: keep 4-bit key codes
+        for the re-ranked selection (``rerank="int4"``)."""
         from tinyattn.cache import PagedKVCache
 
         cfg = self.config
         return PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, num_pages=num_pages,
-                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype)
+                            dtype=self.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,
+                            key_codes=key_codes)
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
@@ -306,6 +310,7 @@ class LlamaModel(nn.Module):
             scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(getattr(cache, "k_scale", []),
                                                                    getattr(cache, "v_scale", []))]
             or [{}] * cfg.n_layers,                           # int8 / fp8 caches: per-(page, KV head) scales
+            codes=getattr(cache, "k_code", None) or [None] * cfg.n_layers,   # 4-bit key codes (rerank="int4")
             weights=self._weights(), norm_eps=self._norm_eps)
 
     def embed(self, step: "ForwardStep") -> torch.Tensor:
@@ -338,10 +343,11 @@ class LlamaModel(nn.Module):
         w, norm_eps = step.weights[li], step.norm_eps[li][1]
         q = self.write_kv(li, x, step)
         if step.attn_out is None:
-            attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li))
+            attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li),
+                                  k_code=step.codes[li] if step.codes else None)
         else:           # a graphed step: no allocation outside the graph's pool
             attn = step.attention(li, q, *step.pools[li], **step.scales[li], window_left=self.config.window_left(li),
-                                  out=step.attn_out)
+                                  out=step.attn_out, k_code=step.codes[li] if step.codes else None)
         x = torch.addmm(x, attn.reshape(B * T, -1), w.wo)                                     # x + attn @ wo
         h = torch.mm(x, w.w13).mul_(_inv_rms(x, norm_eps).to(x.dtype))
         a, b = h.chunk(2, dim=-1)
@@ -569,6 +575,9 @@ class LlamaRuntime:
             (:class:`SparsityConfig`). The read statistics of :meth:`generate` (``pages_read``, ``kv_bytes_read``)
             count the capacity; its ``pages_attended`` counts the pages each (sparse layer, KV head, row, eager
             decode step) attended, as top-p kept them (mean, min / median / max, histogram).
+        rerank, candidates: the ``quest`` selection's second stage (:class:`SparsityConfig`): ``"int4"`` re-ranks
+            ``ceil(candidates · page_budget)`` candidates by their attention mass estimated from 4-bit key codes;
+            the caches this runtime makes then keep the codes (``D/2`` bytes per key and head).
 
     Example::
 
@@ -582,7 +591,8 @@ class LlamaRuntime:
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  backend: str | None = None, policy="quest", selection_metrics: bool = False,
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", cuda_graphs: bool = False,
-                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None):
+                 gamma: float = DEFAULT_GAMMA, top_p: float | None = None, rerank: str | None = None,
+                 candidates: float = 1.0):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if backend not in (None, "torch", "triton"):
@@ -602,7 +612,8 @@ class LlamaRuntime:
         self.page_size = page_size
         self.sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                        num_recent_pages=num_recent_pages, dense_layers=dense_layers,
-                                       policy=policy, gamma=gamma, top_p=top_p)
+                                       policy=policy, gamma=gamma, top_p=top_p, rerank=rerank,
+                                       candidates=candidates)
         self.selection_metrics = bool(selection_metrics)
         if dense_layers > model.config.n_layers:
             raise ValueError(f"dense_layers ({dense_layers}) exceeds the model's n_layers ({model.config.n_layers})")
@@ -623,7 +634,7 @@ class LlamaRuntime:
         return (f"LlamaRuntime(page_size={self.page_size}, page_budget={s.page_budget}, "
                 f"num_sink_pages={s.num_sink_pages}, num_recent_pages={s.num_recent_pages}, "
                 f"dense_layers={s.dense_layers}, policy={s.policy.name!r}, gamma={s.gamma}, top_p={s.top_p}, "
-                f"backend={self.backend!r}, "
+                f"rerank={s.rerank!r}, backend={self.backend!r}, "
                 f"kv_cache_dtype={self.kv_cache_dtype!r}, box_dtype={self.box_dtype!r}, "
                 f"cuda_graphs={self.cuda_graphs})")
 
@@ -632,7 +643,7 @@ class LlamaRuntime:
         """A cache with exactly enough pages for sequences of the given maximum lengths (plus ``extra_pages``)."""
         num_pages = sum(max(1, -(-n // self.page_size)) for n in max_tokens) + extra_pages
         return self.model.new_cache(page_size=self.page_size, num_pages=num_pages, kv_cache_dtype=self.kv_cache_dtype,
-                                    box_dtype=self.box_dtype)
+                                    box_dtype=self.box_dtype, key_codes=self.sparsity.rerank is not None)
 
     def prefill(self, cache, seq_id: int, tokens: list[int] | torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Dense prefill of one sequence; logits of the last token ``[V]`` (or of all ``[T, V]``)."""
