@@ -276,6 +276,9 @@ class TinyAttnCache(Cache):
             after the forced pages, the fewest best pages whose estimated attention mass reaches ``top_p``,
             ``page_budget`` being the capacity (Twilight, arXiv 2502.02770). ``gamma`` / ``top_p`` with another
             policy are a ``ValueError`` naming ``policy``.
+        rerank, candidates: the ``quest`` selection's second stage (:class:`tinyattn.layer.SparsityConfig`):
+            ``"int4"`` re-ranks ``ceil(candidates · page_budget)`` candidates by their attention mass estimated from
+            4-bit key codes, which the pool then keeps (issue 35; docs/design_rerank.md).
 
     Attributes:
         pages_attended: with a ``page_budget``, a :class:`tinyattn.metrics.PagesAttended`: the pages each (sparse
@@ -303,7 +306,7 @@ class TinyAttnCache(Cache):
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  num_pages: int | None = None, backend: str | None = None, policy="quest",
                  kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = DEFAULT_GAMMA,
-                 top_p: float | None = None):
+                 top_p: float | None = None, rerank: str | None = None, candidates: float = 1.0):
         if num_sink_pages is None:             # the library's default recipe (tinyattn.layer)
             num_sink_pages = default_num_sink_pages(page_budget if isinstance(page_budget, int) else None,
                                                     num_recent_pages if isinstance(num_recent_pages, int) else 1)
@@ -336,8 +339,10 @@ class TinyAttnCache(Cache):
         self._attention = PagedAttention(SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                                                         num_recent_pages=num_recent_pages,
                                                         dense_layers=dense_layers, policy=policy, gamma=gamma,
-                                                        top_p=top_p), backend=backend)
+                                                        top_p=top_p, rerank=rerank, candidates=candidates),
+                                         backend=backend)
         self.gamma, self.top_p = self._attention.sparsity.gamma, self._attention.sparsity.top_p
+        self.rerank, self.candidates = self._attention.sparsity.rerank, self._attention.sparsity.candidates
         self.pages_attended = None if page_budget is None else PagesAttended()
         self._attention.attended = self.pages_attended
         windows = _layer_windows(text_config, self.num_layers)
@@ -373,7 +378,7 @@ class TinyAttnCache(Cache):
     def __repr__(self):
         return (f"TinyAttnCache(page_size={self.page_size}, page_budget={self.page_budget}, "
                 f"num_sink_pages={self.num_sink_pages}, num_recent_pages={self.num_recent_pages}, "
-                f"dense_layers={self.dense_layers}, gamma={self.gamma}, top_p={self.top_p}, "
+                f"dense_layers={self.dense_layers}, gamma={self.gamma}, top_p={self.top_p}, rerank={self.rerank!r}, "
                 f"backend={self.backend!r}, batch_size={self.batch_size}, "
                 f"seq_length={self._hf_len})")
 
@@ -575,7 +580,7 @@ class TinyAttnCache(Cache):
         num_pages = self.num_pages or max(B * per_row, 1)
         self._pool = PagedKVCache(self.num_layers, Hkv, D, page_size=self.page_size, num_pages=num_pages,
                                   dtype=dtype, device=device, kv_cache_dtype=self.kv_cache_dtype,
-                                  box_dtype=self.box_dtype)
+                                  box_dtype=self.box_dtype, key_codes=self.rerank is not None)
         self._seq_ids = [self._pool.add_sequence() for _ in range(B)]
         self._real = torch.zeros(B, 0, dtype=torch.bool)
 
@@ -784,6 +789,8 @@ class TinyAttnCache(Cache):
                                   seq_ids=list(self._seq_ids), trusted=True)   # the pool's own tables
             self._planned = True
         scales = dict(k_scale=pool.k_scale[layer_idx], v_scale=pool.v_scale[layer_idx]) if pool.quantized else {}
+        if pool.k_code:
+            scales["k_code"] = pool.k_code[layer_idx]
         out = self._attention(layer_idx, q, pool.k_cache[layer_idx], pool.v_cache[layer_idx],
                               pool.k_min[layer_idx], pool.k_max[layer_idx], scale=scaling,
                               window_left=-1 if window is None else window - 1, **scales)
@@ -814,7 +821,7 @@ class TinyAttnCache(Cache):
 CONFIG_KEY = "tinyattn"
 #: the TinyAttnCache options ``enable`` accepts (all JSON values, so that save_pretrained keeps them)
 SETTINGS = ("page_size", "page_budget", "num_sink_pages", "num_recent_pages", "dense_layers", "num_pages", "backend",
-            "policy", "kv_cache_dtype", "box_dtype", "gamma", "top_p")
+            "policy", "kv_cache_dtype", "box_dtype", "gamma", "top_p", "rerank", "candidates")
 
 
 def enable(model, **settings):
@@ -827,7 +834,7 @@ def enable(model, **settings):
         model: a decoder-only ``transformers`` model (``PreTrainedModel`` with ``generate``).
         **settings: :class:`TinyAttnCache` options (:data:`SETTINGS`: ``page_size``, ``page_budget``,
             ``num_sink_pages``, ``num_recent_pages``, ``dense_layers``, ``num_pages``, ``backend``, ``policy`` (a
-            name), ``kv_cache_dtype``, ``box_dtype``, ``gamma``, ``top_p``). None given: the settings saved in
+            name), ``kv_cache_dtype``, ``box_dtype``, ``gamma``, ``top_p``, ``rerank``, ``candidates``). None given: the settings saved in
             ``model.config.tinyattn`` (a model enabled, then saved with ``save_pretrained``), else TinyAttnCache's
             defaults (dense decode).
 
