@@ -66,11 +66,22 @@ TOP_P_HELP = ("adaptive budget of the quest selection, in (0, 1]: after the forc
               "1 keeps the budget")
 
 
+RERANK_HELP = ("second stage of the quest selection: int4 ranks the estimate's best pages again by their attention "
+               "mass estimated from 4-bit key codes (Twilight's INT4 keys; the cache keeps D/2 bytes of codes per key "
+               "and head); with --top-p, top-p prunes by that mass (issue 35, docs/design_rerank.md)")
+CANDIDATES_HELP = "candidates the estimate hands to --rerank, as a multiple of --page-budget (>= 1)"
+at_least_one = _float_in("a number >= 1", lambda v: 1.0 <= v < float("inf"))       # --candidates
+
+
 def add_selection_options(group, applies_to: str | None = None) -> None:
-    """``--gamma`` and ``--top-p`` (settings of the quest selection) on an argparse group; ``applies_to`` says
-    which runs of a comparing command take them (eval: the quest passes)."""
+    """``--gamma``, ``--top-p``, ``--rerank`` and ``--candidates`` (settings of the quest selection) on an argparse
+    group; ``applies_to`` says which runs of a comparing command take them (eval: the quest passes)."""
     also = f"; applies to {applies_to}" if applies_to else ""
     group.add_argument("--gamma", type=unit_interval, default=DEFAULT_GAMMA, metavar="G",
                        help=f"{GAMMA_HELP} (default: {DEFAULT_GAMMA:g}{also})")
     group.add_argument("--top-p", type=top_p_fraction, default=None, metavar="P",
                        help=f"{TOP_P_HELP} (default: off, a fixed --page-budget{also})")
+    group.add_argument("--rerank", choices=("int4",), default=None,
+                       help=f"{RERANK_HELP} (default: off, the estimate alone{also})")
+    group.add_argument("--candidates", type=at_least_one, default=1.0, metavar="C",
+                       help=f"{CANDIDATES_HELP} (default: 1, the budget itself{also})")

@@ -42,7 +42,7 @@ from .ops import quant
 from .ops.plan import PagedAttentionPlan
 from .ops.validation import check_gamma, check_rerank, check_selection_options, check_top_p, check_window_left
 
-__all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
+__all__ = ["SparsityConfig", "PagedAttention", "quest_settings", "format_settings", "DEFAULT_NUM_SINK_PAGES", "DEFAULT_SINK_MIN_BUDGET",
            "default_num_sink_pages", "DEFAULT_GAMMA"]
 
 #: sink pages a sparse config keeps when the caller leaves ``num_sink_pages`` unset and the budget is at least
@@ -78,13 +78,26 @@ def default_num_sink_pages(page_budget: int | None, num_recent_pages: int) -> in
     return 0
 
 
-def quest_settings(policy, gamma: float = DEFAULT_GAMMA, top_p: float | None = None) -> dict:
-    """``{"gamma": gamma, "top_p": top_p}`` when ``policy`` (a name or instance) runs the fused quest selection,
-    ``{}`` for any other policy: how a command that compares policies (``tinyattn eval --gamma / --top-p``) applies
-    the quest selection's settings to quest's passes and leaves the others as they are."""
+def quest_settings(policy, gamma: float = DEFAULT_GAMMA, top_p: float | None = None, rerank: str | None = None,
+                   candidates: float = 1.0) -> dict:
+    """``{"gamma": gamma, "top_p": top_p}`` (and ``"rerank"``, ``"candidates"`` when ``rerank`` is set) when
+    ``policy`` (a name or instance) runs the fused quest selection, ``{}`` for any other policy: how a command that
+    compares policies (``tinyattn eval --gamma / --top-p / --rerank``) applies the quest selection's settings to
+    quest's passes and leaves the others as they are."""
     from .selection import get_policy
 
-    return {"gamma": gamma, "top_p": top_p} if get_policy(policy).fused else {}
+    if not get_policy(policy).fused:
+        return {}
+    settings = {"gamma": gamma, "top_p": top_p}
+    if rerank is not None:
+        settings.update(rerank=rerank, candidates=candidates)
+    return settings
+
+
+def format_settings(settings: dict) -> str:
+    """``", gamma=0.25, top_p=0.8, rerank=int4"``: the set values of :func:`quest_settings` for a report line."""
+    return "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}" for k, v in settings.items()
+                   if v is not None)
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,64 @@ def test_writes_and_boxes_match_the_reference_through_block_reuse():
     check([1, 2, 3])
 
 
+
+def test_rerank_settings_from_the_environment():
+    s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_RERANK": "int4", "TINYATTN_CANDIDATES": "1.5"})
+    assert (s.rerank, s.candidates) == ("int4", 1.5)
+    assert settings_from_env({"TINYATTN_RERANK": "none"}).rerank is None and settings_from_env({}).rerank is None
+    with pytest.raises(ValueError, match=r"^TINYATTN_RERANK: expected int4, none or unset .*got 'int8'"):
+        settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_RERANK": "int8"})
+    for bad in ("0.5", "abc", "inf"):
+        with pytest.raises(ValueError, match=rf"^TINYATTN_CANDIDATES: expected a number >= 1 .*got '{bad}'"):
+            settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_RERANK": "int4", "TINYATTN_CANDIDATES": bad})
+
+
+def test_key_codes_match_the_reference_and_a_rerank_step_matches_the_op():
+    """With ``rerank="int4"`` the backend keeps 4-bit key codes beside the boxes: every block a step fills gets the
+    reference encoder's codes (read through :func:`paging.code_views`, indexed like the pools), through block reuse
+    and a padding slot; and a decode step attends over the pages of the public op's re-ranked selection."""
+    B, H, page_size, D = 12, 2, 4, 8
+    kv = vllm_cache(B, H, page_size, D, "LBNHC")
+    k_cache, v_cache = block_pools(kv, H, D, page_size)
+    boxes = make_boxes(B, H, D, dtype=torch.float32, device="cpu")
+    codes = paging.make_codes(B, H, D, page_size, device="cpu")
+    vl = FakeVllm(B, page_size)
+
+    def step(plan):
+        slots = torch.cat([vl.schedule(r, n) for r, n in plan] + [torch.tensor([-1])])
+        n = slots.shape[0]
+        write_kv(k_cache, v_cache, boxes, torch.randn(n, H, D), torch.randn(n, H, D), slots, page_size, codes)
+
+    step([(0, 7), (1, 3)])
+    step([(0, 1), (1, 1), (2, 9)])
+    vl.release(0)
+    step([(3, 6), (1, 1), (2, 3)])
+    reqs = [1, 2, 3]
+    bt, sl = vl.tables(reqs)
+    k_min, k_max = box_views(boxes)
+    k_code = paging.code_views(codes)
+    assert k_code.shape == (2 * B - 1, page_size, H, D // 2)
+    want = torch.zeros_like(k_code)
+    full = [2 * int(bt[i, j]) for i in range(len(reqs)) for j in range(int(sl[i]) // page_size)]
+    ref.encode_key_codes(k_cache, torch.tensor([p * page_size + page_size - 1 for p in full]), k_min, k_max, want)
+    assert full and all(torch.equal(k_code[p], want[p]) for p in full)
+    # one decode step of the three requests, sparse with the re-rank
+    slots = torch.cat([vl.schedule(r, 1) for r in reqs])
+    write_kv(k_cache, v_cache, boxes, torch.randn(3, H, D), torch.randn(3, H, D), slots, page_size, codes)
+    bt, sl = vl.tables(reqs)
+    sparsity = SparsityConfig(page_budget=2, num_sink_pages=0, rerank="int4", top_p=0.6)
+    groups = plan_groups(torch.arange(4), bt, sl, make_attention=lambda tq, fresh: PagedAttention(sparsity,
+                         backend="torch"), num_q_heads=4, num_kv_heads=H, head_dim=D, page_size=page_size,
+                         scale=D ** -0.5)
+    query = torch.randn(3, 4, D)
+    output = attend_groups(groups, 0, query, torch.empty(3, 4, D), k_cache, v_cache, k_min, k_max, D ** -0.5,
+                           k_code=k_code)
+    import tinyattn
+    want = tinyattn.sparse_paged_attention(query, k_cache, v_cache, bt * 2, sl, k_min=k_min, k_max=k_max,
+                                           page_budget=2, rerank="int4", top_p=0.6, gamma=DEFAULT_GAMMA,
+                                           k_code=k_code, backend="torch")
+    torch.testing.assert_close(output, want, atol=1e-5, rtol=1e-5)
+
 # ---- planning a mixed step ------------------------------------------------------------------------------
 @pytest.mark.parametrize("page_budget", [None, 2])
 @pytest.mark.parametrize("window_left", [-1, 4])

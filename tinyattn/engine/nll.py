@@ -45,18 +45,19 @@ class NLLResult:
 def teacher_forced_nll(model, sequences: list[list[int]], *, page_size: int = 16, page_budget: int | None = None,
                        num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                        policy="quest", backend: str | None = None, plugins=(), gamma: float = DEFAULT_GAMMA,
-                       top_p: float | None = None) -> NLLResult:
+                       top_p: float | None = None, rerank: str | None = None, candidates: float = 1.0) -> NLLResult:
     """Mean NLL of ``sequences`` (token lists, BOS first, >= 2 tokens each) under the engine's decode path with
-    the given sparsity (``gamma`` / ``top_p``: the quest selection's, as :class:`tinyattn.SparsityConfig`) and
+    the given sparsity (``gamma`` / ``top_p`` / ``rerank``: the quest selection's, as :class:`tinyattn.SparsityConfig`) and
     ``plugins``."""
     seqs = [list(s) for s in sequences if len(s) >= 2]
     if not seqs:
         raise ValueError("sequences: expected at least one sequence of >= 2 tokens (BOS + a target)")
     sparsity = SparsityConfig(page_budget=page_budget, num_sink_pages=num_sink_pages,
                               num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy,
-                              gamma=gamma, top_p=top_p)
+                              gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
     sparsity.policy.reset()
-    cache = model.new_cache(page_size=page_size, num_pages=sum(-(-len(s) // page_size) for s in seqs))
+    cache = model.new_cache(page_size=page_size, num_pages=sum(-(-len(s) // page_size) for s in seqs),
+                            key_codes=sparsity.rerank is not None)
     runner = ModelRunner(model, cache, sparsity, backend=backend, plugins=plugins)
     ids = [cache.add_sequence() for _ in seqs]
     total, count, exits, skipped = 0.0, 0, 0, 0

@@ -250,7 +250,8 @@ def _selection(base: str, args) -> dict:
     and dense, take none)."""
     if base == "dense":
         return {}
-    return quest_settings(base, getattr(args, "gamma", DEFAULT_GAMMA), getattr(args, "top_p", None))
+    return quest_settings(base, getattr(args, "gamma", DEFAULT_GAMMA), getattr(args, "top_p", None),
+                          getattr(args, "rerank", None), getattr(args, "candidates", 1.0))
 
 
 def bench_config(model, config: str, workload: Workload, args, *, stop_ids=(), eos_id=2, progress=True) -> BenchRow:
@@ -321,7 +322,8 @@ def config_nll(model, config: str, sequences, args) -> float:
     return teacher_forced_nll(model, sequences, page_size=args.page_size, page_budget=s.page_budget,
                               num_sink_pages=s.num_sink_pages, num_recent_pages=s.num_recent_pages,
                               dense_layers=s.dense_layers, policy=s.policy.name, backend=args.backend,
-                              plugins=engine.plugins, gamma=s.gamma, top_p=s.top_p).nll
+                              plugins=engine.plugins, gamma=s.gamma, top_p=s.top_p, rerank=s.rerank,
+                              candidates=s.candidates).nll
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -407,7 +409,8 @@ def run(args) -> int:
                     request_rate=args.request_rate, prompt_len=args.prompt_len, output_len=args.output_len,
                     output_len_dist=args.output_len_dist, temperature=args.temperature, seed=args.seed,
                     page_size=args.page_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
-                    page_budget=args.page_budget, gamma=args.gamma, top_p=args.top_p,
+                    page_budget=args.page_budget, gamma=args.gamma, top_p=args.top_p, rerank=args.rerank,
+                    candidates=args.candidates,
                     num_sink_pages=args.num_sink_pages, num_recent_pages=args.num_recent_pages,
                     dense_layers=args.dense_layers, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, recompute=args.recompute, exit_threshold=args.exit_threshold,
@@ -419,6 +422,7 @@ def run(args) -> int:
     title = (f"serve-bench: {args.num_requests} requests, {rate}, {args.num_pages} pages of {args.page_size} tokens"
              f"{kv}, page_budget {args.page_budget}, gamma {args.gamma:g}"
              + ("" if args.top_p is None else f", top_p {args.top_p}")
+             + ("" if args.rerank is None else f", rerank {args.rerank} (candidates {args.candidates:g})")
              + f"; {_device_words(model, torch.get_num_threads())}")
     print(title)
     print(format_table(rows))

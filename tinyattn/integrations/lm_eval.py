@@ -66,7 +66,7 @@ class TinyAttnLM(HFLM):
     Args:
         pretrained: a Hugging Face folder or hub id, or a loaded ``PreTrainedModel`` (``HFLM``'s argument).
         page_size, page_budget, num_sink_pages, num_recent_pages, dense_layers, policy, kv_cache_dtype, box_dtype,
-            gamma, top_p, attn_backend: the :class:`~tinyattn.integrations.hf.TinyAttnCache` settings (module table);
+            gamma, top_p, rerank, candidates, attn_backend: the :class:`~tinyattn.integrations.hf.TinyAttnCache` settings (module table);
             ``attn_backend`` is TinyAttnCache's ``backend``.
         **kwargs: ``HFLM``'s (``dtype``, ``device``, ``batch_size``, ``max_length``, ...).
 
@@ -78,7 +78,8 @@ class TinyAttnLM(HFLM):
     def __init__(self, pretrained, *, page_size: int = 16, page_budget: int | None = None,
                  num_sink_pages: int | None = None, num_recent_pages: int = 1, dense_layers: int = 0,
                  policy: str = "quest", kv_cache_dtype: str = "auto", box_dtype: str = "auto",
-                 attn_backend: str | None = None, gamma: float = DEFAULT_GAMMA, top_p: float | None = None, **kwargs):
+                 attn_backend: str | None = None, gamma: float = DEFAULT_GAMMA, top_p: float | None = None,
+                 rerank: str | None = None, candidates: float = 1.0, **kwargs):
         impl = kwargs.pop("attn_implementation", hf.ATTN_IMPLEMENTATION)
         if impl != hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"attn_implementation: the tinyattn model runs {hf.ATTN_IMPLEMENTATION!r}, got {impl!r} "
@@ -86,7 +87,7 @@ class TinyAttnLM(HFLM):
         settings = dict(page_size=page_size, page_budget=page_budget, num_sink_pages=num_sink_pages,
                         num_recent_pages=num_recent_pages, dense_layers=dense_layers, policy=policy,
                         kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype, backend=attn_backend, gamma=gamma,
-                        top_p=top_p)
+                        top_p=top_p, rerank=rerank, candidates=candidates)
         settings = {k: _from_arg(v) for k, v in settings.items()}
         if isinstance(pretrained, str):
             kwargs["attn_implementation"] = hf.ATTN_IMPLEMENTATION     # loaded with it: no switch after loading

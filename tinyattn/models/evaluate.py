@@ -214,7 +214,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
              dense_layers: int = 0, backend: str | None = None, max_context: int | None = None,
              long_range_window: int = 64, repeat_probe: bool = True, selection_metrics: bool = True,
              progress: bool = True, kv_cache_dtype: str = "auto", box_dtype: str = "auto", gamma: float = DEFAULT_GAMMA,
-             top_p: float | None = None) -> EvalResult:
+             top_p: float | None = None, rerank: str | None = None, candidates: float = 1.0) -> EvalResult:
     """Teacher-forced NLL, perplexity, agreement, KL, hit rate and the long-range probes, per configuration.
 
     Args:
@@ -243,6 +243,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
             the passes of ``quest`` (the other policies run as they are); with ``top_p`` the row's
             ``pages_attended`` is the mean number of pages each (sparse layer, KV head, row, step) kept, at most
             its ``page_budget`` (``pages_read_fraction`` counts the capacity).
+        rerank, candidates: the quest selection's second stage (:class:`SparsityConfig`), applied to the passes of
+            ``quest`` as ``gamma`` / ``top_p`` are.
     """
     from tqdm.auto import tqdm
 
@@ -273,7 +275,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         for pol, name in zip(policies, policy_names):
             for b in _budgets_for(ps, page_budgets, token_budgets):
                 SparsityConfig(page_budget=b, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                               dense_layers=dense_layers, policy=pol, **quest_settings(pol, gamma, top_p))
+                               dense_layers=dense_layers, policy=pol, **quest_settings(pol, gamma, top_p, rerank, candidates))
                 configs.append((ps, b, pol, name))
 
     encoded = [tokenizer.encode(s, bos=True) for s in stories]
@@ -333,7 +335,7 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
         rt = LlamaRuntime(model, page_size=ps, page_budget=budget, num_sink_pages=num_sink_pages,
                           num_recent_pages=num_recent_pages, dense_layers=dense_layers, backend=backend,
                           policy=get_policy(pol) if not isinstance(pol, str) else pol, kv_cache_dtype=kv_cache_dtype,
-                          box_dtype=box_dtype, **quest_settings(pol, gamma, top_p))
+                          box_dtype=box_dtype, **quest_settings(pol, gamma, top_p, rerank, candidates))
         rt.sparsity.policy.reset()
         # top_p keeps a varying count: the pages each sparse step kept, counted on the device (one sync at the end)
         rt.attention.attended = attended = PagesAttended() if rt.sparsity.top_p is not None else None
@@ -358,7 +360,8 @@ def evaluate(model: LlamaModel, tokenizer: Tokenizer, stories: list[str], *, pag
                                    dense_layers=dense_layers, backend=backend, long_range_window=long_range_window,
                                    repeat_probe=repeat_probe, page_budgets=page_budgets, token_budgets=token_budgets,
                                    kv_cache_dtype=kv_cache_dtype, box_dtype=box_dtype,
-                                   kv_bytes_per_token=kv_bytes_per_token, gamma=gamma, top_p=top_p))
+                                   kv_bytes_per_token=kv_bytes_per_token, gamma=gamma, top_p=top_p,
+                                   rerank=rerank, candidates=candidates))
 
 
 def _teacher_forced(rt: LlamaRuntime, seqs, dense_logp, dense_top, stats, metrics, progress, desc) -> _Rows:
@@ -426,7 +429,9 @@ def format_eval_table(result: EvalResult) -> str:
             + (f", gamma={o.get('gamma', DEFAULT_GAMMA)}" if fused else "")
             + ("" if o.get("top_p") is None or not fused else
                f", top_p={o['top_p']} (pages read: the capacity; then the pages attended, mean per sparse layer, "
-               f"KV head, row and step)"),
+               f"KV head, row and step)")
+            + ("" if o.get("rerank") is None or not fused else
+               f", rerank={o['rerank']} (candidates {o.get('candidates', 1.0):g} x the budget)"),
             "",
             "| page_budget | token budget | mean NLL | ppl | top-1 agreement | KL(dense‖sparse) | pages read "
             "| hit rate | captured mass | long-range NLL | repeat NLL |",

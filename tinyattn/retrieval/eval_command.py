@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, defaults: dict) -> int:
                             num_sink_pages=args.num_sink_pages or 0, num_recent_pages=args.num_recent_pages,
                             dense_layers=args.dense_layers, backend=args.backend,
                             decode_prompt_tokens=args.decode_prompt_tokens, progress=not args.no_progress,
-                            gamma=args.gamma, top_p=args.top_p)
+                            gamma=args.gamma, top_p=args.top_p, rerank=args.rerank, candidates=args.candidates)
     model_name = str(args.model) if args.model is not None else "the shipped retrieval model (tinyattn/data/retrieval)"
     result.options["model_path"] = model_name
     print(f"model: {model_name}; {result.options['seconds']:.0f} s")

@@ -323,7 +323,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    num_sink_pages: int = 0, num_recent_pages: int = 1, dense_layers: int = 0,
                    backend: str | None = None, decode_prompt_tokens: int | str = "question", prefill_chunk: int = 1024,
                    batch_size: int = 32, make_sample: Callable | None = None, progress: bool = True,
-                   gamma: float = DEFAULT_GAMMA, top_p: float | None = None) -> TaskResult:
+                   gamma: float = DEFAULT_GAMMA, top_p: float | None = None, rerank: str | None = None,
+                   candidates: float = 1.0) -> TaskResult:
     """Greedy-answer accuracy of every (task, context, depth, page size, policy, budget) configuration.
 
     Args:
@@ -343,6 +344,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
         num_sink_pages, num_recent_pages, dense_layers, backend: as :class:`tinyattn.models.LlamaRuntime`.
         gamma, top_p: the quest selection's page estimate and top-p budget (:class:`tinyattn.SparsityConfig`),
             applied to the ``quest`` configs (the other policies run as they are; a budget is then top-p's capacity).
+        rerank, candidates: the quest selection's second stage (:class:`tinyattn.SparsityConfig`), applied to the
+            ``quest`` configs; the shared cache then keeps 4-bit key codes.
         decode_prompt_tokens: the trailing prompt tokens fed through the sparse decode path before the answer:
             ``"question"`` (default) = from the prompt's last newline token on (``tokenizer.encode("\n")``, the
             default tokenizer's when ``tokenizer`` is ``None``), or an int (``0``: the first answer token is
@@ -416,7 +419,7 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                                           num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                                           backend=backend, prefill_chunk=prefill_chunk,
                                           on_prefill=lambda: bar.update(1), on_config=bar.update,
-                                          gamma=gamma, top_p=top_p)
+                                          gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
                     for config, per_item in zip(configs, outcomes):
                         for depth, (exact, share) in zip(where[chunk], per_item):
                             t = tallies.setdefault((task, context, depth, ps, config), _Tally())
@@ -439,7 +442,8 @@ def evaluate_tasks(model, tokenizer=None, *, tasks: Sequence[str] = ("passkey",)
                    page_sizes=page_sizes, policies=policies, samples=samples, seed=seed,
                    num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages, dense_layers=dense_layers,
                    backend=backend, decode_prompt_tokens=decode_prompt_tokens, prefill_chunk=prefill_chunk,
-                   batch_size=batch_size, gamma=gamma, top_p=top_p, model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   batch_size=batch_size, gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates,
+                   model=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                               vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len,
                               parameters=sum(p.numel() for p in model.parameters())),
                    seconds=round(time.perf_counter() - t0, 1))
@@ -455,7 +459,8 @@ def _run_sample(model, sample, page_size: int, configs: list[_Config], *, prefil
 def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config], *, seed: int, num_sink_pages: int,
                num_recent_pages: int, dense_layers: int, backend, prefill_chunk: int, on_prefill=lambda: None,
                on_config=lambda n: None, gamma: float = DEFAULT_GAMMA,
-               top_p: float | None = None) -> list[list[tuple[bool, float]]]:
+               top_p: float | None = None, rerank: str | None = None,
+               candidates: float = 1.0) -> list[list[tuple[bool, float]]]:
     """``items``: ``(sample, prefill_tokens)`` pairs of one (task, context). Each sample's first
     ``prefill_tokens`` prompt tokens are prefilled once (dense) into a sequence of one shared cache; then, per
     config, the rest of every prompt and the answers are decoded greedily, all samples as one batch, from the
@@ -468,12 +473,13 @@ def _run_batch(model, items: list[tuple], page_size: int, configs: list[_Config]
     answers = [list(s.answer) for s, _ in items]
     n_prefill = [n for _, n in items]
     cache = model.new_cache(page_size=page_size, num_pages=sum(-(-(len(p) + len(a)) // page_size)
-                                                               for p, a in zip(prompts, answers)))
+                                                               for p, a in zip(prompts, answers)),
+                            key_codes=rerank is not None)
     seq_ids = [cache.add_sequence() for _ in items]
 
     def sparsity(budget, policy):
         return SparsityConfig(page_budget=budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
-                              dense_layers=dense_layers, policy=policy, **quest_settings(policy, gamma, top_p))
+                              dense_layers=dense_layers, policy=policy, **quest_settings(policy, gamma, top_p, rerank, candidates))
 
     # H2O observes the prefill's attention mass (the runtime prefills with the policy attached)
     observer = H2OPolicy() if any(c.policy == "h2o" for c in configs) else None

@@ -9,8 +9,10 @@ Nothing changes unless ``TINYATTN_VLLM=1``. Then :func:`register`:
   ``TINYATTN_RECENT_PAGES`` (default 1), ``TINYATTN_DENSE_LAYERS`` (leading dense layers, default 0),
   ``TINYATTN_GAMMA`` (the page estimate of the quest selection, in ``[0, 1]``, 1 = Quest's bound; default
   :data:`tinyattn.layer.DEFAULT_GAMMA`) and
-  ``TINYATTN_TOP_P`` (the adaptive budget, in ``(0, 1]``; unset = the fixed budget); a bad value stops start-up
-  with a ``ValueError`` naming the variable and the allowed values;
+  ``TINYATTN_TOP_P`` (the adaptive budget, in ``(0, 1]``; unset = the fixed budget), ``TINYATTN_RERANK``
+  (``int4``: the quest selection's second stage, which keeps 4-bit key codes beside each layer's cache; unset or
+  ``none`` = off) and ``TINYATTN_CANDIDATES`` (its candidates as a multiple of the budget, >= 1; default 1); a bad
+  value stops start-up with a ``ValueError`` naming the variable and the allowed values;
 - reads ``TINYATTN_VLLM_CUDA_GRAPHS`` (:func:`cuda_graphs_enabled`; ``1`` on, unset / ``0`` off): whether the
   backend declares CUDA-graph support for uniform single-token decode batches to vLLM. Off by default: the
   graph path has never run on a GPU, and a graph replayed over stale metadata would give wrong tokens silently;
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tinyattn.layer import DEFAULT_GAMMA, quest_settings
+from tinyattn.layer import DEFAULT_GAMMA, format_settings, quest_settings
 
 __all__ = ["register", "settings_from_env", "cuda_graphs_enabled", "ENV_VARS", "BACKEND_PATH"]
 
@@ -45,6 +47,10 @@ ENV_VARS = {
                        "page's key box; 1 = Quest's bound", DEFAULT_GAMMA),
     "TINYATTN_TOP_P": ("adaptive budget of the quest selection, a number in (0, 1]: the fewest pages whose estimated "
                        "attention mass reaches it, TINYATTN_PAGE_BUDGET the most; unset = the fixed budget", None),
+    "TINYATTN_RERANK": ("second stage of the quest selection: int4 re-ranks the candidates by their attention mass "
+                        "estimated from 4-bit key codes; unset or none = off", None),
+    "TINYATTN_CANDIDATES": ("candidates TINYATTN_RERANK re-ranks, a multiple of TINYATTN_PAGE_BUDGET, a number >= 1",
+                            1.0),
 }
 _INT_VARS = ("TINYATTN_PAGE_BUDGET", "TINYATTN_SINK_PAGES", "TINYATTN_RECENT_PAGES", "TINYATTN_DENSE_LAYERS")
 
@@ -96,6 +102,7 @@ def settings_from_env(environ=None):
     budget, sinks, recent, dense = (_int_setting(n, environ) for n in _INT_VARS)
     gamma = _fraction_setting("TINYATTN_GAMMA", environ, open_low=False)
     top_p = _fraction_setting("TINYATTN_TOP_P", environ, open_low=True)
+    rerank, candidates = _rerank_settings(environ)
     if sinks is None:                   # unset: the library's default recipe (tinyattn.layer)
         from tinyattn.layer import default_num_sink_pages
 
@@ -105,7 +112,25 @@ def settings_from_env(environ=None):
                          f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
                          f"dense, got {budget}")
     return SparsityConfig(page_budget=budget or None, num_sink_pages=sinks, num_recent_pages=recent,
-                          dense_layers=dense, gamma=gamma, top_p=top_p)
+                          dense_layers=dense, gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
+
+
+def _rerank_settings(environ) -> tuple:
+    """``(rerank, candidates)`` from ``TINYATTN_RERANK`` (``int4``; unset / ``none`` = off) and
+    ``TINYATTN_CANDIDATES`` (a number >= 1)."""
+    raw = environ.get("TINYATTN_RERANK", "").strip().lower()
+    if raw not in ("", "none", "int4"):
+        raise ValueError(f"TINYATTN_RERANK: expected int4, none or unset ({ENV_VARS['TINYATTN_RERANK'][0]}), got "
+                         f"{environ.get('TINYATTN_RERANK')!r}")
+    text = environ.get("TINYATTN_CANDIDATES", "").strip()
+    try:
+        candidates = float(text) if text else ENV_VARS["TINYATTN_CANDIDATES"][1]
+    except ValueError:
+        candidates = float("nan")
+    if not 1.0 <= candidates < float("inf"):
+        raise ValueError(f"TINYATTN_CANDIDATES: expected a number >= 1 ({ENV_VARS['TINYATTN_CANDIDATES'][0]}), got "
+                         f"{environ.get('TINYATTN_CANDIDATES')!r}")
+    return (None if raw in ("", "none") else raw), candidates
 
 
 def describe(sparsity) -> str:
@@ -113,8 +138,8 @@ def describe(sparsity) -> str:
         return "dense"
     return (f"page_budget={sparsity.page_budget} num_sink_pages={sparsity.num_sink_pages} "
             f"num_recent_pages={sparsity.num_recent_pages} dense_layers={sparsity.dense_layers}"
-            + "".join(f" {k}={v:g}" for k, v in quest_settings(sparsity.policy, sparsity.gamma, sparsity.top_p).items()
-                      if v is not None))
+            + format_settings(quest_settings(sparsity.policy, sparsity.gamma, sparsity.top_p, sparsity.rerank,
+                                             sparsity.candidates)).replace(",", ""))
 
 
 def enabled(environ=None) -> bool:

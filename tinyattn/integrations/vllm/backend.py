@@ -49,7 +49,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from tinyattn.layer import PagedAttention
 
 from . import cuda_graphs_enabled, describe, settings_from_env
-from .paging import attend_groups, block_pools, box_views, make_boxes, plan_groups, uniform_decode_rows, write_kv
+from .paging import (attend_groups, block_pools, box_views, code_views, make_boxes, make_codes, plan_groups,
+                     uniform_decode_rows, write_kv)
 from .step_tables import StepTables
 
 __all__ = ["TinyAttnBackend", "TinyAttnMetadata", "TinyAttnMetadataBuilder", "TinyAttnImpl"]
@@ -230,19 +231,22 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
         if self._views is None or self._views[0] != key:
             block_size = kv_cache.shape[2]
             k_cache, v_cache = block_pools(kv_cache, self.num_kv_heads, self.head_size, block_size)
-            boxes = None
+            boxes = codes = None
             if self.sparsity.page_budget is not None and self.window_left < 0:   # sliding layers never select
                 boxes = make_boxes(kv_cache.shape[0], self.num_kv_heads, self.head_size, dtype=kv_cache.dtype,
                                    device=kv_cache.device)
-            self._views = (key, block_size, k_cache, v_cache, boxes)
+                if self.sparsity.rerank is not None:         # 4-bit key codes beside the boxes
+                    codes = make_codes(kv_cache.shape[0], self.num_kv_heads, self.head_size, block_size,
+                                       device=kv_cache.device)
+            self._views = (key, block_size, k_cache, v_cache, boxes, codes)
         return self._views[1:]
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         if kv_cache.numel() == 0:
             return
-        block_size, k_cache, v_cache, boxes = self._pools(kv_cache)
-        write_kv(k_cache, v_cache, boxes, key, value, slot_mapping, block_size)
+        block_size, k_cache, v_cache, boxes, codes = self._pools(kv_cache)
+        write_kv(k_cache, v_cache, boxes, key, value, slot_mapping, block_size, codes)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: TinyAttnMetadata | None, output: torch.Tensor, output_scale=None,
@@ -251,7 +255,8 @@ class TinyAttnImpl(AttentionImpl[TinyAttnMetadata]):
             raise NotImplementedError("tinyattn vLLM backend: fused output quantization is not supported")
         if attn_metadata is None:                      # profiling / warm-up run
             return output
-        _, k_cache, v_cache, boxes = self._pools(kv_cache)
+        _, k_cache, v_cache, boxes, codes = self._pools(kv_cache)
         k_min, k_max = box_views(boxes) if boxes is not None else (None, None)
         return attend_groups(attn_metadata.groups, self._layer(layer), query, output, k_cache, v_cache,
-                             k_min, k_max, self.scale, window_left=self.window_left)
+                             k_min, k_max, self.scale, window_left=self.window_left,
+                             k_code=code_views(codes) if codes is not None else None)

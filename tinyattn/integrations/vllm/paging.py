@@ -40,7 +40,7 @@ import torch
 
 from ...ops.kv_cache import torch_impl as kv_cache
 
-__all__ = ["block_pools", "make_boxes", "box_views", "write_kv", "Group", "uniform_decode_rows", "plan_groups",
+__all__ = ["block_pools", "make_boxes", "box_views", "make_codes", "code_views", "write_kv", "Group", "uniform_decode_rows", "plan_groups",
            "attend_groups"]
 
 
@@ -94,8 +94,25 @@ def box_views(boxes: torch.Tensor):
     return boxes[:pages], boxes[1: pages + 1]
 
 
+def make_codes(num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int, *, device) -> torch.Tensor:
+    """4-bit key codes of ``num_blocks`` blocks (``rerank="int4"``): ``[num_blocks + 1, block_size, Hkv, D/2]``
+    uint8, the last block a spare that :func:`write_kv`'s padding tokens may encode into (never read)."""
+    return torch.zeros(num_blocks + 1, block_size, num_kv_heads, head_dim // 2, dtype=torch.uint8, device=device)
+
+
+def code_views(codes: torch.Tensor) -> torch.Tensor:
+    """``k_code`` as the ops take it, indexed by tinyattn page id ``2b`` like :func:`box_views`: a strided view
+    ``[2 * num_blocks - 1, block_size, Hkv, D/2]`` whose page ``2b`` is block ``b``'s codes (a page stride of half
+    a block: the odd pages, the value pages, overlap and are never read as keys). No copy."""
+    blocks, size, heads, half = codes.shape
+    page = size * heads * half
+    pages = 2 * (blocks - 1) - 1
+    return torch.as_strided(codes, (pages, size, heads, half), (page // 2, heads * half, half, 1),
+                            codes.storage_offset())
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor | None, key: torch.Tensor,
-             value: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+             value: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, codes: torch.Tensor | None = None) -> None:
     """Store ``key``, ``value`` ``[N, Hkv, D]`` at vLLM slots ``slot_mapping`` ``[N]`` (``block * block_size +
     offset``; negative = padding, skipped) and maintain the boxes of the touched blocks.
 
@@ -104,6 +121,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     written to the row of the step's first real token with that token's key and value (duplicate indices with
     equal values), or, in a step of padding only, writes back what that row holds; in the boxes it targets the
     spare block of :func:`make_boxes` with neutral values. Memory outside the real slots is left bit-identical.
+    ``codes``: from :func:`make_codes` (``rerank="int4"``), or ``None``: the blocks this step fills (its slot
+    ``block_size - 1`` written) get their 4-bit key codes inside their grown boxes
+    (:func:`tinyattn.ops.kv_cache.torch_impl.encode_key_codes`: a host sync, as the CPU build has).
     """
     n = min(slot_mapping.shape[0], key.shape[0])
     if n == 0:
@@ -136,6 +156,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, boxes: torch.Tensor |
     box_pages = torch.where(real, blocks, spare)
     kv_cache.reset_boxes(k_min, k_max, torch.where(real & (offsets == 0), blocks, spare))
     kv_cache.write_kv(key, value, rows, k_cache, v_cache, k_min, k_max, None, None, None, box_pages)
+    if codes is not None:     # pages filled by this step (a padding token rewrites a real row: the same codes)
+        lo, hi = box_views(boxes)
+        kv_cache.encode_key_codes(k_cache, rows, lo, hi, code_views(codes))
 
 
 @dataclass
@@ -229,7 +252,7 @@ def plan_groups(query_start_loc_cpu: torch.Tensor, block_table: torch.Tensor, se
 
 
 def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, output: torch.Tensor, k_cache, v_cache, k_min,
-                  k_max, scale: float, window_left: int = -1) -> torch.Tensor:
+                  k_max, scale: float, window_left: int = -1, k_code: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of a step: each group's plan on ``query`` ``[num_tokens, Hq, D]``, into ``output`` (same shape).
 
     The step's keys and values are already written to the cache; a fresh prefill group's plan attends over them
@@ -238,13 +261,13 @@ def attend_groups(groups: list[Group], layer: int, query: torch.Tensor, output: 
     sliding window (a query at position ``p`` sees keys ``[p - window_left, p]``; ``-1`` = none). A sliding layer
     attends densely over its window in every group and never selects, so it reads no page wholly before the
     window: vLLM's sliding-window KV manager frees those blocks and reuses them while the step's block table still
-    lists them (stale ids).
+    lists them (stale ids). ``k_code``: :func:`code_views` of the layer's 4-bit key codes (``rerank="int4"``).
     """
     Hq, D = query.shape[-2], query.shape[-1]
     for g in groups:
         tq = g.num_query_tokens
         q = query[g.tokens]
         q = q.view(g.num_rows, Hq, D) if tq == 1 else q.view(g.num_rows, tq, Hq, D)
-        out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale, window_left=window_left)
+        out = g.attn(layer, q, k_cache, v_cache, k_min, k_max, scale=scale, window_left=window_left, k_code=k_code)
         output[g.tokens] = out.reshape(-1, Hq, D)
     return output
