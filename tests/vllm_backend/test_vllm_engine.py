@@ -124,6 +124,9 @@ def runs(llama_dir, stories_dir, hybrid, tmp_path_factory):
         "stories_sparse": dict(stories, prompts=story_prompts()[:3],
                                env={**on, "TINYATTN_PAGE_BUDGET": "4", "TINYATTN_GAMMA": "0.25",
                                     "TINYATTN_TOP_P": "0.9"}, llm={"max_model_len": 256}),
+        "stories_rerank": dict(stories, prompts=story_prompts()[:3],
+                               env={**on, "TINYATTN_PAGE_BUDGET": "4", "TINYATTN_GAMMA": "0.25",
+                                    "TINYATTN_TOP_P": "0.9", "TINYATTN_RERANK": "int4"}, llm={"max_model_len": 256}),
         "hybrid_sparse": dict(llama, model=str(hybrid[0]), block_size=16, alone=True,
                               env={**on, "TINYATTN_PAGE_BUDGET": "2"}),
     }
@@ -268,6 +271,24 @@ def test_sparse_matches_tinyattn_runtime_and_stays_fluent(runs):
         assert got == list(w)[len(w) - STORY_TOKENS:]
     assert decode([1] + r["tokens"][0]).strip().startswith(known_good()[:150])
 
+
+
+def test_reranked_sparse_matches_tinyattn_runtime(runs):
+    """The same, with the second stage (TINYATTN_RERANK=int4, issue 35): vLLM's blocks keep 4-bit key codes beside
+    their boxes, and the tokens are tinyattn's LlamaRuntime's with ``rerank="int4"``, which attends fewer pages than
+    the capacity."""
+    from tinyattn import assets
+    from tinyattn.models import LlamaModel
+    from tinyattn.models.llama import LlamaRuntime
+
+    r = ok(runs["stories_rerank"])
+    prompts = runs["_plan"]["stories_rerank"]["prompts"]
+    rt = LlamaRuntime(LlamaModel.from_llama2c(assets.default_model_path()), page_size=16, page_budget=4,
+                      gamma=0.25, top_p=0.9, rerank="int4", backend="torch")
+    out = rt.generate(prompts, max_new_tokens=STORY_TOKENS, eos_id=None)
+    assert out.stats.pages_attended.summary()["mean"] < 4
+    for w, got in zip(out.tokens, r["tokens"]):
+        assert got == list(w)[len(w) - STORY_TOKENS:]
 
 # ---- hybrid model: sliding-window layers + a NoPE layer (SmolLM3 through vLLM's Transformers backend) ---------
 def test_hybrid_model_through_vllm_matches_tinyattn_runtime(runs, hybrid):

@@ -45,6 +45,7 @@ class Shape(NamedTuple):
     default: bool = False  # in the test suite's subset
     gamma: float = 1.0     # the sparse decode's page estimate (1: Quest's bound)
     top_p: float | None = None  # the sparse decode's adaptive budget (None: the whole page_budget)
+    rerank: str | None = None   # the sparse decode's second stage ("int4": 4-bit key codes, written with the KV)
 
 
 K = 1024
@@ -68,6 +69,11 @@ SHAPES = (
     # programs fill the GPU)
     Shape("bench-32K-top-p", 32, 8, 128, 16, "bf16", 32 * K, 1, 128, gamma=0.25, top_p=0.9, default=True),
     Shape("b32-2K-top-p", 32, 8, 128, 16, "bf16", 2 * K, 32, 32, gamma=0.25, top_p=0.9, default=True),
+    # issue 35's second stage: candidates re-ranked by 4-bit key codes (the code writer, the rerank kernel)
+    Shape("bench-32K-rerank", 32, 8, 128, 16, "bf16", 32 * K, 1, 128, gamma=0.25, top_p=0.8, rerank="int4",
+          default=True),
+    Shape("smollm2-135m-rerank", 9, 3, 64, 16, "bf16", 8 * K, 8, 64, gamma=0.25, top_p=0.8, rerank="int4",
+          default=True),
 )
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -157,6 +163,11 @@ def run_shape(shape: Shape) -> None:
     api.write_kv(qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:], slots, k_cache, v_cache, k_min=k_min, k_max=k_max,
                       fill=torch.zeros(num_pages, dtype=torch.int64) if quantized else None, backend="triton",
                       **scales)
+    k_code = None
+    if shape.rerank is not None:
+        k_code = torch.zeros(num_pages, S, Hkv, D // 2, dtype=torch.uint8)
+        tinyattn.encode_key_codes(k_cache, slots, k_min, k_max, k_code, backend="triton",
+                                  **({"k_scale": scales["k_scale"]} if quantized else {}))
     _in_phase("boxes")
     tinyattn.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max, backend="triton",
                                   **({"k_scale": scales["k_scale"]} if quantized else {}))
@@ -166,7 +177,7 @@ def run_shape(shape: Shape) -> None:
         with tinyattn.value_checks(False):   # the kernels do not run: the boxes were never filled (the box check)
             tinyattn.sparse_paged_attention(q, k_cache, v_cache, block_table, seq_lens, k_min=k_min, k_max=k_max,
                                             page_budget=shape.page_budget, backend="triton", gamma=shape.gamma,
-                                            top_p=shape.top_p, **scales)
+                                            top_p=shape.top_p, rerank=shape.rerank, k_code=k_code, **scales)
     _in_phase("dense decode")
     tinyattn.paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="triton", **scales)
     if shape.prefill > 1:

@@ -262,13 +262,30 @@ def mask_pages_before_window(scores: torch.Tensor, seq_lens: torch.Tensor, page_
     return scores.masked_fill_(before[:, None, :], NEG_INF)
 
 
-def decode_key_codes(codes: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
-    """fp32 keys ``[..., S, D]`` of packed codes ``[..., S, D/2]`` uint8 in their box ``[..., D]``:
-    ``k_min + code · (k_max - k_min) / 15`` per channel (a channel of zero width decodes to ``k_min``)."""
-    lo, hi = k_min.float().unsqueeze(-2), k_max.float().unsqueeze(-2)               # [..., 1, D]
-    step = (hi - lo) / 15.0
-    nibbles = torch.cat([codes & 15, codes >> 4], dim=-1).float()                   # [..., S, D]
-    return lo + nibbles * torch.where(step > 0, step, 0.0)
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F      # the low nibble of each byte of an int64 word
+
+
+def decode_key_codes(k_code: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, phys: torch.Tensor,
+                     heads: torch.Tensor) -> torch.Tensor:
+    """fp32 keys ``[..., S, D]`` that the 4-bit codes of physical pages ``phys`` (KV heads ``heads``, broadcast
+    together) stand for: ``k_min + code · (k_max - k_min) / 15`` per channel (low nibble of byte ``i``: channel
+    ``i``; high: ``i + D/2``; a channel of zero width decodes to ``k_min``).
+
+    The codes are gathered and split as int64 words (8 bytes at a time: a uint8 gather or mask per byte costs 8x
+    on the CPU), then converted once into the output, scaled and shifted in place."""
+    half = k_code.shape[-1]
+    if half % 8 == 0 and k_code.stride(-1) == 1 and k_code.stride(-2) == half:
+        words = k_code.view(torch.int64)[phys, :, heads]                          # [..., S, D/16] int64
+        low, high = (words & _LOW_NIBBLES).view(torch.uint8), ((words >> 4) & _LOW_NIBBLES).view(torch.uint8)
+    else:
+        codes = k_code[phys, :, heads]                                              # [..., S, D/2] uint8
+        low, high = codes & 15, codes >> 4
+    keys = torch.empty(*low.shape[:-1], 2 * half, dtype=torch.float32, device=k_code.device)
+    keys[..., :half] = low
+    keys[..., half:] = high
+    lo = k_min[phys, heads].float()
+    step = (k_max[phys, heads].float() - lo) / 15.0
+    return keys.mul_(torch.where(step > 0, step, 0.0).unsqueeze(-2)).add_(lo.unsqueeze(-2))
 
 
 def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens, *, page_size, scale,
@@ -276,7 +293,10 @@ def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, se
     """The log of each candidate page's estimated attention mass from 4-bit keys (the rule: the reference's
     :func:`tinyattn.ops.selection.reference.rerank_scores`): fp32 ``[B, Hkv, max_pages]``, ``-inf`` off the
     candidates. ``candidates`` ``[B, Hkv, C]`` logical pages (``-1`` padded, distinct); the row's last page is read
-    from ``k_cache`` (``k_scale`` for an int8 / fp8 pool), every other one from ``k_code``."""
+    from ``k_cache`` (``k_scale`` for an int8 / fp8 pool), every other one from ``k_code``.
+
+    The candidates' keys are decoded once (:func:`decode_key_codes`), one matmul per (row, KV head) scores them
+    all, and the last page's exact logits replace its coded ones afterwards (``[M, S]``, not ``[S, D]``)."""
     from ..attention.torch_impl import window_start
 
     B, Tq, Hq, D = q4.shape
@@ -291,26 +311,29 @@ def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, se
     j = torch.where(ok, cand, 0)
     phys = block_table.to(torch.int64).gather(1, j.flatten(1)).view_as(j)            # [B, Hkv, C]
     heads = torch.arange(Hkv, device=q4.device)[None, :, None]
-    keys = decode_key_codes(k_code[phys, :, heads], k_min[phys, heads], k_max[phys, heads])   # [B, Hkv, C, S, D]
+    qg = group_queries(q4, Hkv, torch.float32)                                       # [B, Hkv, M, D]
+    keys = decode_key_codes(k_code, k_min, k_max, phys, heads)                       # [B, Hkv, C, S, D]
+    C = keys.shape[2]
+    # one matmul per (row, KV head) over every candidate token: [M, D] x [D, C·S]
+    logits = torch.matmul(qg, keys.view(B, Hkv, C * page_size, D).transpose(-1, -2))
+    logits = logits.view(B, Hkv, -1, C, page_size).transpose(2, 3)                   # [B, Hkv, C, M, S]
     # the row's last page, exactly (it is always attended; its codes exist only once it is full)
     last_phys = block_table.to(torch.int64).gather(1, (n[:, 0] - 1).clamp(min=0)).squeeze(1)  # [B]
     exact = k_cache.index_select(0, last_phys)                                       # [B, S, Hkv, D]
     if k_scale is not None:
         exact = exact.float() * k_scale.index_select(0, last_phys)[:, None, :, None]
-    exact = exact.float().permute(0, 2, 1, 3)[:, :, None]                            # [B, Hkv, 1, S, D]
-    keys = torch.where((j == n - 1)[..., None, None], exact, keys)
-    qg = group_queries(q4, Hkv, torch.float32)                                       # [B, Hkv, M, D]
-    logits = torch.einsum("bhmd,bhcsd->bhmcs", qg, keys) * scale                     # [B, Hkv, M, C, S]
-    key_pos = j[..., None] * page_size + torch.arange(page_size, device=q4.device)   # [B, Hkv, C, S]
+    exact_logits = torch.einsum("bhmd,bshd->bhms", qg, exact.float())                # [B, Hkv, M, S]
+    logits = torch.where((j == n - 1)[..., None, None], exact_logits[:, :, None], logits) * scale
+    key_pos = (j[..., None] * page_size + torch.arange(page_size, device=q4.device))[:, :, :, None]  # [B,Hkv,C,1,S]
     M = qg.shape[2]
     q_pos = lens[:, None] - Tq + torch.arange(M, device=q4.device)[None, :] // (Hq // Hkv)    # [B, M], rows (t, g)
-    q_pos = q_pos[:, None, :, None, None]                                            # [B, 1, M, 1, 1]
-    seen = (ok[..., None] & (key_pos < lens[:, None, None, None]))[:, :, None]       # [B, Hkv, 1, C, S]
-    seen = seen & (key_pos[:, :, None] <= q_pos) & (key_pos[:, :, None] >= window_start(q_pos, window_left))
+    q_pos = q_pos[:, None, None, :, None]                                            # [B, 1, 1, M, 1]
+    seen = ok[..., None, None] & (key_pos < lens[:, None, None, None, None])
+    seen = seen & (key_pos <= q_pos) & (key_pos >= window_start(q_pos, window_left))  # [B, Hkv, C, M, S]
     logits = logits.masked_fill(~seen, NEG_INF)
-    z = logits.flatten(3).logsumexp(-1)                                              # [B, Hkv, M]
+    z = logits.logsumexp(dim=(2, 4))                                                 # [B, Hkv, M]
     z = torch.where(z == NEG_INF, 0.0, z)       # a query that sees no candidate: its exps are all 0 anyway
-    mass = (logits - z[..., None, None]).exp().sum(dim=(2, 4))                       # [B, Hkv, C]
+    mass = (logits - z[:, :, None, :, None]).exp().sum(dim=(3, 4))                  # [B, Hkv, C]
     mu = torch.where(ok, mass.log(), NEG_INF)
     out.scatter_(2, torch.where(ok, cand, max_pages), mu)
     return out[..., :max_pages]
