@@ -34,6 +34,9 @@ argument              default      meaning (:class:`~tinyattn.integrations.hf.Ti
                                    best on RULER)
 ``top_p``             ``None``     adaptive budget of ``quest``, in ``(0, 1]``: the fewest pages whose estimated
                                    attention mass reaches it, ``page_budget`` the capacity; ``none`` = fixed budget
+``rerank``            ``None``     ``int4``: the second stage of ``quest`` (candidates re-ranked by their mass estimated
+                                   from 4-bit key codes); ``none`` = off
+``candidates``        ``1``        the candidates ``rerank`` re-ranks, a multiple of ``page_budget``
 ``attn_backend``      ``None``     tinyattn's backend (``torch``, ``triton``; ``None``: by device). ``HFLM`` has a
                                    ``backend`` argument of its own (causal / seq2seq)
 ====================  ===========  ===============================================================================
