@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,16 +47,18 @@ if str(ROOT) not in sys.path:           # run as `python bench/x.py` from a chec
 
 
 # ---------------------------------------------------------------------------- policy labels
-#: keys of a label that are settings of the fused quest selection (tinyattn.SparsityConfig's gamma / top_p), not
-#: constructor arguments of its policy (questmass:gamma=... stays questmass's own constructor argument)
-SELECTION_KEYS = ("gamma", "top_p")
+#: keys of a label that are settings of the fused quest selection (tinyattn.SparsityConfig's gamma / top_p / rerank /
+#: candidates), not constructor arguments of its policy (questmass:gamma=... stays questmass's own constructor argument)
+SELECTION_KEYS = ("gamma", "top_p", "rerank", "candidates")
 #: ``gamma`` of a bare ``quest`` label: Quest's upper bound (Quest §3.2), not tinyattn.layer.DEFAULT_GAMMA
 QUEST_GAMMA = 1.0
 
 
 def _label_parts(label: str) -> tuple[str, dict, dict]:
     """``name`` or ``name:key=value:...`` -> ``(name, policy kwargs, selection settings)``; values parsed as JSON
-    where they parse; ``gamma`` / ``top_p`` of a fused policy (quest) go to the selection settings."""
+    where they parse; ``gamma`` / ``top_p`` / ``rerank`` / ``candidates`` of a fused policy (quest) go to the
+    selection settings. ``ValueError`` for ``candidates`` without ``rerank`` (the label would name a re-rank that
+    does not run)."""
     from tinyattn.selection import get_policy
 
     name, *pairs = label.split(":")
@@ -72,6 +75,9 @@ def _label_parts(label: str) -> tuple[str, dict, dict]:
         # a label names its selection whatever the library's default: ``quest`` is Quest's bound (gamma = 1), as in
         # every committed result, and the recipe's default box estimate is ``quest:gamma=0.25``
         selection.setdefault("gamma", QUEST_GAMMA)
+        if "candidates" in selection and selection.get("rerank") is None:
+            raise ValueError(f"policy label {label!r}: candidates is the re-rank's (a multiple of the page budget); "
+                             f"add rerank=int4 (e.g. quest:gamma=0.25:rerank=int4:candidates=2)")
     return name, kwargs, selection
 
 
@@ -87,10 +93,122 @@ def policy_from_label(label: str):
 
 
 def selection_from_label(label: str) -> dict:
-    """``{"gamma": ..., "top_p": ...}`` of a quest label (``quest:gamma=0.25:top_p=0.9``), for
-    :class:`tinyattn.layer.SparsityConfig`: a bare ``quest`` gives ``{"gamma": 1.0}`` (Quest's bound); ``{}`` for a
-    policy other than quest."""
+    """``{"gamma": ..., "top_p": ..., "rerank": ..., "candidates": ...}`` (the keys the label sets) of a quest label
+    (``quest:gamma=0.25:top_p=0.9``, ``quest:gamma=0.25:top_p=0.8:rerank=int4``,
+    ``quest:gamma=0.25:rerank=int4:candidates=2``), for :class:`tinyattn.layer.SparsityConfig`: a bare ``quest``
+    gives ``{"gamma": 1.0}`` (Quest's bound); ``{}`` for a policy other than quest."""
     return _label_parts(label)[2]
+
+
+def needs_key_codes(labels) -> bool:
+    """Whether any of the policy ``labels`` asks for the re-ranked selection (``...:rerank=int4``): the KV cache must
+    then keep 4-bit key codes (``model.new_cache(..., key_codes=True)``; only then: ``D/2`` bytes per key and head
+    more). Labels that name no policy of :data:`tinyattn.selection.POLICIES` (the benches' ``dense``, ``hf_stock``)
+    ask for nothing."""
+    from tinyattn.selection import POLICIES
+
+    return any(label.split(":")[0].strip().lower() in POLICIES
+               and selection_from_label(label).get("rerank") is not None for label in labels)
+
+
+# ---------------------------------------------------------------------------- tokens attended
+class AttendedCounter:
+    """Pages and tokens each sparse (row, KV head, layer, step) attended, summed per sequence id."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.pages = defaultdict(float)
+        self.tokens = defaultdict(float)
+        self.count = defaultdict(int)
+
+    def wrap(self, policy):
+        """Count the pages ``policy.select`` returns (an instance attribute shadows the method)."""
+        select = policy.select
+
+        def counted(ctx):
+            idx = select(ctx)
+            valid = idx >= 0
+            start = idx.clamp(min=0).long() * self.page_size
+            lens = ctx.seq_lens.to(idx.device).long()[:, None, None]
+            ntok = (lens - start).clamp(0, self.page_size) * valid
+            for row, sid in enumerate(ctx.rows().tolist()):
+                self.pages[sid] += float(valid[row].sum())
+                self.tokens[sid] += float(ntok[row].sum())
+                self.count[sid] += idx.shape[1]
+            return idx
+
+        policy.select = counted
+        return policy
+
+    def plan_counter(self, attention):
+        """A ``PagedAttention.attended`` hook for the fused path (Quest with ``top_p``): each sparse layer's pages as
+        the plan kept them (``-1`` / past the row's end not attended), per row of ``attention.seq_ids``."""
+        from tinyattn import metrics
+
+        counter = self
+
+        class PerRow:
+            def add(self, page_indices, seq_lens, page_size, num_kv_heads, width):
+                lens = seq_lens.long()
+                if page_indices is None:                  # a step that did not select: every valid page
+                    pages = metrics.num_pages(lens, page_size)[:, None].expand(-1, num_kv_heads)
+                    tokens = lens[:, None].expand(-1, num_kv_heads)
+                else:
+                    pages, tokens = metrics.selection_reads(page_indices, lens, page_size)      # [B, Hkv]
+                for row, sid in enumerate(attention.seq_ids):
+                    counter.pages[sid] += float(pages[row].sum())
+                    counter.tokens[sid] += float(tokens[row].sum())
+                    counter.count[sid] += num_kv_heads
+
+        return PerRow()
+
+    def mean(self, sid: int) -> tuple[float | None, float | None]:
+        n = self.count.get(sid, 0)
+        return (self.pages[sid] / n, self.tokens[sid] / n) if n else (None, None)
+
+    def hook(self, attention) -> bool:
+        """Count what ``attention`` (a :class:`tinyattn.layer.PagedAttention`) attends at its sparse decode steps,
+        as the RULER bench does; returns whether this counter counts it (then :meth:`mean` per sequence), False
+        where :func:`analytic_attended` gives the count (dense, and Quest's fused path with a fixed budget, which
+        keeps ``min(page_budget, valid pages)`` at every step; re-ranked or not). A policy other than Quest's
+        fused selection has its ``select`` wrapped (:meth:`wrap`); the fused path with ``top_p`` gets
+        :meth:`plan_counter` as ``attention.attended``."""
+        s = attention.sparsity
+        if s.page_budget is None:
+            return False
+        if not s.policy.fused:
+            self.wrap(s.policy)
+            return True
+        if s.top_p is not None:                 # top_p keeps a varying count: count the plan's selections
+            attention.attended = self.plan_counter(attention)
+            return True
+        return False
+
+
+def analytic_attended(prompt_len: int, steps: int, page_size: int, page_budget: int | None):
+    """Mean pages / tokens per (KV head, layer, step) of ``steps`` decode steps after a ``prompt_len`` prefill
+    when every step keeps ``min(page_budget, valid pages)`` pages, the partial last page among them (the forced
+    recent page): dense, and Quest's fused path (whose selection the policy hook does not see)."""
+    if steps <= 0:
+        return None, None
+    pages = tokens = 0.0
+    for t in range(1, steps + 1):
+        n = prompt_len + t
+        valid = -(-n // page_size)
+        k = valid if page_budget is None else min(page_budget, valid)
+        pages += k
+        tokens += n if k == valid else (k - 1) * page_size + (n - (valid - 1) * page_size)
+    return pages / steps, tokens / steps
+
+
+def attended_means(counter: AttendedCounter, counted: bool, sid: int, *, prompt_len: int, steps: int,
+                   page_budget: int | None) -> tuple[float | None, float | None]:
+    """Mean pages and tokens attended per (KV head, sparse layer, decode step) of sequence ``sid``: the counter's
+    when it counted (``counted``, :meth:`AttendedCounter.hook`'s answer), else :func:`analytic_attended` of the
+    ``steps`` decode steps after ``prompt_len`` tokens under ``page_budget`` (``None``: dense)."""
+    if counted:
+        return counter.mean(sid)
+    return analytic_attended(prompt_len, steps, counter.page_size, page_budget)
 
 
 # ---------------------------------------------------------------------------- machine

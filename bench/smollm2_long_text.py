@@ -9,8 +9,12 @@ configuration; then the prefill continues to the next bucket. The budget of a bu
 context: ``page_budget = ceil(p / page_size * fraction)``.
 
 Writes ``OUT/long_text.json`` / ``.csv`` (one row per window, bucket, page size, policy, budget: mean NLL in
-nats/token over the bucket's ``N`` tokens, the dense NLL of the same tokens, the ratio) and
-``OUT/long_text.png`` (NLL / dense - 1 vs budget, per bucket).
+nats/token over the bucket's ``N`` tokens, the dense NLL of the same tokens, the ratio, and ``pages_attended`` /
+``tokens_attended``: the mean pages and tokens attended per (KV head, sparse layer, decode step) of the bucket's
+``N - 1`` decode steps, forced pages included, as bench/smollm2_ruler.py counts them: analytically for dense and
+Quest's fused fixed budget, from the selections for top-p and other policies; older files without them still merge)
+and ``OUT/long_text.png`` (NLL / dense - 1 vs budget, per bucket). A ``quest:...:rerank=int4`` label makes the cache
+keep 4-bit key codes.
 
     nice -n 5 python bench/smollm2_long_text.py --out docs/smollm2 --context 8192 --buckets 2048,4096,8160 \\
         --tokens 32 --budgets 1/4,1/8,1/32 --policies quest,streaming,h2o,oracle
@@ -26,7 +30,10 @@ from pathlib import Path
 
 import torch
 
-from common import RECIPES, policy_from_label, pyplot, selection_from_label
+from common import (RECIPES, AttendedCounter, attended_means, needs_key_codes, policy_from_label, pyplot,
+                    selection_from_label)
+
+SMOLLM2 = "SmolLM2-135M-Instruct (dequantized Q4_1)"
 
 
 def main(argv=None) -> int:
@@ -40,11 +47,21 @@ def main(argv=None) -> int:
     p.add_argument("--page-sizes", default="16")
     p.add_argument("--policies", default="quest,streaming,h2o,oracle",
                    help="comma-separated labels name or name:key=value:... (e.g. quest:gamma=0.25 or "
-                        "quest:gamma=0.25:top_p=0.9: the quest selection's box estimate and top-p budget, SparsityConfig's gamma / top_p; questmass:gamma=0.5: questmass's own argument)")
+                        "quest:gamma=0.25:top_p=0.9: the quest selection's box estimate and top-p budget, "
+                        "SparsityConfig's gamma / top_p; quest:gamma=0.25:top_p=0.8:rerank=int4 or "
+                        "quest:gamma=0.25:rerank=int4:candidates=2: the re-rank of the candidates by 4-bit key codes, "
+                        "SparsityConfig's rerank / candidates, the cache then keeps the codes; questmass:gamma=0.5: "
+                        "questmass's own argument)")
     p.add_argument("--recipes", default="default",
                    help=f"sparse-decode recipes (num_sink_pages, dense_layers), any of: "
                         f"{'; '.join(f'{k} {v}' for k, v in RECIPES.items())}")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", choices=["torch", "triton"], default=None,
+                   help="tinyattn's attention backend (default: by device: torch on the CPU, triton on CUDA; "
+                        "TRITON_INTERPRET=1 makes it the slow Triton interpreter on the CPU)")
+    p.add_argument("--model", default="smollm2",
+                   help="a tinyattn model source: 'smollm2' (default), a llama GGUF or a Hugging Face folder; the text "
+                        "is encoded by its tokenizer")
     p.add_argument("--merge", default=None, metavar="DIR1,DIR2,...",
                    help="merge the long_text.json of these output folders (runs over the same windows and buckets) "
                         "into --out (rows, plot, summary) and exit")
@@ -60,7 +77,7 @@ def main(argv=None) -> int:
     from tinyattn.models import sources
     from tinyattn.retrieval.evaluate import page_budget_for, prefill
 
-    model, tok = sources.load_model("smollm2"), sources.load_tokenizer("smollm2")
+    model, tok = sources.load_model(args.model), sources.load_tokenizer(args.model)
     ids = tok.encode(data_path("book_of_mormon_1nephi.txt").read_text(encoding="utf-8"))
     buckets = [int(b) for b in args.buckets.split(",")]
     fractions = [Fraction(b) for b in args.budgets.split(",")]
@@ -71,21 +88,25 @@ def main(argv=None) -> int:
         raise SystemExit(f"buckets + tokens must fit the context, and windows x context the text ({len(ids)} tokens)")
     rows, t0 = [], time.perf_counter()
     recipes = {r: RECIPES[r] for r in args.recipes.split(",")}
+    key_codes = needs_key_codes(policies)               # 4-bit key codes beside the pool only for a re-rank
     total = args.windows * len(page_sizes) * len(buckets) * (1 + len(recipes) * len(policies) * len(fractions))
     bar = tqdm(total=total, desc="long text", unit="config")
     for w in range(args.windows):
         window = ids[w * args.context:(w + 1) * args.context]
         for ps in page_sizes:
-            cache = model.new_cache(page_size=ps, num_pages=-(-args.context // ps) + 1)
+            cache = model.new_cache(page_size=ps, num_pages=-(-args.context // ps) + 1, key_codes=key_codes)
             sid = cache.add_sequence()
-            dense_att = PagedAttention(None)
+            dense_att = PagedAttention(None, backend=args.backend)
             done = 0
             for b in buckets:
                 logits = prefill(model, cache, sid, window[done:b], attention=dense_att)
                 done = b
                 target = window[b:b + n]
 
-                def score(attention) -> float:
+                def score(attention, page_budget) -> tuple[float, float | None, float | None]:
+                    """Mean NLL of the bucket's tokens, mean pages and tokens attended of its decode steps."""
+                    counter = AttendedCounter(ps)       # as the RULER bench counts them
+                    counted = counter.hook(attention)
                     nll, prev = 0.0, logits
                     for i, t in enumerate(target):
                         nll -= torch.log_softmax(prev.float(), -1)[t].item()
@@ -93,22 +114,25 @@ def main(argv=None) -> int:
                             prev = model(torch.tensor([[t]]), cache, [sid], sparse=True, attention=attention,
                                          last_only=True)[0]
                     cache.truncate(sid, b)
-                    return nll / len(target)
+                    pages, ntok = attended_means(counter, counted, sid, prompt_len=b, steps=len(target) - 1,
+                                                 page_budget=page_budget)
+                    return nll / len(target), pages, ntok
 
-                dense = score(dense_att)
+                dense, pages, ntok = score(dense_att, None)
                 bar.update(1)
                 rows.append(dict(window=w, position=b, page_size=ps, recipe="dense", policy="dense",
-                                 budget_fraction=None, page_budget=None, nll=dense, dense_nll=dense, ratio=1.0))
+                                 budget_fraction=None, page_budget=None, nll=dense, dense_nll=dense, ratio=1.0,
+                                 pages_attended=pages, tokens_attended=ntok))
                 for rname, recipe in recipes.items():
                     for pol, f in ((pol, f) for pol in policies for f in fractions):
                         budget = page_budget_for(b, ps, f, num_sink_pages=recipe["num_sink_pages"],
                                                  num_recent_pages=recipe["num_recent_pages"])
                         att = PagedAttention(SparsityConfig(page_budget=budget, policy=policy_from_label(pol), **recipe,
-                                                                            **selection_from_label(pol)))
-                        v = score(att)
+                                                            **selection_from_label(pol)), backend=args.backend)
+                        v, pages, ntok = score(att, budget)
                         rows.append(dict(window=w, position=b, page_size=ps, recipe=rname, policy=pol,
                                          budget_fraction=float(f), page_budget=budget, nll=v, dense_nll=dense,
-                                         ratio=v / dense))
+                                         ratio=v / dense, pages_attended=pages, tokens_attended=ntok))
                         bar.update(1)
                 _write(args, rows, time.perf_counter() - t0)
     bar.close()
@@ -121,11 +145,12 @@ def _write(args, rows, seconds, merged=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args), out=str(args.out), seconds=round(seconds, 1), merged=merged,
                 recipes={r: RECIPES[r] for r in args.recipes.split(",")},
-                model="SmolLM2-135M-Instruct (dequantized Q4_1)",
+                model=SMOLLM2 if getattr(args, "model", "smollm2") == "smollm2" else str(args.model),
                 text="tinyattn/data/book_of_mormon_1nephi.txt (public domain)",
                 h2o="statistics from the teacher-forced decode steps only (no prefill observation)")
     write_json(args.out / "long_text.json", {"meta": meta, "rows": rows})
-    write_csv(args.out / "long_text.csv", list(rows[0]), rows)
+    # the columns of every row (merged older rows lack the attended ones: empty cells)
+    write_csv(args.out / "long_text.csv", list(dict.fromkeys(k for r in rows for k in r)), rows)
     (args.out / "long_text_summary.md").write_text(
         f"# Long text on SmolLM2-135M-Instruct: NLL vs dense\n\nmeta: `{json.dumps(meta)}`\n\n"
         f"{summary_table(rows)}\n")
@@ -142,7 +167,7 @@ def _merge(args) -> int:
                 seen.add(key)
                 rows.append(r)
     # the merged file says what its parts ran, not this command's defaults: each setting the union of the parts'
-    for key in ("context", "windows", "buckets", "tokens", "budgets", "page_sizes", "policies", "threads"):
+    for key in ("context", "windows", "buckets", "tokens", "budgets", "page_sizes", "policies", "threads", "model"):
         setattr(args, key, _union(run["meta"][key] for run in runs if key in run["meta"]))
     names = (run["meta"]["recipes"] for run in runs)          # a dict, or the option's text in older runs
     args.recipes = ",".join(dict.fromkeys(r for n in names for r in (n.split(",") if isinstance(n, str) else n)))
@@ -159,19 +184,22 @@ def _union(values):
 
 
 def summary_table(rows) -> str:
-    """Markdown: mean NLL per (page size, recipe, policy, budget) over every scored token, and its change vs
-    dense on the same tokens."""
+    """Markdown: mean NLL per (page size, recipe, policy, budget) over every scored token, its change vs dense on the
+    same tokens, and the mean tokens attended per (KV head, sparse layer, decode step) ("-" for rows written before
+    it was recorded)."""
     groups: dict[tuple, list] = {}
     for r in rows:
         if r["policy"] != "dense":
             groups.setdefault((r["page_size"], r["recipe"], r["policy"], r["budget_fraction"]), []).append(r)
-    out = ["| page size | recipe | policy | budget | mean NLL | dense NLL | vs dense |",
-           "|---:|---|---|---|---:|---:|---:|"]
+    out = ["| page size | recipe | policy | budget | mean NLL | dense NLL | vs dense | tokens attended |",
+           "|---:|---|---|---|---:|---:|---:|---:|"]
     for (ps, recipe, pol, f), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][3], kv[0][2])):
         nll = sum(r["nll"] for r in rs) / len(rs)
         dense = sum(r["dense_nll"] for r in rs) / len(rs)
+        attended = [r["tokens_attended"] for r in rs if r.get("tokens_attended") is not None]
+        tokens = f"{sum(attended) / len(attended):.0f}" if len(attended) == len(rs) else "-"
         out.append(f"| {ps} | {recipe} | {pol} | 1/{round(1 / f)} | {nll:.4f} | {dense:.4f} | "
-                   f"{100 * (nll / dense - 1):+.2f}% |")
+                   f"{100 * (nll / dense - 1):+.2f}% | {tokens} |")
     return "\n".join(out)
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from common import ROOT, policy_from_label, pyplot, selection_from_label, write_csv
+from common import (ROOT, AttendedCounter, analytic_attended, attended_means, needs_key_codes,  # noqa: F401
+                    policy_from_label, pyplot, selection_from_label, write_csv)
 from tinyattn.selection import SelectionPolicy
 
 DEFAULT_OUT = ROOT / "docs" / "ruler"
@@ -66,9 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default="dense,quest,questmass,oracle,streaming,h2o",
                    help="comma-separated: 'dense' and names of tinyattn.selection.POLICIES, each optionally with "
                         "constructor arguments as name:key=value:key=value (e.g. questmass:gamma=1.0); quest takes "
-                        "the selection settings gamma and top_p (tinyattn.SparsityConfig's, e.g. quest:gamma=0.25 or "
-                        "quest:gamma=0.25:top_p=0.9; the pages top_p kept are counted); default: "
-                        "dense,quest,questmass,oracle,streaming,h2o")
+                        "the selection settings gamma, top_p, rerank and candidates (tinyattn.SparsityConfig's, e.g. "
+                        "quest:gamma=0.25, quest:gamma=0.25:top_p=0.9 (the pages top_p kept are counted), "
+                        "quest:gamma=0.25:top_p=0.8:rerank=int4 (top_p over the mass re-ranked from 4-bit key codes, "
+                        "which the cache then keeps) or quest:gamma=0.25:rerank=int4:candidates=2 (the re-rank's "
+                        "candidates: 2 x the budget)); default: dense,quest,questmass,oracle,streaming,h2o")
     p.add_argument("--budgets", default="1/8,1/16,1/32,1/64",
                    help="page budgets as fractions of the context's pages (of --contexts, the RULER length; "
                         "default: 1/8,1/16,1/32,1/64)")
@@ -212,78 +215,6 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# ---------------------------------------------------------------------------------------------- attended pages
-class AttendedCounter:
-    """Pages and tokens each sparse (row, KV head, layer, step) attended, summed per sequence id."""
-
-    def __init__(self, page_size: int):
-        self.page_size = page_size
-        self.pages = defaultdict(float)
-        self.tokens = defaultdict(float)
-        self.count = defaultdict(int)
-
-    def wrap(self, policy):
-        """Count the pages ``policy.select`` returns (an instance attribute shadows the method)."""
-        select = policy.select
-
-        def counted(ctx):
-            idx = select(ctx)
-            valid = idx >= 0
-            start = idx.clamp(min=0).long() * self.page_size
-            lens = ctx.seq_lens.to(idx.device).long()[:, None, None]
-            ntok = (lens - start).clamp(0, self.page_size) * valid
-            for row, sid in enumerate(ctx.rows().tolist()):
-                self.pages[sid] += float(valid[row].sum())
-                self.tokens[sid] += float(ntok[row].sum())
-                self.count[sid] += idx.shape[1]
-            return idx
-
-        policy.select = counted
-        return policy
-
-    def plan_counter(self, attention):
-        """A ``PagedAttention.attended`` hook for the fused path (Quest with ``top_p``): each sparse layer's pages as
-        the plan kept them (``-1`` / past the row's end not attended), per row of ``attention.seq_ids``."""
-        from tinyattn import metrics
-
-        counter = self
-
-        class PerRow:
-            def add(self, page_indices, seq_lens, page_size, num_kv_heads, width):
-                lens = seq_lens.long()
-                if page_indices is None:                  # a step that did not select: every valid page
-                    pages = metrics.num_pages(lens, page_size)[:, None].expand(-1, num_kv_heads)
-                    tokens = lens[:, None].expand(-1, num_kv_heads)
-                else:
-                    pages, tokens = metrics.selection_reads(page_indices, lens, page_size)      # [B, Hkv]
-                for row, sid in enumerate(attention.seq_ids):
-                    counter.pages[sid] += float(pages[row].sum())
-                    counter.tokens[sid] += float(tokens[row].sum())
-                    counter.count[sid] += num_kv_heads
-
-        return PerRow()
-
-    def mean(self, sid: int) -> tuple[float | None, float | None]:
-        n = self.count.get(sid, 0)
-        return (self.pages[sid] / n, self.tokens[sid] / n) if n else (None, None)
-
-
-def analytic_attended(prompt_len: int, steps: int, page_size: int, page_budget: int | None):
-    """Mean pages / tokens per (KV head, layer, step) of ``steps`` decode steps after a ``prompt_len`` prefill
-    when every step keeps ``min(page_budget, valid pages)`` pages, the partial last page among them (the forced
-    recent page): dense, and Quest's fused path (whose selection the policy hook does not see)."""
-    if steps <= 0:
-        return None, None
-    pages = tokens = 0.0
-    for t in range(1, steps + 1):
-        n = prompt_len + t
-        valid = -(-n // page_size)
-        k = valid if page_budget is None else min(page_budget, valid)
-        pages += k
-        tokens += n if k == valid else (k - 1) * page_size + (n - (valid - 1) * page_size)
-    return pages / steps, tokens / steps
-
-
 # ---------------------------------------------------------------------------------------------- run
 def run(args) -> None:
     from tqdm.auto import tqdm
@@ -402,8 +333,11 @@ def run_batch(args, model, hf, tok, ruler, task, context, max_new, batch, bar, e
     if not sparse_cells:
         return log
     t1 = time.perf_counter()
+    # 4-bit key codes beside the pool only when a cell of the batch re-ranks (quest:...:rerank=int4): the prefill
+    # writes them as pages fill
     cache = model.new_cache(page_size=args.page_size, num_pages=sum(-(-(len(q) + max_new) // args.page_size) + 1
-                                                                     for q in ids))
+                                                                     for q in ids),
+                            key_codes=needs_key_codes(label for label, _ in sparse_cells))
     sids = [cache.add_sequence() for _ in batch]
     observers = {label: policy_from_label(label) for label, _ in sparse_cells
                  if label != DENSE and policy_from_label(label).stateful}
@@ -463,21 +397,17 @@ def decode_cell(args, model, cache, sids, ids, cell, observers, first_logits, ma
         att = PagedAttention(None, backend=args.backend)
     else:
         policy = copy.deepcopy(observers[label]) if label in observers else policy_from_label(label)
-        if not policy.fused:
-            counter.wrap(policy)
         att = PagedAttention(SparsityConfig(page_budget=cell["page_budget"], policy=policy,
                                             **selection_from_label(label)), backend=args.backend)
-        if att.sparsity.top_p is not None:             # top_p keeps a varying count: count the plan's selections
-            att.attended = counter.plan_counter(att)
+    # other policies' selections and top_p's plan are counted; dense and Quest's fused path with a fixed budget
+    # (re-ranked or not) keep min(budget, valid pages) at every step: the analytic count
+    counted = counter.hook(att)
     got = greedy_decode(model, cache, sids, [[] for _ in sids], [max_new] * len(sids), attention=att,
                         first_logits=first_logits)
     out = []
     for sid, q, g in zip(sids, ids, got):
-        if label == DENSE or (att.sparsity.policy.fused and att.attended is None):
-            # Quest's fused path with a fixed budget keeps min(budget, valid pages) at every step
-            pages, ntok = analytic_attended(len(q), len(g) - 1, args.page_size, cell["page_budget"])
-        else:
-            pages, ntok = counter.mean(sid)
+        pages, ntok = attended_means(counter, counted, sid, prompt_len=len(q), steps=len(g) - 1,
+                                     page_budget=cell["page_budget"])
         out.append((g, pages, ntok, None if label == DENSE else att.sparsity.num_sink_pages))
         cache.truncate(sid, len(q))
     return out

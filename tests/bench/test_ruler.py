@@ -194,3 +194,35 @@ def test_quest_labels_take_gamma_and_top_p(run):
         assert whole["pages"] < by[(i, "quest:gamma=0.25", "1")]["pages"]
     with pytest.raises(ValueError, match="top_p"):
         module.main(argv + ["--policies", "quest:top_p=1.5", "--stock", "none"])
+
+
+@pytest.mark.slow
+def test_rerank_labels_run_with_key_codes(run, monkeypatch):
+    """``quest:gamma=0.25:rerank=int4`` and ``...:top_p=0.8:rerank=int4`` (the library's second stage): the batch's
+    cache keeps 4-bit key codes (only then), the cells complete and record what they attended; a covering budget
+    re-ranks every page (dense's tokens), the fixed budget attends min(budget, pages) pages at every step, and top-p
+    never more than the fixed budget of the same capacity."""
+    from tinyattn.models.llama import LlamaModel
+
+    module, out, _, argv = run
+    asked, new_cache = [], LlamaModel.new_cache
+
+    def spy(self, **kw):                                        # the key_codes each cache is made with
+        asked.append(kw.get("key_codes", False))
+        return new_cache(self, **kw)
+
+    monkeypatch.setattr(LlamaModel, "new_cache", spy)
+    fixed_label, top_label = "quest:gamma=0.25:rerank=int4", "quest:gamma=0.25:top_p=0.8:rerank=int4"
+    assert module.main(argv + ["--policies", f"{fixed_label},{top_label}", "--stock", "none"]) == 0
+    assert asked and all(asked)                                  # every batch re-ranks: codes
+    by = {(r["index"], r["policy"], r["budget"]): r for r in _rows(out)}
+    for i in range(SAMPLES):
+        assert by[(i, fixed_label, "1")]["tokens"] == by[(i, "dense", None)]["tokens"]
+        for budget in ("1", "1/8"):
+            fixed, top = by[(i, fixed_label, budget)], by[(i, top_label, budget)]
+            assert (fixed["pages"], fixed["tokens_attended"]) == pytest.approx(
+                _expected_attended(fixed["prompt_tokens"], fixed["page_budget"]))
+            assert 1 <= top["pages"] <= fixed["pages"] and top["tokens_attended"] <= fixed["tokens_attended"]
+    asked.clear()
+    assert module.main(argv + ["--policies", "quest:gamma=0.5", "--budgets", "1/8", "--stock", "none"]) == 0
+    assert asked and not any(asked)                              # no re-rank: no codes

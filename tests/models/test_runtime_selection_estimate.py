@@ -42,7 +42,8 @@ def test_a_policy_other_than_quest_names_only_the_settings_given(given, named):
     with pytest.raises(ValueError) as err:
         SparsityConfig(page_budget=8, policy="questmass", **given)
     msg = str(err.value)
-    assert msg.startswith("policy: gamma and top_p are settings of the 'quest' selection, got policy='questmass'")
+    assert msg.startswith("policy: gamma, top_p and rerank are settings of the 'quest' selection, got "
+                          "policy='questmass'")
     assert msg.endswith(named)
 
 

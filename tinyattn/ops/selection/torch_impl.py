@@ -310,6 +310,7 @@ def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, se
     ok = (cand >= 0) & (cand < n)                                                     # [B, Hkv, C]
     j = torch.where(ok, cand, 0)
     phys = block_table.to(torch.int64).gather(1, j.flatten(1)).view_as(j)            # [B, Hkv, C]
+    phys = torch.where(ok, phys, 0)          # padding / an empty row's entry may hold anything (-1): read page 0
     heads = torch.arange(Hkv, device=q4.device)[None, :, None]
     qg = group_queries(q4, Hkv, torch.float32)                                       # [B, Hkv, M, D]
     keys = decode_key_codes(k_code, k_min, k_max, phys, heads)                       # [B, Hkv, C, S, D]
@@ -319,6 +320,7 @@ def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, se
     logits = logits.view(B, Hkv, -1, C, page_size).transpose(2, 3)                   # [B, Hkv, C, M, S]
     # the row's last page, exactly (it is always attended; its codes exist only once it is full)
     last_phys = block_table.to(torch.int64).gather(1, (n[:, 0] - 1).clamp(min=0)).squeeze(1)  # [B]
+    last_phys = torch.where(n[:, 0, 0] > 0, last_phys, 0)                           # an empty row: masked below
     exact = k_cache.index_select(0, last_phys)                                       # [B, S, Hkv, D]
     if k_scale is not None:
         exact = exact.float() * k_scale.index_select(0, last_phys)[:, None, :, None]
