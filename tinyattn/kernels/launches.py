@@ -72,8 +72,7 @@ SHAPES = (
     # issue 35's second stage: candidates re-ranked by 4-bit key codes (the code writer, the rerank kernel)
     Shape("bench-32K-rerank", 32, 8, 128, 16, "bf16", 32 * K, 1, 128, gamma=0.25, top_p=0.8, rerank="int4",
           default=True),
-    Shape("smollm2-135m-rerank", 9, 3, 64, 16, "bf16", 8 * K, 8, 64, gamma=0.25, top_p=0.8, rerank="int4",
-          default=True),
+    Shape("smollm2-135m-rerank", 9, 3, 64, 16, "bf16", 8 * K, 8, 64, gamma=0.25, top_p=0.8, rerank="int4"),
 )
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
