@@ -11,9 +11,12 @@ FlashInfer (``BatchDecodeWithPagedKVCacheWrapper`` on the same pages) when they 
 
 Methods: ``sparse`` / ``dense_paged`` are the public ops (a plan per call); ``sparse_run`` is
 ``PagedAttentionPlan.run`` of a plan made once (what a model runs per layer); ``sparse_step`` adds the step's fused
-KV write (``tinyattn.ops.kv_write``, one launch) before it: the decode step as serving engines run it. The last
-lines, ``goal: ...``, check the CUDA-graph targets (B = 1, 32K: sparse >= 4x SDPA graphed, eager step <= 60 µs,
-dense paged within 1.2x of SDPA).
+KV write (``tinyattn.ops.api.write_kv``, one launch) before it: the decode step as serving engines run it. Issue 35's
+selection, each a plan run like ``sparse_run``: ``sparse_gamma`` (the box estimate, gamma 0.25, one sink page: the
+default recipe), ``sparse_gamma_top_p`` (top_p 0.8), ``sparse_rerank`` (the capacity's candidates re-ranked by 4-bit
+key codes), ``sparse_rerank_top_p``. The last lines, ``goal: ...``, check the CUDA-graph targets (B = 1, 32K: sparse
+>= 4x SDPA graphed, eager step <= 60 µs, dense paged within 1.2x of SDPA) and issue 35's cost bar (the re-rank's
+extra time <= 10% of the sparse step, graphed, B = 1 and 8).
 
     python bench/gpu_graphs.py --out docs/bench/gpu            # CUDA only
     python bench/gpu_graphs.py --device cpu --contexts 4K      # a smoke run of the script (no graphs)
@@ -50,15 +53,18 @@ def make_problem(L, B, Hq, Hkv, D, S, dtype, device):
     k_min = torch.empty(num_pages, Hkv, D, dtype=dtype, device=device)
     k_max = torch.empty_like(k_min)
     tinyattn.update_page_metadata(k_cache, block_table, seq_lens, k_min, k_max)
+    # 4-bit key codes of every page (the re-rank's input; issue 35), by the Triton writer on CUDA
+    k_code = torch.zeros(num_pages, S, Hkv, D // 2, dtype=torch.uint8, device=device)
+    tinyattn.encode_key_codes(k_cache, torch.arange(num_pages * S, device=device), k_min, k_max, k_code)
     q = torch.randn(B, Hq, D, device=device, dtype=dtype)
     # the stock baseline reads a contiguous [B, Hkv, L, D] cache
     flat = lambda pool: pool[block_table.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()  # noqa: E731
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-                k_min=k_min, k_max=k_max, k_flat=flat(k_cache), v_flat=flat(v_cache))
+                k_min=k_min, k_max=k_max, k_code=k_code, k_flat=flat(k_cache), v_flat=flat(v_cache))
 
 
 def methods(p, budget_pages):
-    from tinyattn.ops import kv_write
+    from tinyattn.ops import api as kv_write
 
     args = (p["q"], p["k_cache"], p["v_cache"], p["block_table"], p["seq_lens"])
     q4 = p["q"][:, :, None, :]
@@ -75,6 +81,15 @@ def methods(p, budget_pages):
     def sparse_run():
         return plan.run(p["q"], p["k_cache"], p["v_cache"], k_min=p["k_min"], k_max=p["k_max"], out=out)
 
+    def run_of(**selection):
+        """A plan made once with issue 35's selection settings, run like ``sparse_run``."""
+        pl = tinyattn.PagedAttentionPlan(backend="triton" if p["q"].is_cuda else None).plan(
+            p["block_table"], p["seq_lens"], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=S,
+            page_budget=budget_pages, trusted=True, **selection)
+        codes = dict(k_code=p["k_code"]) if selection.get("rerank") else {}
+        return lambda: pl.run(p["q"], p["k_cache"], p["v_cache"], k_min=p["k_min"], k_max=p["k_max"], out=out,
+                              **codes)
+
     def sparse_step():
         kv_write.write_kv(k_new, v_new, slots, p["k_cache"], p["v_cache"], k_min=p["k_min"], k_max=p["k_max"])
         return sparse_run()
@@ -86,6 +101,12 @@ def methods(p, budget_pages):
                                                           page_budget=budget_pages),
         "sparse_run": sparse_run,
         "sparse_step": sparse_step,
+        # issue 35 (docs/design_rerank.md): the box estimate (gamma 0.25, the default recipe), the adaptive budget,
+        # and the 4-bit re-rank of the capacity's candidates; the cost bar is rerank's extra time over sparse_gamma
+        "sparse_gamma": run_of(gamma=0.25, num_sink_pages=1),
+        "sparse_gamma_top_p": run_of(gamma=0.25, num_sink_pages=1, top_p=0.8),
+        "sparse_rerank": run_of(gamma=0.25, num_sink_pages=1, rerank="int4"),
+        "sparse_rerank_top_p": run_of(gamma=0.25, num_sink_pages=1, rerank="int4", top_p=0.8),
     }
     table.update(stock_methods(p))
     return table
@@ -142,6 +163,11 @@ def goals(rows) -> list:
     line("B=1 32K dense paged / SDPA gqa (graphed), <= 1.2",
          dense["graph_us"] / sdpa["graph_us"] if dense and sdpa else nan,
          bool(dense and sdpa and dense["graph_us"] / sdpa["graph_us"] <= 1.2))
+    # issue 35's cost bar, on the GPU: the re-rank's extra time <= 10% of the sparse step (graphed, 2048-token capacity)
+    for b in (1, 8):
+        base, rr = at.get((b, 32768, "sparse_gamma")), at.get((b, 32768, "sparse_rerank"))
+        extra = rr["graph_us"] / base["graph_us"] - 1 if base and rr else nan
+        line(f"B={b} 32K rerank int4 extra over sparse_gamma (graphed), <= 0.10", extra, extra <= 0.10)
     return lines
 
 

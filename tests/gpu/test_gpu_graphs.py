@@ -3,8 +3,8 @@
 What the CPU suite (tests/models/test_graphs.py) cannot show: that the decode step of the shipped stories260K model
 really captures as a CUDA graph (capture raises on a host sync or an illegal call), that its replays over many
 steps with changing tables (rows grow, new pages, Quest selecting) equal the eager step, and that neither the
-eager nor the graphed step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``). Written in a session
-without a GPU: never run yet. Short on purpose (stories260K, 60 steps): bench/gpu.sh must stay under 5 minutes.
+eager nor the graphed step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``), for the fixed Quest
+budget, the adaptive top-p budget and the 4-bit re-rank (issue 35). Short on purpose (stories260K, 60 steps): bench/gpu.sh must stay under 5 minutes.
 """
 import os
 
@@ -20,6 +20,9 @@ pytestmark = [
 TEXTS = ("Once upon a time, there was a little dog named Max. Max liked to run in the park.", "Tom had a red ball",
          "The sun was hot and Lily wanted to swim")
 PAGE_SIZE, BUDGET, STEPS = 8, 4, 60
+# the fixed Quest budget; issue 35's box estimate with the adaptive budget; and with the 4-bit re-rank (key codes)
+SELECTIONS = {"quest": {}, "top-p": dict(gamma=0.25, top_p=0.9),
+              "rerank-top-p": dict(gamma=0.25, top_p=0.9, rerank="int4", candidates=2.0)}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,8 @@ def _prefilled(model, prompts, sparsity):
     from tinyattn.layer import PagedAttention
 
     longest = max(len(p) for p in prompts) + STEPS + 1
-    cache = model.new_cache(page_size=PAGE_SIZE, num_pages=len(prompts) * -(-longest // PAGE_SIZE) + 1)
+    cache = model.new_cache(page_size=PAGE_SIZE, num_pages=len(prompts) * -(-longest // PAGE_SIZE) + 1,
+                            key_codes=sparsity.rerank is not None)
     ids = [cache.add_sequence() for _ in prompts]
     attention = PagedAttention(sparsity)
     first = [int(model(torch.tensor([p]), cache, [sid], attention=attention, last_only=True)[0].argmax())
@@ -51,7 +55,8 @@ def _prefilled(model, prompts, sparsity):
     return cache, ids, first, -(-longest // PAGE_SIZE)
 
 
-def test_replay_equals_the_eager_step_over_60_steps_with_changing_tables(model, prompts):
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_replay_equals_the_eager_step_over_60_steps_with_changing_tables(model, prompts, selection):
     """Three rows in bucket 4 (one padding row), Quest selecting 4 of up to 20 pages. The first step runs
     eagerly and captures; at each later step the prepared step runs eagerly (the body, same buffers), then the
     graph replays it (the K/V write is idempotent: the same values into the same slots, boxes grown by the same
@@ -60,7 +65,7 @@ def test_replay_equals_the_eager_step_over_60_steps_with_changing_tables(model, 
     from tinyattn.models import SparsityConfig
     from tinyattn.models.graphs import DecodeGraphs
 
-    sparsity = SparsityConfig(page_budget=BUDGET)
+    sparsity = SparsityConfig(page_budget=BUDGET, **SELECTIONS[selection])
     cache, ids, tokens, max_pages = _prefilled(model, prompts, sparsity)
     graphs = DecodeGraphs(model, cache, sparsity, max_batch=4, max_pages_per_seq=max_pages)
     assert graphs.capture
@@ -86,12 +91,13 @@ def test_replay_equals_the_eager_step_over_60_steps_with_changing_tables(model, 
     assert max(len(cache.pages(s)) for s in ids) > BUDGET                 # the rows really selected
 
 
-def test_runtime_graphed_generate_equals_eager_and_syncs_only_to_sample(model, prompts):
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_runtime_graphed_generate_equals_eager_and_syncs_only_to_sample(model, prompts, selection):
     """LlamaRuntime(cuda_graphs=True).generate == the eager runtime's, token for token, with >= 50 replayed
     steps; an eager decode step and a graphed one (after warm-up) make no host sync."""
     from tinyattn.models import LlamaRuntime
 
-    kw = dict(page_size=PAGE_SIZE, page_budget=BUDGET)
+    kw = dict(page_size=PAGE_SIZE, page_budget=BUDGET, **SELECTIONS[selection])
     graphed = LlamaRuntime(model, cuda_graphs=True, **kw)
     assert graphed.graphs_off is None
     out = graphed.generate(prompts, max_new_tokens=STEPS, eos_id=None)

@@ -184,10 +184,13 @@ def test_engine_routes_decode_through_the_graph_body_across_buckets(model, tok, 
 
 
 @pytest.mark.slow
-def test_runtime_routes_decode_through_the_graph_body(model, tok, monkeypatch):
+@pytest.mark.parametrize("selection", [{}, dict(gamma=0.25, top_p=0.9, rerank="int4")], ids=["quest", "rerank-top-p"])
+def test_runtime_routes_decode_through_the_graph_body(model, tok, monkeypatch, selection):
+    """The graphed route (body run eagerly, Triton under the interpreter) gives the torch runtime's tokens; with
+    rerank='int4' the body hands each layer its key codes (a cache with key_codes=True)."""
     _graphable_on_cpu(monkeypatch)
     prompts = [tok.encode(t, bos=True) for t in TEXTS[1:]]
-    kw = dict(page_size=PAGE_SIZE, page_budget=BUDGET)
+    kw = dict(page_size=PAGE_SIZE, page_budget=BUDGET, **selection)
     rt = LlamaRuntime(model, backend="triton", cuda_graphs=True, **kw)
     seen = []
     real = DecodeGraphs.step

@@ -59,8 +59,10 @@ def encode_key_codes_kernel(
     p_x = k_max + i_p * stride_xp + i_h * stride_xh
     b_lo_a = tl.load(p_n + o_d * stride_nd, mask=m_d, other=0.0).to(tl.float32)  # channels [0, D/2)
     b_lo_b = tl.load(p_n + (o_d + HALF) * stride_nd, mask=m_d, other=0.0).to(tl.float32)  # [D/2, D)
-    b_step_a = (tl.load(p_x + o_d * stride_xd, mask=m_d, other=0.0).to(tl.float32) - b_lo_a) / 15.0
-    b_step_b = (tl.load(p_x + (o_d + HALF) * stride_xd, mask=m_d, other=0.0).to(tl.float32) - b_lo_b) / 15.0
+    # div_rn: IEEE division, as torch's (a compiled `/` is the approximate div.full.f32 on NVIDIA GPUs)
+    b_step_a = tl.math.div_rn(tl.load(p_x + o_d * stride_xd, mask=m_d, other=0.0).to(tl.float32) - b_lo_a, 15.0)
+    b_step_b = tl.math.div_rn(tl.load(p_x + (o_d + HALF) * stride_xd, mask=m_d, other=0.0).to(tl.float32) - b_lo_b,
+                              15.0)
     if QUANT:
         b_sc = tl.max(tl.load(k_scale + i_p * stride_sp + i_h * stride_sh + o_d * 0, mask=m_d, other=0.0), axis=0)
     for s0 in range(0, PAGE_SIZE, BS):

@@ -76,8 +76,6 @@ def why_not_graphed(model, sparsity: SparsityConfig, *, backend=None, kv_cache_d
         return f"policy {sparsity.policy.name!r} selects on the host (only fused Quest is captured)"
     if selection_metrics and not sparsity.is_dense:
         return "selection metrics run a dense oracle pass per sparse layer with host-side bookkeeping"
-    if not sparsity.is_dense and sparsity.rerank is not None:
-        return "rerank='int4' is not captured yet (its launches are fixed-shape, but no graph test has run on a GPU)"
     return None
 
 
@@ -201,6 +199,7 @@ class DecodeGraphs:
             scales=[dict(k_scale=ks, v_scale=vs) for ks, vs in zip(cache.k_scale, cache.v_scale)]
             or [{}] * cfg.n_layers,
             weights=self._weights, norm_eps=model._norm_eps,
+            codes=cache.k_code or [None] * cfg.n_layers,                 # 4-bit key codes (rerank="int4")
             attn_out=self._attn_out[:b], trusted_slots=True)
         x = model.embed(step)
         for li in range(cfg.n_layers):
@@ -254,7 +253,7 @@ class DecodeGraphs:
         weights = self.model._weights()
         version = self.model.__dict__["_weights_cache"][0]
         cache = self.cache
-        pools = tuple(t.data_ptr() for t in cache.k_cache + cache.v_cache + cache.k_min + cache.k_max)
+        pools = tuple(t.data_ptr() for t in cache.k_cache + cache.v_cache + cache.k_min + cache.k_max + cache.k_code)
         key = (version, pools)
         if self._weights is not None and version is None:
             weights = self._weights
