@@ -117,6 +117,8 @@ class PagedKVCache:
             raise ValueError(f"device: expected a device this torch can allocate on, got {str(device)!r}, but torch "
                              f"{torch.__version__} sees no CUDA device (torch.cuda.is_available() is False): use "
                              f"device='cpu', or install a CUDA build of torch on a machine with a GPU")
+        if self.device.type != "cpu" and self.device.index is None:     # "cuda" -> "cuda:0": compares to tensors'
+            self.device = torch.empty(0, device=self.device).device
         self.quantized = quant.is_quantized(storage)
         pool = (num_pages, page_size, num_kv_heads, head_dim)
         box = (num_pages, num_kv_heads, head_dim)
@@ -233,7 +235,7 @@ class PagedKVCache:
         if count == 0:
             return
         new = [self._free.pop() for _ in range(count)]
-        pages = torch.tensor(new, dtype=torch.int64, device=self.device)
+        pages = _int_tensor(new, "q", torch.int64).to(self.device, non_blocking=True)   # no host sync (GPU)
         for k_min, k_max in zip(self.k_min, self.k_max):
             kv_cache.reset_boxes(k_min, k_max, pages)
         for scale in self.k_scale + self.v_scale:

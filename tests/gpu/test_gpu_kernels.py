@@ -105,8 +105,8 @@ def test_two_stage_selection_matches_one_stage(lens, budget, sinks):
     select_pages: the same pages, except (if the compiler summed some bound in another order) pages whose
     one-stage bound is within float rounding of the last kept bound."""
     import tinyattn
-    from tinyattn import kernels as K
     from tinyattn.kernels import chunk_topk as C
+    from tinyattn.ops.selection import triton_impl as K
 
     q, k, v, table, lens_t = _problem(batch=len(lens), lens=lens, page_size=16, hkv=8, group=4, head_dim=128,
                                       dtype=torch.bfloat16, extra_pages=8)
@@ -122,7 +122,7 @@ def test_two_stage_selection_matches_one_stage(lens, budget, sinks):
     meta = C.chunk_blocks(B, Hkv, maxp, budget, 1, 4, 128, 16, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     ws = [torch.empty(C.workspace_shape(B, Hkv, meta), dtype=torch.int32, device="cuda") for _ in range(2)]
     two = torch.empty_like(one)
-    C.score_and_select_pages(q4, k_min, k_max, table, lens_t, **opts, meta=meta, ws_key=ws[0], ws_page=ws[1], out=two)
+    K.score_and_select_pages(q4, k_min, k_max, table, lens_t, **opts, meta=meta, ws_key=ws[0], ws_page=ws[1], out=two)
     torch.cuda.synchronize()
     if not torch.equal(one, two):
         for b in range(B):

@@ -167,10 +167,11 @@ class TorchPlan:
                                               recording)
         Tq = step.num_query_tokens
         if Tq == 1 and q.dim() == 3 and o.dtype == q.dtype:
-            o = o.view(q.shape)                                      # decode: [B, Hkv, G, D] is [B, Hq, D]
+            # decode: [B, Hkv, G, D] is [B, Hq, D]; a view unless SDPA on CUDA handed back another layout
+            o = o.reshape(q.shape)
         else:
             o = ungroup(o, Tq)
-            o = (o if o.dtype == q.dtype else o.to(q.dtype)).view(q.shape)
+            o = (o if o.dtype == q.dtype else o.to(q.dtype)).reshape(q.shape)
         return o, None if lse is None or not need_lse else ungroup(lse, Tq)
 
     def select(self, q4, k_min, k_max, window_left: int = -1, qg=None, scale: float | None = None,
