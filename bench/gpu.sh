@@ -28,6 +28,8 @@ export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0           # tests/conftest.py defaults it to 1 for the CPU suites
 unset CUDA_LAUNCH_BLOCKING
 cd "$(dirname "$0")/.."
+# the checkout's package, installed or not (a GPU machine gets a bare copy of the tree: bench scripts import tinyattn)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEST="${OUT:-out/gpu}"
 mkdir -p "$DEST"
 STATUS=0

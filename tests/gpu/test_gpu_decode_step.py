@@ -77,8 +77,10 @@ def test_decode_step_replays_as_a_cuda_graph_over_50_steps_with_changing_tables(
     gen = torch.Generator(device=dev).manual_seed(1)
     k_cache = torch.randn(num_pages, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
     v_cache = torch.randn(num_pages, S, Hkv, D, device=dev, dtype=dtype, generator=gen)
-    k_min = torch.empty(num_pages, Hkv, D, device=dev, dtype=dtype)
-    k_max = torch.empty_like(k_min)
+    # empty boxes (+inf / -inf, as PagedKVCache's) for the pages no row uses: torch.empty left garbage there, NaN
+    # at times on the GPU, and NaN != NaN failed the bitwise comparison of the pools below
+    k_min = torch.full((num_pages, Hkv, D), float("inf"), device=dev, dtype=dtype)
+    k_max = torch.full_like(k_min, float("-inf"))
     full_table = torch.randperm(num_pages, device=dev, generator=gen)[: B * P].view(B, P).to(torch.int32)
     tinyattn.update_page_metadata(k_cache, full_table, torch.full((B,), P * S, device=dev, dtype=torch.int32),
                                   k_min, k_max)

@@ -253,4 +253,5 @@ def test_sliding_window_matches_torch_backend(dtype, window_left, tq):
         grads.append([x.grad for x in leaves])
     for want, got in zip(*grads):
         assert torch.isfinite(got).all()
-        assert (got - want).abs().max().item() <= 3e-2 * (want.abs().max().item() + 1e-6)   # TF32 dots
+        # TF32 dots; the floor: with window_left=0 a query sees only its own key and dq / dk are exactly 0 in fp32
+        assert (got - want).abs().max().item() <= 3e-2 * want.abs().max().item() + 1e-4

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["KV_CACHE_DTYPES", "QUANTIZED_DTYPES", "BOX_DTYPES", "box_dtype_for", "storage_dtype", "is_quantized",
-           "qmax", "quantize",
+           "qmax", "quantize", "exact_div",
            "dequantize", "dequantize_rows", "scale_rows"]
 
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "int8", "fp8_e4m3")
@@ -70,6 +70,13 @@ def is_quantized(x) -> bool:
 def qmax(dtype: torch.dtype) -> float:
     """Largest magnitude of the quantized grid: 127 (int8), 448 (fp8 e4m3)."""
     return _QMAX[dtype]
+
+
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded once (IEEE), on every device. PyTorch's CUDA kernels divide by a Python number as
+    ``x * (1 / divisor)`` (two roundings: an ulp off at times), which the Triton kernels' ``div_rn`` then would not
+    match bit for bit; dividing by a 0-dim tensor on ``x``'s device takes the true division."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -148,7 +148,7 @@ def _write_quantized(k, v, slots, pages, k_cache, v_cache, k_min, k_max, k_scale
         # K and V together: [2, ...] stacks (index 0 = K, 1 = V), one op each instead of two
         x = torch.stack([k.detach(), v.detach()]).float()                          # [2, N, Hkv, D]
         old = torch.stack([k_scale.index_select(0, touched), v_scale.index_select(0, touched)])   # [2, U, Hkv]
-        new = old.clone().index_reduce_(1, inv, x.abs().amax(-1).div_(m), "amax")  # [2, U, Hkv]
+        new = old.clone().index_reduce_(1, inv, quant.exact_div(x.abs().amax(-1), m), "amax")  # [2, U, Hkv]
         if dtype == torch.float8_e4m3fn:
             # fp8: a page that already holds tokens grows its scale by a power of two, so rescaling its codes
             # only shifts their exponents (exact above e4m3's subnormals): no re-rounding error accumulates
@@ -203,7 +203,7 @@ def refit_page(k_cache: torch.Tensor, v_cache: torch.Tensor, k_min: torch.Tensor
                 shrink = torch.exp2(torch.floor(torch.log2(m * old / absmax)).clamp_min(0))
                 new = torch.where(absmax > 0, old / shrink, 0.0)
             else:
-                new = absmax / m
+                new = quant.exact_div(absmax, m)
             pool[page, :valid] = quant.quantize(x, new[None, :, None], k_cache.dtype)
             scale[page] = new
     if k_min is not None:
@@ -219,7 +219,7 @@ def key_codes(keys: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> t
     channel ``i + D/2`` in the high one. The page's box is the quantization range: no scale is stored (issue 35,
     docs/design_rerank.md; Twilight's INT4 keys, arXiv 2502.02770)."""
     lo, hi = k_min.float().unsqueeze(-3), k_max.float().unsqueeze(-3)             # [..., 1, Hkv, D]
-    step = (hi - lo) / 15.0
+    step = quant.exact_div(hi - lo, 15.0)        # IEEE, as the Triton writer's div_rn (not x * (1/15))
     x = (keys.float() - lo) / step + 0.5
     codes = torch.where((step > 0) & ~torch.isnan(x), x.floor().clamp(0, 15), 0.0).to(torch.uint8)
     half = keys.shape[-1] // 2
