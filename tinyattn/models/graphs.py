@@ -29,8 +29,8 @@ use). Steps that cannot be captured run eagerly through the usual forward (:func
 static reasons; :meth:`DecodeGraphs.can_replay` the per-step ones: a profiler, more rows than ``max_batch``).
 
 Pattern: vLLM's ``CUDAGraphRunner`` (``vllm/worker/model_runner.py``; v1: ``CudagraphDispatcher``) and
-``torch.cuda.graph`` (PyTorch docs, "CUDA Graphs"). Never run on a GPU in the session that wrote it (no GPU was
-lent): ``tests/gpu/test_gpu_graphs.py`` is the check to run first.
+``torch.cuda.graph`` (PyTorch docs, "CUDA Graphs"). ``tests/gpu/test_gpu_graphs.py`` checks it on a GPU (passed on
+an H200, 2026-12-04, for the fixed Quest budget, top-p and the 4-bit re-rank with top-p).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def why_not_graphed(model, sparsity: SparsityConfig, *, backend=None, kv_cache_d
 
     Static reasons only: a model off CUDA, the torch backend (its plan reads lengths on the host), an int8 / fp8
     cache (its write re-quantizes pages through ``torch.unique`` and a host sync), a selection policy other than
-    fused Quest (policies select with host-side logic and state), selection metrics (a dense oracle pass)."""
+    fused Quest (policies select with host-side logic and state), selection metrics (a dense oracle pass). The box
+    estimate, top-p and the re-rank (``rerank="int4"``, its codes written inside the graph) are captured."""
     device = model.device
     if device.type != "cuda":
         return f"the model is on {device.type}, CUDA graphs need a CUDA device"
