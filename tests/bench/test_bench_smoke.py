@@ -7,7 +7,6 @@ They are not timed tests (DESIGN.md §6): this only proves they run, on the torc
 import ast
 import csv
 import json
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -15,26 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from paths import REPO
+from paths import REPO, load_bench
 
 BENCH = REPO / "bench"
 SCRIPTS = ["decode_attention", "kernel_breakdown", "e2e_decode"]
 
 
-def _load(name):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_cpu_threads_runs_each_setting_in_its_own_process(tmp_path, capsys):
     """bench/cpu_threads.py: one process per setting (default, 1 thread, OMP_WAIT_POLICY=PASSIVE), a row each."""
-    assert _load("cpu_threads").main(["--rounds", "1", "--iters", "2", "--csv", str(tmp_path / "t.csv")]) == 0
+    assert load_bench("cpu_threads").main(["--rounds", "1", "--iters", "2", "--csv", str(tmp_path / "t.csv")]) == 0
     rows = list(csv.DictReader(open(tmp_path / "t.csv")))
     assert [r["setting"] for r in rows] == ["default", "1 thread", "PASSIVE"]
     assert rows[1]["threads"] == "1" and all(float(r["sparse_ms"]) > 0 for r in rows)
@@ -51,7 +42,7 @@ def keep_threads():
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
-        _load(name).main(["--help"])
+        load_bench(name).main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
 
@@ -59,7 +50,7 @@ def test_help(name, capsys):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_quick_run_writes_csv_and_plot(name, tmp_path, capsys, keep_threads):
     pytest.importorskip("matplotlib")
-    assert _load(name).main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert load_bench(name).main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / f"{name}.csv")))
     assert rows
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000
@@ -87,7 +78,7 @@ def test_quick_run_writes_csv_and_plot(name, tmp_path, capsys, keep_threads):
 
 def test_sliding_window_quick_run(tmp_path, capsys, keep_threads):
     """bench/sliding_window.py: full, sparse and sliding rows; a window reads fewer bytes than the full layer."""
-    assert _load("sliding_window").main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert load_bench("sliding_window").main(["--quick", "--threads", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "sliding_window.csv")))
     assert [r["method"] for r in rows] == ["full", "sparse", "sliding 128"]
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[2]["ideal"]) == 8.0      # 1024 / 128 keys
@@ -109,7 +100,7 @@ def test_retention_recall_tiny_run(tmp_path, capsys, keep_threads):
     cfg = LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size,
                       layer_types=("sliding_attention", "full_attention"), sliding_window=32, nope_layers=(1,))
     ckpt = save_retrieval_model(LlamaModel(cfg), tok, tmp_path / "ckpt")
-    rc = _load("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "1", "--steps", "1", "--seq-len", "400",
+    rc = load_bench("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "1", "--steps", "1", "--seq-len", "400",
                                          "--num-keys", "2", "--num-questions", "2", "--kv-budget-pages", "12",
                                          "--chunk-size", "32", "--eval-sequences", "2", "--no-progress",
                                          "--out", str(tmp_path / "out")])
@@ -138,7 +129,7 @@ def test_retention_recall_without_matplotlib_writes_the_numbers(tmp_path, capsys
     cfg = LlamaConfig(dim=16, hidden_dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size)
     ckpt = save_retrieval_model(LlamaModel(cfg), tok, tmp_path / "ckpt")
     out = tmp_path / "out"
-    rc = _load("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "--policies", "recency", "--steps", "1",
+    rc = load_bench("retention_recall").main(["--model", str(ckpt), "--seeds", "0", "--policies", "recency", "--steps", "1",
                                          "--seq-len", "200", "--num-keys", "1", "--num-questions", "1",
                                          "--kv-budget-pages", "8", "--chunk-size", "32", "--eval-sequences", "1",
                                          "--no-progress", "--out", str(out)])
@@ -165,7 +156,7 @@ def test_no_bench_script_imports_matplotlib_itself():
 
 def test_questmass_sweep_rows(tmp_path, keep_threads, capsys):
     out = tmp_path / "sweep.json"
-    _load("questmass_sweep").main(["--gammas", "0.5,1", "--page-sizes", "4", "--token-budgets", "8",
+    load_bench("questmass_sweep").main(["--gammas", "0.5,1", "--page-sizes", "4", "--token-budgets", "8",
                                    "--max-stories", "1", "--max-context", "24", "--json", str(out)])
     import json
     rows = json.loads(out.read_text())
@@ -185,7 +176,7 @@ def test_ab_revisions_quick_run(tmp_path, capsys, keep_threads):
     if shutil.which("git") is None or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
                                                      capture_output=True).returncode != 0:
         pytest.skip("needs a git checkout")
-    assert _load("ab_revisions").main(["--quick", "--old", "HEAD", "--threads", "1", "--repeats", "2",
+    assert load_bench("ab_revisions").main(["--quick", "--old", "HEAD", "--threads", "1", "--repeats", "2",
                                        "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "ab_revisions.csv")))
     assert [r["method"] for r in rows] == ["sdpa", "dense_old", "sparse_old", "dense_new", "sparse_new"]
@@ -194,14 +185,14 @@ def test_ab_revisions_quick_run(tmp_path, capsys, keep_threads):
 
 
 def test_bench_scripts_write_to_scratch_by_default():
-    common = _load("common")
+    common = load_bench("common")
     assert common.DEFAULT_OUT == REPO / "out" / "bench"
     for name in ("decode_attention", "kernel_breakdown", "e2e_decode"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = _load(name).parse_args([])
+            args = load_bench(name).parse_args([])
         assert args.out == REPO / "out" / "bench", name
-        assert _load(name).parse_args(["--out", "docs/bench"]).out == Path("docs/bench")
+        assert load_bench(name).parse_args(["--out", "docs/bench"]).out == Path("docs/bench")
     source = (BENCH / "profile_generate.py").read_text()
     assert "default=C.DEFAULT_OUT" in source and "shared" not in source
     run_cpu = (BENCH / "run_cpu.sh").read_text()
@@ -209,7 +200,7 @@ def test_bench_scripts_write_to_scratch_by_default():
 
 
 def test_hf_perplexity_takes_comma_separated_budgets(capsys):
-    hf_perplexity = _load("hf_perplexity")
+    hf_perplexity = load_bench("hf_perplexity")
     assert hf_perplexity.parse_args(["--page-budgets", "2,4,8"]).page_budgets == [2, 4, 8]
     assert hf_perplexity.parse_args([]).page_budgets == [2, 4, 8]
     assert hf_perplexity.parse_args([]).text is None                 # the shipped stories
@@ -220,7 +211,7 @@ def test_hf_perplexity_takes_comma_separated_budgets(capsys):
 def test_long_text_merge_records_what_its_parts_ran(tmp_path, capsys):
     """``smollm2_long_text.py --merge A,B``: the merged meta holds the parts' settings (page sizes 8 and 16, their
     windows and buckets), not the merging command's defaults; each part's dense rows kept once."""
-    module = _load("smollm2_long_text")
+    module = load_bench("smollm2_long_text")
     parts = []
     for ps in (8, 16):
         meta = dict(context=8192, windows=2, buckets="4096,5120", tokens=64, budgets="1/8", page_sizes=str(ps),

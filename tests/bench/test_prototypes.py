@@ -1,23 +1,17 @@
 """bench/prototypes/int4_rerank.py, the research prototype of issue 35's second stage: its re-rank agrees with the
 oracle where it is exact, and its top-p goes through the library's rule (p = 1 keeps the fixed budget's pages)."""
 
-import importlib.util
-import sys
 
 import pytest
 import torch
 
-from paths import REPO
+from paths import load_bench
 from paged_problems import make_problem
 from tinyattn import selection as S
 
 
 def _prototype():
-    spec = importlib.util.spec_from_file_location("bench_int4_rerank", REPO / "bench" / "prototypes" / "int4_rerank.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("prototypes/int4_rerank")
 
 
 def _ctx(seed, budget=5):

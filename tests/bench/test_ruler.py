@@ -7,20 +7,19 @@ the task YAML's prompt rule (``input + " " + gen_prefix``), stock transformers' 
 test of the reference answers, Wilson intervals from a published table, and the count of pages a budget holds.
 """
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
+
+from paths import load_bench
 
 pytest.importorskip("lm_eval", reason="RULER's generators come from lm-eval (the eval extra: pip install -e '.[eval]')")
 pytest.importorskip("wonderwords")
 pytest.importorskip("transformers")
 pytest.importorskip("scipy")
 
-ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512                      # stories260K's max_seq_len; RULER leaves 128 tokens for the answer
 SAMPLES = 3
 POLICIES = "dense,quest,streaming,h2o"
@@ -28,13 +27,7 @@ BUDGETS = "1,1/8"                  # the whole context (must equal dense), and 4
 
 
 def _runner():
-    bench = str(ROOT / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    spec = importlib.util.spec_from_file_location("bench_smollm2_ruler", ROOT / "bench" / "smollm2_ruler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("smollm2_ruler")
 
 
 @pytest.fixture(scope="module")

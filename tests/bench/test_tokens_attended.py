@@ -8,27 +8,17 @@ budget of ``k`` pages (16-token pages, fewer than the row's) reads ``k - 1`` ful
 """
 
 import csv
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from paths import REPO
+from paths import REPO, load_bench
 
 BENCH = REPO / "bench"
 FIXED = "quest:gamma=0.25:rerank=int4"
 TOP_P = "quest:gamma=0.25:top_p=0.8:rerank=int4"
 
 
-def _load(name):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------------------------- labels
@@ -37,7 +27,7 @@ def test_labels_take_rerank_and_candidates():
     older label keeps its meaning; candidates without rerank would name a re-rank that does not run."""
     from tinyattn.layer import SparsityConfig
 
-    common = _load("common")
+    common = load_bench("common")
     sel = common.selection_from_label
     assert sel(TOP_P) == {"gamma": 0.25, "top_p": 0.8, "rerank": "int4"}
     assert sel("quest:gamma=0.25:rerank=int4:candidates=2") == {"gamma": 0.25, "rerank": "int4", "candidates": 2}
@@ -60,7 +50,7 @@ def test_labels_take_rerank_and_candidates():
 
 
 def test_needs_key_codes_only_for_a_rerank():
-    common = _load("common")
+    common = load_bench("common")
     assert common.needs_key_codes(["dense", "quest", TOP_P])
     assert common.needs_key_codes(iter(["quest:gamma=0.25:rerank=int4:candidates=2"]))
     assert not common.needs_key_codes(["dense", "hf_stock", "quest", "quest:gamma=0.25:top_p=0.9", "questmass:gamma=1",
@@ -72,7 +62,7 @@ def test_ruler_uses_the_one_attended_counter():
     """AttendedCounter lives in bench/common.py; the RULER bench imports it (one copy)."""
     assert "class AttendedCounter" in (BENCH / "common.py").read_text()
     assert "class AttendedCounter" not in (BENCH / "smollm2_ruler.py").read_text()
-    assert _load("smollm2_ruler").AttendedCounter.__module__ == "common"
+    assert load_bench("smollm2_ruler").AttendedCounter.__module__ == "common"
 
 
 # ---------------------------------------------------------------------------------------------- tiny model runs
@@ -115,7 +105,7 @@ def test_rerank_with_a_fixed_budget_keeps_the_budget(folder):
     from tinyattn.models import sources
     from tinyattn.retrieval.evaluate import greedy_decode, prefill
 
-    common = _load("common")
+    common = load_bench("common")
     model = sources.load_model(folder)
     cache = model.new_cache(page_size=16, num_pages=24, key_codes=True)
     sid = cache.add_sequence()
@@ -138,7 +128,7 @@ def test_passkey_records_tokens_attended_with_rerank(folder, tmp_path, key_codes
     """A tiny passkey run with re-ranked labels: the caches keep key codes, every row records pages / tokens attended
     (dense: every token; the fixed budget: 4 pages, 13 fewer full pages than dense at 257.. tokens; top-p: never more
     than the fixed budget); --merge reads an older file without the columns."""
-    passkey = _load("smollm2_passkey")
+    passkey = load_bench("smollm2_passkey")
     out = tmp_path / "pk"
     argv = ["--model", str(folder), "--out", str(out), "--contexts", "256", "--depths", "2", "--samples", "2",
             "--budgets", "1/4", "--policies", f"dense,{FIXED},{TOP_P}", "--recipes", "default", "--batch", "2",
@@ -178,7 +168,7 @@ def test_long_text_records_tokens_attended_with_rerank(folder, tmp_path, key_cod
     attended over the bucket's 15 decode steps (dense at 128: 128 + 8 tokens; the fixed budget of 1/4 of 128 tokens,
     2 pages: 16 + 8); top-p never attends more than the fixed budget; a run without a re-rank makes no codes; rows of
     an older run without the columns still merge."""
-    long_text = _load("smollm2_long_text")
+    long_text = load_bench("smollm2_long_text")
     out = tmp_path / "lt"
     argv = ["--model", str(folder), "--out", str(out), "--context", "256", "--buckets", "128,192", "--tokens", "16",
             "--budgets", "1/4", "--policies", f"{FIXED},{TOP_P}", "--recipes", "default", "--backend", "torch"]
