@@ -25,7 +25,7 @@ from tinyattn.ops.selection import torch_impl as selection_torch
 from tinyattn.ops import plan as plan_module
 from tinyattn import reference
 
-from host_calls import watch_host_calls
+from host_calls import check_graph_step, graph_mode_pool, graph_mode_step, watch_host_calls
 from paged_problems import SLOW_TRITON, make_problem, relocate
 
 
@@ -461,19 +461,11 @@ def test_graph_mode_steps_allocate_nothing_and_never_sync(monkeypatch):
     cap_b, cap_p, page_size, budget = 2, 24, 4, 3
     plans = tinyattn.PagedAttentionPlan(backend="triton")
     g = torch.Generator().manual_seed(0)
-    num_pages = 64
-    k = torch.randn(num_pages, page_size, 2, 16, generator=g)
-    v = torch.randn(num_pages, page_size, 2, 16, generator=g)
-    k_min, k_max = torch.empty(num_pages, 2, 16), torch.empty(num_pages, 2, 16)
-    every = torch.arange(num_pages, dtype=torch.int32)[None].expand(1, -1).contiguous()
-    reference.update_page_metadata(k, every, torch.tensor([num_pages * page_size]), k_min, k_max)
+    k, v, k_min, k_max, _ = graph_mode_pool(g, page_size=page_size)
     out = torch.empty(cap_b, 4, 16)
     ptrs = None
     for step in range(4):
-        lens = torch.randint(9, 60, (cap_b,), generator=g, dtype=torch.int32)
-        width = int(lens.max()) // page_size + 1 + step % 2                         # the table's width changes too
-        table = torch.randperm(num_pages, generator=g, dtype=torch.int32)[: cap_b * width].view(cap_b, width)
-        q = torch.randn(cap_b, 4, 16, generator=g)
+        table, lens, q = graph_mode_step(g, step, batch=cap_b, page_size=page_size)
         seen = []
         if step > 0:
             watch_host_calls(monkeypatch, seen)
@@ -481,11 +473,7 @@ def test_graph_mode_steps_allocate_nothing_and_never_sync(monkeypatch):
                    trusted=True, max_batch=cap_b, max_pages_per_seq=cap_p)
         got = plans.run(q, k, v, k_min=k_min, k_max=k_max, out=out)
         monkeypatch.undo()
-        assert seen == [], f"step {step}: tinyattn called {seen}"
-        assert got is out
-        now = {n: b.data_ptr() for n, b in plans._impl._buffers.items()}
-        assert ptrs is None or now == ptrs                                 # same storage every step
-        ptrs = now
+        ptrs = check_graph_step(step, seen, got, out, plans, ptrs)
         want = reference.sparse_paged_attention(q, k, v, table, lens, k_min=k_min, k_max=k_max, page_budget=budget)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 

@@ -700,26 +700,16 @@ def test_graph_mode_with_rerank_allocates_nothing_and_never_syncs(monkeypatch):
     """The graph-mode contract (tests/ops/test_plan.py, tests/ops/test_top_p.py) with the re-rank and top-p on the
     Triton plan: after one warm-up step, plan() + run() with new tables allocate no tensor, read no value on the
     host, keep every buffer's storage, and attend the reference pipeline's pages."""
-    from host_calls import watch_host_calls
+    from host_calls import check_graph_step, graph_mode_pool, graph_mode_step, watch_host_calls
 
     cap_b, cap_p, S, budget = 2, 24, 4, 5
     plans = tinyattn.PagedAttentionPlan(backend="triton")
     g = torch.Generator().manual_seed(0)
-    num_pages = 64
-    k = torch.randn(num_pages, S, 2, 16, generator=g) * 2
-    v = torch.randn(num_pages, S, 2, 16, generator=g)
-    k_min, k_max = torch.empty(num_pages, 2, 16), torch.empty(num_pages, 2, 16)
-    every = torch.arange(num_pages, dtype=torch.int32)[None].contiguous()
-    R.update_page_metadata(k, every, torch.tensor([num_pages * S]), k_min, k_max)
-    code = torch.zeros(num_pages, S, 2, 8, dtype=torch.uint8)
-    R.encode_key_codes(k, torch.arange(num_pages * S), k_min, k_max, code)
+    k, v, k_min, k_max, code = graph_mode_pool(g, page_size=S, key_scale=2, codes=True)
     out = torch.empty(cap_b, 4, 16)
     ptrs = None
     for step in range(4):
-        lens = torch.randint(9, 60, (cap_b,), generator=g, dtype=torch.int32)
-        width = int(lens.max()) // S + 1 + step % 2
-        table = torch.randperm(num_pages, generator=g, dtype=torch.int32)[: cap_b * width].view(cap_b, width)
-        q = torch.randn(cap_b, 4, 16, generator=g)
+        table, lens, q = graph_mode_step(g, step, batch=cap_b, page_size=S)
         seen = []
         if step > 0:
             watch_host_calls(monkeypatch, seen)
@@ -728,12 +718,8 @@ def test_graph_mode_with_rerank_allocates_nothing_and_never_syncs(monkeypatch):
                    candidates=2.0)
         got = plans.run(q, k, v, k_min=k_min, k_max=k_max, k_code=code, out=out)
         monkeypatch.undo()
-        assert seen == [], f"step {step}: tinyattn called {seen}"
-        assert got is out
-        now = {n: b.data_ptr() for n, b in plans._impl._buffers.items()}
-        assert {"candidates", "mass", "kept"} <= set(now)
-        assert ptrs is None or now == ptrs
-        ptrs = now
+        ptrs = check_graph_step(step, seen, got, out, plans, ptrs)
+        assert {"candidates", "mass", "kept"} <= set(ptrs)
         _, mu, pages = reference_pipeline(q, k, code, k_min, k_max, table, lens, page_size=S, page_budget=budget,
                                           candidates=2.0, gamma=0.25, top_p=0.8)
         assert _separated(mu, lens, S, 5e-4)

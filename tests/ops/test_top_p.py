@@ -19,7 +19,7 @@ from tinyattn.kernels import chunk_topk
 from tinyattn.ops import custom_ops
 from tinyattn.ops.selection import reference as selection_reference
 
-from host_calls import watch_host_calls
+from host_calls import check_graph_step, graph_mode_pool, graph_mode_step, watch_host_calls
 from paged_problems import make_problem
 
 BACKENDS = ["torch", "triton"]          # triton runs in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
@@ -311,19 +311,11 @@ def test_graph_mode_with_gamma_and_top_p_allocates_nothing_and_never_syncs(monke
     cap_b, cap_p, S, budget = 2, 24, 4, 5
     plans = tinyattn.PagedAttentionPlan(backend="triton")
     g = torch.Generator().manual_seed(0)
-    num_pages = 64
-    k = torch.randn(num_pages, S, 2, 16, generator=g) * 2
-    v = torch.randn(num_pages, S, 2, 16, generator=g)
-    k_min, k_max = torch.empty(num_pages, 2, 16), torch.empty(num_pages, 2, 16)
-    every = torch.arange(num_pages, dtype=torch.int32)[None].contiguous()
-    R.update_page_metadata(k, every, torch.tensor([num_pages * S]), k_min, k_max)
+    k, v, k_min, k_max, _ = graph_mode_pool(g, page_size=S, key_scale=2)
     out = torch.empty(cap_b, 4, 16)
     ptrs = None
     for step in range(4):
-        lens = torch.randint(9, 60, (cap_b,), generator=g, dtype=torch.int32)
-        width = int(lens.max()) // S + 1 + step % 2
-        table = torch.randperm(num_pages, generator=g, dtype=torch.int32)[: cap_b * width].view(cap_b, width)
-        q = torch.randn(cap_b, 4, 16, generator=g)
+        table, lens, q = graph_mode_step(g, step, batch=cap_b, page_size=S)
         seen = []
         monkeypatch.setattr(chunk_topk, "use_two_stage", lambda *a, **kw: use)
         if step > 0:
@@ -332,12 +324,8 @@ def test_graph_mode_with_gamma_and_top_p_allocates_nothing_and_never_syncs(monke
                    trusted=True, max_batch=cap_b, max_pages_per_seq=cap_p, gamma=0.25, top_p=0.8)
         got = plans.run(q, k, v, k_min=k_min, k_max=k_max, out=out)
         monkeypatch.undo()
-        assert seen == [], f"step {step}: tinyattn called {seen}"
-        assert got is out
-        now = {n: b.data_ptr() for n, b in plans._impl._buffers.items()}
-        assert "kept" in now and (("ws_key" in now) == use)
-        assert ptrs is None or now == ptrs
-        ptrs = now
+        ptrs = check_graph_step(step, seen, got, out, plans, ptrs)
+        assert "kept" in ptrs and (("ws_key" in ptrs) == use)
         want = R.sparse_paged_attention(q, k, v, table, lens, k_min=k_min, k_max=k_max, page_budget=budget,
                                         gamma=0.25, top_p=0.8)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
