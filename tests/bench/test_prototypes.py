@@ -1,5 +1,6 @@
 """bench/prototypes/int4_rerank.py, the research prototype of issue 35's second stage: its re-rank agrees with the
-oracle where it is exact, and its top-p goes through the library's rule (p = 1 keeps the fixed budget's pages)."""
+oracle where it is exact, and its top-p goes through the library's rule (p = 1 keeps the fixed budget's pages).
+bench/prototypes/rerank_floor.py, the fused form timed against the library's: it computes the library's masses."""
 
 
 import pytest
@@ -52,3 +53,16 @@ def test_box_quantize_stays_in_the_box_and_is_exact_on_flat_channels():
     assert (q >= kmin[:, None] - 1e-6).all() and (q <= kmax[:, None] + 1e-6).all()
     assert ((q - keys).abs() <= (kmax - kmin)[:, None] / 30 + 1e-6).all()       # half a step of 15 levels
     assert torch.equal(q[:, :, 0], keys[:, :, 0])
+
+
+def test_the_fused_floor_prototype_computes_the_librarys_rerank():
+    """The fused formulation (step folded into the queries, dot product from the nibbles), run eagerly, gives the
+    log-masses of ``tinyattn.rerank_scores``'s torch form on the same candidates, the row's last page (read exactly)
+    among them: the floor it times is the library's rule."""
+    F = load_bench("prototypes/rerank_floor")
+    p = F.problem(context=1000, budget=8, seed=3)                 # 63 pages, the last one partial
+    want = F.library_mass(p)[0].gather(-1, p.j[0])
+    got = F.prototype_mass(p)[0]
+    assert bool((p.j == p.n - 1).any())
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
