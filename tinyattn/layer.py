@@ -247,7 +247,7 @@ class PagedAttention:
                        num_recent_pages=s.num_recent_pages if budget else 1, scale=scale, trusted=trusted,
                        max_batch=max_batch, max_pages_per_seq=max_pages_per_seq,
                        gamma=s.gamma if budget else 1.0, top_p=s.top_p if budget else None,
-                       rerank=s.rerank if budget else None, candidates=s.candidates)
+                       rerank=s.rerank if budget else None, candidates=s.candidates if budget else 1.0)
         self.seq_ids = seq_ids
         self._fused = s.policy.fused and self.metrics is None
         return self

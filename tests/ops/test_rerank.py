@@ -744,6 +744,7 @@ def _small():
     (dict(candidates="2"), TypeError, "candidates"),
     (dict(candidates=True), TypeError, "candidates"),
     (dict(candidates=None), TypeError, "candidates"),
+    (dict(rerank=None, k_code=None, candidates=2.0), ValueError, "candidates: expected 1.0 without rerank"),
     (dict(k_code=None), (TypeError, ValueError), "k_code"),
     (dict(k_code="wrong shape"), ValueError, "k_code"),
     (dict(k_code="wrong dtype"), TypeError, "k_code"),

@@ -54,3 +54,15 @@ def test_generate_top_p_one_covering_is_dense_and_top_p_is_reported(capsys):
     assert 1 <= mean < 4 and re.search(r"max [1-4]\b", line), line
     code, _, err = run_main([*common, "--page-budget", "4", "--policy", "h2o", "--top-p", "0.5"], capsys)
     assert code == 2 and "policy" in err and "top_p" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "serve-bench"])
+def test_candidates_without_the_rerank_is_refused(command, capsys):
+    """``--candidates`` only feeds the re-rank: without ``--rerank`` (or, for generate, without a budget) the run
+    would silently ignore it."""
+    code, _, err = run_main([command, "--page-budgets" if command == "eval" else "--page-budget", "4",
+                             "--candidates", "2"], capsys)
+    assert code == 2 and "--candidates 2: only the re-rank reads" in err and "--rerank int4" in err, err
+    if command == "generate":
+        code, _, err = run_main([command, "--candidates", "2"], capsys)
+        assert code == 2 and "--candidates" in err and "needs --page-budget" in err, err

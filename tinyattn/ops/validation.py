@@ -590,7 +590,8 @@ RERANKS = ("int4",)
 
 def check_rerank(rerank, candidates) -> tuple[str | None, float]:
     """``rerank``: ``None`` or one of :data:`RERANKS`; ``candidates``: the share of ``page_budget`` the estimate
-    hands to the re-rank, a finite real ``>= 1`` (``ceil(candidates · page_budget)`` pages)."""
+    hands to the re-rank, a finite real ``>= 1`` (``ceil(candidates · page_budget)`` pages), ``1.0`` without a
+    re-rank (a setting nothing reads would be silent)."""
     if rerank is not None and rerank not in RERANKS:
         raise ValueError(f"rerank: expected None or one of {RERANKS}, got {rerank!r}")
     if isinstance(candidates, bool) or not isinstance(candidates, numbers.Real):
@@ -599,6 +600,9 @@ def check_rerank(rerank, candidates) -> tuple[str | None, float]:
     candidates = float(candidates)
     if not (1.0 <= candidates < float("inf")):
         raise ValueError(f"candidates: expected a finite number >= 1 (a multiple of page_budget), got {candidates}")
+    if rerank is None and candidates != 1.0:
+        raise ValueError(f"candidates: expected 1.0 without rerank (only the re-rank reads the estimate's "
+                         f"candidates), got {candidates}; pass rerank='int4'")
     return rerank, candidates
 
 
@@ -804,6 +808,7 @@ def check_sparse_attention(q, k_cache, v_cache, block_table, seq_lens, page_indi
             and k_min.shape == k_max.shape == (k_cache.shape[0], k_cache.shape[2], k_cache.shape[3])
             and k_min.device == q.device and k_max.device == q.device
             and type(gamma) is float and 0.0 <= gamma <= 1.0 and rerank is None and k_code is None
+            and candidates == 1.0 and type(candidates) in (float, int)
             and (top_p is None or (type(top_p) is float and 0.0 < top_p <= 1.0))):
         num_pages, page_size, Hkv, _ = k_cache.shape
         rules = dict(page_budget=page_budget, num_sink_pages=num_sink_pages, num_recent_pages=num_recent_pages,
