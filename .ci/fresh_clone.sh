@@ -42,7 +42,7 @@ tinyattn generate --max-new-tokens 200 --temperature 0 --no-stats > console.txt
 tinyattn --help > help.txt
 python -m tinyattn eval --max-stories 1 --max-context 64 --page-budgets 2,4 --no-progress --plot-dir plots \
   > eval.txt 2> eval.err || { cat eval.err >&2; echo "fresh clone: eval --plot-dir failed without matplotlib" >&2; exit 1; }
-grep -qF 'pip install "tinyattn[plots]"' eval.err && [ -s plots/results.csv ] && [ -s plots/results.json ] || {
+grep -qF 'pip install -e ".[plots]"' eval.err && [ -s plots/results.csv ] && [ -s plots/results.json ] || {
   cat eval.err >&2; echo "fresh clone: eval --plot-dir without matplotlib did not write CSV/JSON and name the extra" >&2
   exit 1; }
 echo "fresh clone: eval --plot-dir without matplotlib wrote plots/results.csv|json and named the plots extra"

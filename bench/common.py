@@ -454,7 +454,7 @@ def pyplot():
         import matplotlib.pyplot as plt
         return plt
     except ImportError:
-        print('matplotlib is not installed: skipping the plot (pip install "tinyattn[plots]")')
+        print('matplotlib is not installed: skipping the plot (pip install -e ".[plots]")')
         return None
 
 

@@ -5,7 +5,7 @@
 result class ``save_json`` / ``save_csv``, and :func:`write_result_files` is the ``--json`` / ``--csv`` /
 ``--plot-dir`` block of both commands.
 
-The plots need matplotlib, an optional extra (``pip install "tinyattn[plots]"``): without it a command given
+The plots need matplotlib, an optional extra (``pip install -e ".[plots]"`` in the checkout): without it a command given
 ``--plot-dir`` writes the figures' data (``results.json`` and ``results.csv`` in that folder) and says how to
 install it (:func:`have_matplotlib`, :data:`PLOTS_HINT`).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = ["SavesRows", "write_json", "write_csv", "write_result_files", "have_matplotlib", "PLOTS_HINT"]
 
-PLOTS_HINT = 'pip install "tinyattn[plots]"'      # matplotlib: the one optional dependency of the plots
+PLOTS_HINT = 'pip install -e ".[plots]"'      # matplotlib: the one optional dependency of the plots
 
 
 def have_matplotlib() -> bool:

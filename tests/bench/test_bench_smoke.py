@@ -138,7 +138,7 @@ def test_retention_recall_without_matplotlib_writes_the_numbers(tmp_path, capsys
     assert (out / "retention_recall.csv").is_file() and not (out / "retention_recall.png").exists()
     printed = capsys.readouterr().out
     assert "| recency | 1 |" in printed
-    assert 'matplotlib is not installed: skipping the plot (pip install "tinyattn[plots]")' in printed
+    assert 'matplotlib is not installed: skipping the plot (pip install -e ".[plots]")' in printed
 
 
 def test_no_bench_script_imports_matplotlib_itself():

@@ -6,7 +6,7 @@ The checkpoint is the shipped stories260K converted to a Hugging Face folder (a 
 context; RULER sized at 480 tokens gives prompts of ~290): with a dense TinyAttnCache every response equals stock transformers'
 through lm-eval; with 2 pages of 16 tokens the decode is sparse (tinyattn's profiler) and lm-eval scores it. The
 SmolLM2 run at 2K documented in docs/lm_eval.md is the full-size version of this test. Skipped without lm-eval
-(``pip install "tinyattn[eval]"``).
+(``pip install -e ".[eval]"``).
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def test_eval_plot_dir_without_matplotlib_writes_csv_json_and_names_the_extra(tm
                                "--page-budgets", "2,4", "--backend", "torch", "--no-progress",
                                "--plot-dir", str(plots)], capsys)
     assert code == 0, err
-    assert 'pip install "tinyattn[plots]"' in err
+    assert 'pip install -e ".[plots]"' in err
     assert (plots / "results.csv").exists() and (plots / "results.json").exists()
     assert not list(plots.glob("*.png"))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import sys
 from fractions import Fraction
 
 import pytest
@@ -319,6 +320,13 @@ def test_plots_are_written(small, tmp_path):
                             for t in ("passkey", "multikey") for ps in (4, 8)])
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib_name_the_extra(small, tmp_path, monkeypatch):
+    """A Python caller without matplotlib gets the install line of the plots extra, not a bare import error."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)           # import matplotlib -> ModuleNotFoundError
+    with pytest.raises(ModuleNotFoundError, match=r'plots extra: pip install -e "\.\[plots\]"'):
+        plot_task_results(small, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- the question

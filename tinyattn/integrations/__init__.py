@@ -3,7 +3,7 @@
 - :mod:`tinyattn.integrations.hf`: Hugging Face ``transformers``. Importing it registers the attention
   implementation ``"tinyattn"`` and provides :class:`~tinyattn.integrations.hf.TinyAttnCache` and
   :func:`~tinyattn.integrations.hf.enable` (every ``generate()`` of a model gets a TinyAttnCache)
-  (needs the ``hf`` extra: ``pip install "tinyattn[hf]"``).
+  (needs the ``hf`` extra: ``pip install -e ".[hf]"``).
 - :mod:`tinyattn.integrations.lm_eval`: lm-evaluation-harness; importing it registers the model ``"tinyattn"``
   (``python -m tinyattn.integrations.lm_eval run --model tinyattn ...``; the ``eval`` extra, ``docs/lm_eval.md``).
 - :mod:`tinyattn.integrations.vllm`: an attention backend for vLLM's v1 engine, registered through vLLM's

@@ -76,7 +76,7 @@ try:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("tinyattn.integrations.hf needs transformers: pip install 'tinyattn[hf]' "
+    raise ImportError("tinyattn.integrations.hf needs transformers: pip install -e '.[hf]' "
                       "(transformers>=5.24,<6 and safetensors)") from e
 
 from tinyattn.cache import CacheFullError, PagedKVCache

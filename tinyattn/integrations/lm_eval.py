@@ -51,7 +51,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("tinyattn.integrations.lm_eval needs lm-evaluation-harness: pip install 'tinyattn[eval]' "
+    raise ImportError("tinyattn.integrations.lm_eval needs lm-evaluation-harness: pip install -e '.[eval]' "
                       "(lm-eval>=0.4.13 and wonderwords)") from e
 
 from ..layer import DEFAULT_GAMMA

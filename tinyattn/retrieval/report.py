@@ -42,7 +42,7 @@ def format_task_table(result: TaskResult, metric: str = "accuracy") -> str:
         for ps in result.page_sizes:
             depths = ", ".join(f"{d:g}" for d in result.depths)
             lines = [f"{task}, page_size={ps}: {metric.replace('_', ' ')} over depths {depths} "
-                     f"({result.options.get('samples', '?')} samples each)", "",
+                     f"({_samples(result.options.get('samples', '?'))} each)", "",
                      "| context | budget | page_budget (tokens) | " + " | ".join(sparse) + " | dense |",
                      "|---" * (len(sparse) + 4) + "|"]
             for context in result.contexts:
@@ -60,7 +60,12 @@ def format_task_table(result: TaskResult, metric: str = "accuracy") -> str:
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:      # the CLI notes it and writes CSV / JSON; a Python caller gets the fix
+        from ..results_io import PLOTS_HINT
+
+        raise ModuleNotFoundError(f"the retrieval plots need matplotlib, the plots extra: {PLOTS_HINT}") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -178,3 +183,7 @@ def plot_budget_curves(result: TaskResult, out_dir: str | os.PathLike, prefix: s
 def plot_task_results(result: TaskResult, out_dir: str | os.PathLike, prefix: str = "") -> list[Path]:
     """:func:`plot_depth_heatmaps` and :func:`plot_budget_curves` into ``out_dir``; the paths written."""
     return plot_depth_heatmaps(result, out_dir, prefix) + plot_budget_curves(result, out_dir, prefix)
+
+
+def _samples(n) -> str:
+    return "1 sample" if n == 1 else f"{n} samples"

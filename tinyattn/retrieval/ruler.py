@@ -130,14 +130,14 @@ def load_task(name: str, context: int, tokenizer: str | os.PathLike, *, seed: in
 
     Raises:
         ValueError: an unknown task name (the message lists the known ones).
-        ModuleNotFoundError: lm-eval or wonderwords is not installed (the ``eval`` extra: ``pip install 'tinyattn[eval]'``).
+        ModuleNotFoundError: lm-eval or wonderwords is not installed (the ``eval`` extra: ``pip install -e '.[eval]'``).
     """
     lm_name = _check_task(name)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(f"RULER needs lm-eval and wonderwords: pip install 'tinyattn[eval]' ({exc})") \
+        raise ModuleNotFoundError(f"RULER needs lm-eval and wonderwords: pip install -e '.[eval]' ({exc})") \
             from exc
     meta = {"max_seq_lengths": [int(context)], "pretrained": str(tokenizer)}
     info = {"task": name, "lm_eval_task": lm_name, "context": int(context), "seed": seed,
