@@ -829,3 +829,51 @@ def test_bad_operands_of_the_two_ops_are_named(backend):
         args.update(kw)
         with pytest.raises((TypeError, ValueError), match=name):
             tinyattn.encode_key_codes(backend=backend, **args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rerank_scores_checks_its_pool_against_the_boxes_and_its_scales(backend):
+    """The pool ``rerank_scores`` reads each row's last page from: a pool smaller than the boxes (the Triton kernel
+    read it out of bounds, the torch form raised an IndexError), of another ``head_dim`` (Triton read past each key,
+    torch raised an einsum error), an int8 pool without its ``k_scale`` (its codes were read as values, silently), a
+    ``k_scale`` with a float pool (silently applied) or of the wrong shape (an AssertionError), and no pool at all
+    (an error about ``page_size``) are errors naming the argument."""
+    p, k_min, k_max, code = _small()
+    cand = torch.zeros(2, 2, 1, dtype=torch.int32)
+    num_pages, _, Hkv, _ = p.k_cache.shape
+    scale = torch.ones(num_pages, Hkv)
+    cases = [(dict(k_cache=p.k_cache[:3], k_code=code[:3]), ValueError, "k_cache"),
+             (dict(k_cache=p.k_cache[..., :4], k_code=code), ValueError, "k_cache"),
+             (dict(k_cache=None), TypeError, "k_cache"),
+             (dict(k_cache=p.k_cache[0]), ValueError, "k_cache"),
+             (dict(k_cache=p.k_cache.to(torch.int8)), ValueError, "k_scale"),
+             (dict(k_cache=p.k_cache.to(torch.int8), k_scale=scale[:, :1]), ValueError, "k_scale"),
+             (dict(k_cache=p.k_cache.to(torch.int8), k_scale=scale.double()), TypeError, "k_scale"),
+             (dict(k_scale=scale), ValueError, "k_scale")]
+    for kw, error, name in cases:
+        args = dict(k_code=code, k_cache=p.k_cache, k_scale=None)
+        args.update(kw)
+        with pytest.raises(error, match=name):
+            tinyattn.rerank_scores(p.q, args["k_code"], args["k_cache"], k_min, k_max, cand, p.block_table,
+                                   p.seq_lens, k_scale=args["k_scale"], backend=backend)
+    # the valid quantized call still runs, and equals the reference on the same pool and scales
+    k_codes, _, k_scale, _ = quantize_problem(p, "int8", poison_scales=False)
+    got = tinyattn.rerank_scores(p.q, code, k_codes, k_min, k_max, cand, p.block_table, p.seq_lens, k_scale=k_scale,
+                                 backend=backend)
+    want = R.rerank_scores(p.q, code, k_codes, k_min, k_max, cand, p.block_table, p.seq_lens, k_scale=k_scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_encode_key_codes_checks_the_slot_range(backend):
+    """A slot past the pool (or negative) whose offset is the page's last: the Triton kernel coded a page past the
+    pool (out of bounds on a GPU; silently nothing under the interpreter), the torch form raised a bare IndexError.
+    Now a ValueError naming ``slots``, before anything is written; ``value_checks(False)`` skips the check."""
+    p, k_min, k_max, code = _small()
+    capacity = p.k_cache.shape[0] * p.k_cache.shape[1]
+    for bad in ([capacity + 3], [-1], [3, capacity * 100 + 3]):
+        before = code.clone()
+        with pytest.raises(ValueError, match="slots"):
+            tinyattn.encode_key_codes(p.k_cache, torch.tensor(bad), k_min, k_max, code, backend=backend)
+        assert torch.equal(code, before)
+    tinyattn.encode_key_codes(p.k_cache, torch.tensor([capacity - 1]), k_min, k_max, code, backend=backend)   # in range

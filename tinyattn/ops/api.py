@@ -377,14 +377,18 @@ def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq
 
     Raises:
         TypeError / ValueError naming the argument (shapes, dtypes, devices, table values as
-        :func:`page_scores`; ``k_code`` of another shape than ``[num_pages, page_size, Hkv, D/2]`` or not uint8,
-        ``candidates`` not ``[B, Hkv, C]`` int, an odd ``head_dim``).
+        :func:`page_scores`; ``k_cache`` not ``[num_pages, page_size, Hkv, D]`` with the boxes' ``num_pages`` and
+        ``Hkv`` and ``q``'s ``D``; an int8 / fp8 ``k_cache`` without its ``k_scale`` ``[num_pages, Hkv]`` fp32, or a
+        ``k_scale`` with a float one; ``k_code`` of another shape than ``[num_pages, page_size, Hkv, D/2]`` or not
+        uint8, ``candidates`` not ``[B, Hkv, C]`` int, an odd ``head_dim``).
 
     Source: Twilight (Lin et al., arXiv 2502.02770: INT4 keys estimate the attention of Quest's candidates); the
     box as the quantization range: this library (docs/design_rerank.md).
     """
-    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, k_cache.shape[1]
-                                                if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 else 0)
+    checks.expect_tensor("k_cache", k_cache)
+    checks.expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
+    q4, page_size = checks.check_scoring_inputs(q, k_min, k_max, block_table, seq_lens, k_cache.shape[1])
+    checks.check_rerank_pool(k_cache, k_scale, k_min, q4)
     checks.check_key_codes(k_code, "int4", k_cache, q4)
     checks.check_candidates(candidates, q4.shape[0], k_min.shape[1], q.device)
     scale = checks.check_scale(scale, q4.shape[-1])
@@ -422,7 +426,9 @@ def encode_key_codes(k_cache, slots, k_min, k_max, k_code, *, k_scale=None, back
         trusted: the caller made and checked every tensor (:meth:`tinyattn.PagedKVCache.write`): no checks.
 
     Raises:
-        TypeError / ValueError naming the argument (shapes, dtypes, devices; an odd ``head_dim``).
+        TypeError / ValueError naming the argument (shapes, dtypes, devices; an odd ``head_dim``; ``slots`` outside
+        ``[0, num_pages * page_size)``, a value check: one host sync, skipped under :func:`tinyattn.value_checks`
+        ``(False)`` and with ``trusted``).
 
     Source: docs/design_rerank.md (issue 35); Twilight's INT4 keys (Lin et al., arXiv 2502.02770).
     """

@@ -624,6 +624,30 @@ def check_key_codes(k_code, rerank, k_cache, q) -> None:
     expect_device("k_code", k_code, k_cache.device, "k_cache")
 
 
+def check_rerank_pool(k_cache, k_scale, k_min, q4) -> None:
+    """The pool of :func:`tinyattn.rerank_scores` (it reads each row's last page from it): ``[num_pages, page_size,
+    Hkv, D]`` with the boxes' ``num_pages`` and ``Hkv`` and ``q``'s ``D``, on ``q``'s device; a float pool with no
+    ``k_scale``, or int8 / float8_e4m3fn with ``k_scale`` fp32 ``[num_pages, Hkv]``. A kernel would otherwise read a
+    smaller pool out of bounds, or an int8 pool's codes as values (``k_cache`` already checked 4-D)."""
+    num_pages, Hkv, D = k_min.shape
+    expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,) + QUANTIZED_DTYPES)
+    expect_shape("k_cache", k_cache, (num_pages, k_cache.shape[1], Hkv, D),
+                 "[num_pages, page_size, Hkv, D] (num_pages and Hkv of k_min, D of q)")
+    expect_device("k_cache", k_cache, q4.device, "q")
+    if k_cache.dtype not in QUANTIZED_DTYPES:
+        if k_scale is not None:
+            raise ValueError(f"k_scale: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with int8 / "
+                             f"float8_e4m3fn pools only), got a tensor")
+        return
+    if k_scale is None:
+        raise ValueError(f"k_scale: expected a float32 [num_pages, Hkv] = {(num_pages, Hkv)} tensor of scales for the "
+                         f"{_dtype_name(k_cache.dtype)} pool, got None")
+    expect_tensor("k_scale", k_scale)
+    expect_dtype("k_scale", k_scale, (torch.float32,))
+    expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
+    expect_device("k_scale", k_scale, q4.device, "q")
+
+
 def check_candidates(candidates, batch: int, num_kv_heads: int, device) -> None:
     """``candidates`` of :func:`tinyattn.rerank_scores`: ``[B, Hkv, C]`` int32 / int64 on ``q``'s device."""
     expect_tensor("candidates", candidates)
@@ -656,6 +680,12 @@ def check_code_inputs(k_cache, slots, k_min, k_max, k_code, k_scale) -> None:
     if k_cache.dtype in QUANTIZED_DTYPES:
         expect_tensor("k_scale", k_scale)
         expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
+    capacity = num_pages * k_cache.shape[1]
+    if value_checks_active() and slots.numel():       # the kernel would code a page past the pool (one host sync)
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= capacity:
+            raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
+                             f"[{lo}, {hi}]")
 
 
 def check_top_p_scale(scale) -> float:
