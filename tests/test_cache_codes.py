@@ -117,6 +117,28 @@ def test_a_truncated_page_is_coded_again_when_it_fills(backend):
     _check_codes(cache, [a, b])
 
 
+@pytest.mark.parametrize("backend", SLOW_TRITON)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_overwriting_a_slot_of_a_full_page_codes_the_page_again(backend, kind):
+    """``write`` may overwrite a slot (its docstring): in a full page the new key grows the box every code of the
+    page is relative to, so the whole page is coded again (it was not: stale codes, found by a fault hunt); a
+    partial page is still left for the write that fills it."""
+    gen = torch.Generator().manual_seed(11)
+    cache = _cache(kind)
+    seq = cache.add_sequence()
+    slots = _write(cache, [seq], 10, gen, backend)                   # pages 0, 1 full; page 2 holds 2 tokens
+    full, partial = _full_and_partial(cache, seq)
+    for layer in range(cache.num_layers):
+        k = torch.full((2, cache.num_kv_heads, cache.head_dim), 9.0)
+        k[1] = -9.0
+        before = cache.k_code[layer][partial].clone()
+        cache.write(layer, slots[[1, 9]], k, torch.randn(2, cache.num_kv_heads, cache.head_dim, generator=gen),
+                    backend=backend)                                   # slot 1 of page 0, slot 1 of partial page 2
+        assert torch.equal(cache.k_code[layer][full], _reference_codes(cache, layer, full))
+        assert torch.equal(cache.k_code[layer][partial], before)       # never coded before it fills
+        assert bool((cache.k_code[layer][full[0], 1] != 0).any())       # the new key's codes, at the box's top
+
+
 def test_fork_copy_pages_and_resize_carry_the_codes():
     gen = torch.Generator().manual_seed(2)
     cache = _cache(num_pages=16)

@@ -442,7 +442,9 @@ class PagedKVCache:
         layer, every KV format), on a CPU its PyTorch twin; ``backend`` (``"torch"`` / ``"triton"``) forces one
         (``"triton"`` on a CPU needs ``TRITON_INTERPRET=1``). Boxes only grow: overwriting a slot that already held
         a key leaves its page's box looser than needed (still an upper bound, so selection stays safe);
-        :func:`tinyattn.update_page_metadata` recomputes it exactly. Raises ``TypeError``/``ValueError`` for
+        :func:`tinyattn.update_page_metadata` recomputes it exactly. With ``key_codes``, a write codes the pages whose
+last slot it covers, and a write with the caller's slots also every full page it touches (an overwritten key grows
+the box every code of the page is relative to). Raises ``TypeError``/``ValueError`` for
         non-integer or out-of-pool ``slots`` and mismatched ``k``/``v`` shapes, before anything is written.
         ``trusted``: ``slots`` (int64, on the cache's device) are in range by construction, e.g. copied from
         :meth:`extend`'s into a CUDA graph's static buffer: the range check and its host sync are skipped, as for
@@ -462,6 +464,7 @@ class PagedKVCache:
             if not x.is_floating_point() or x.device != self.device:
                 raise TypeError(f"{name}: expected a float tensor on {self.device}, got {x.dtype} on {x.device}")
         issued = getattr(self, "_issued", None)
+        code_slots = slots
         if issued is not None and slots is issued[0]:          # made by extend(): in range by construction
             if issued[1] is None:                              # its pages, once for every layer
                 self._issued = issued = (slots, torch.div(slots, self.page_size, rounding_mode="floor"))
@@ -475,6 +478,8 @@ class PagedKVCache:
                 raise ValueError(f"slots: expected values in [0, {capacity}) (num_pages x page_size), got range "
                                  f"[{int(slots.min())}, {int(slots.max())}]")
             pages = slots // self.page_size
+            if self.k_code:     # the caller's slots may overwrite a full page: code it again
+                code_slots = self._slots_to_code(slots, pages)
         boxes_on = bool(self.k_min)
         # the cache made every other tensor: the op's own argument checks are skipped (trusted)
         api.write_kv(k, v, slots, self.k_cache[layer], self.v_cache[layer],
@@ -482,10 +487,24 @@ class PagedKVCache:
                      k_scale=self.k_scale[layer] if self.quantized else None,
                      v_scale=self.v_scale[layer] if self.quantized else None,
                      fill=self._fill if self.quantized else None, pages=pages, backend=backend, trusted=True)
-        if self.k_code:          # the pages this write filled: their codes, inside their grown boxes
-            api.encode_key_codes(self.k_cache[layer], slots, self.k_min[layer], self.k_max[layer],
+        if self.k_code:          # the pages this write filled (or changed when full): their codes, in the grown boxes
+            api.encode_key_codes(self.k_cache[layer], code_slots, self.k_min[layer], self.k_max[layer],
                                  self.k_code[layer], k_scale=self.k_scale[layer] if self.quantized else None,
                                  backend=backend, trusted=True)
+
+    def _slots_to_code(self, slots: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``slots`` plus the last slot of every full page they touch: the key-code writer codes the pages whose last
+        slot a write covers, and a slot overwritten in a full page grows the box that every code of the page is
+        relative to (the page is coded again, whole). A page is partial when it is the last page of a sequence
+        whose length ends inside it; pages of no sequence count as full. For a write with slots of the caller's
+        (not :meth:`extend`'s): its range check has already read them on the host."""
+        S = self.page_size
+        partial = {p[-1] for sid, p in self._pages.items() if p and self._lens[sid] % S}
+        given = set(slots.tolist())
+        last = [pg * S + S - 1 for pg in sorted(set(pages.tolist())) if pg not in partial and pg * S + S - 1 not in given]
+        if not last:
+            return slots
+        return torch.cat([slots, torch.tensor(last, dtype=slots.dtype, device=slots.device)])
 
     # ---- tables for the ops ------------------------------------------------------------------------
     def block_table(self, seq_ids: Sequence[int], max_pages: int | None = None) -> torch.Tensor:
