@@ -735,6 +735,24 @@ def _small():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_more_candidates_than_pages_are_every_page(backend):
+    """``candidates`` beyond the table's width (1e6, the largest float) hands every page to the re-rank, as a
+    covering multiple does: the same output, no kernel block or workspace sized by the huge count (a fault hunt:
+    the Triton backend asked for a 4M-element block, and 1.79e308 overflowed ``ceil``)."""
+    p, k_min, k_max, code = _small()                                   # 5 pages per row at most
+    args = dict(k_min=k_min, k_max=k_max, page_budget=2, rerank="int4", k_code=code, backend=backend)
+    want = tinyattn.sparse_paged_attention(*p.args, candidates=2.5, **args)
+    for huge in (3.0, 1e6, 1.79e308):
+        torch.testing.assert_close(tinyattn.sparse_paged_attention(*p.args, candidates=huge, **args), want,
+                                   atol=0, rtol=0)
+        plan = tinyattn.PagedAttentionPlan(backend=backend).plan(
+            p.block_table, p.seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, page_budget=2,
+            rerank="int4", candidates=huge)
+        torch.testing.assert_close(plan.run(p.q, p.k_cache, p.v_cache, k_min=k_min, k_max=k_max, k_code=code), want,
+                                   atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kw, error, name", [
     (dict(rerank="int8"), ValueError, "rerank"),
     (dict(rerank=True), ValueError, "rerank"),

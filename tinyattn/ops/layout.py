@@ -56,6 +56,10 @@ def ungroup(x: torch.Tensor, num_query_tokens: int) -> torch.Tensor:
     return x.reshape(B, Hkv, Tq, M // Tq, *rest).transpose(1, 2).reshape(B, Tq, Hkv * (M // Tq), *rest)
 
 
-def num_candidates(page_budget: int, candidates: float) -> int:
-    """Pages the page estimate hands to the re-rank (``rerank="int4"``): ``ceil(candidates · page_budget)``."""
-    return int(math.ceil(candidates * page_budget - 1e-9))
+def num_candidates(page_budget: int, candidates: float, max_pages: int) -> int:
+    """Pages the page estimate hands to the re-rank (``rerank="int4"``): ``ceil(candidates · page_budget)``, at most
+    ``max(page_budget, max_pages)`` (the table's width: more candidates than a row has pages select the same pages,
+    and a kernel block or a workspace sized by a huge ``candidates`` would not fit)."""
+    cap = max(page_budget, max_pages)
+    want = candidates * page_budget
+    return cap if want >= cap else min(cap, int(math.ceil(want - 1e-9)))

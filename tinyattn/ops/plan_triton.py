@@ -69,7 +69,7 @@ class TritonPlan:
         # the re-rank (rerank='int4'): the estimate's candidates, then their log-mass, selected again
         self._rerank = budget is not None and step.rerank is not None
         if self._rerank:
-            n_cand = num_candidates(budget, step.candidates)
+            n_cand = num_candidates(budget, step.candidates, width)
             self._candidates = self._buffer("candidates", (cap_b, Hkv, n_cand), torch.int32)[:B]
             self._mass = self._buffer("mass", (cap_b, Hkv, width), torch.float32)[:B]
         self._last = None            # the buffer the last selecting run attended (see last_selection)
