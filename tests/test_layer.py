@@ -45,6 +45,15 @@ def test_an_explicit_sink_count_is_kept_and_checked():
         SparsityConfig(page_budget=2, num_sink_pages=2)          # 2 sinks + 1 recent > 2: the ops' rule
 
 
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(rerank="int4"), dict(rerank="int4", candidates=2.0)])
+def test_selection_settings_without_a_budget_are_refused(kw):
+    """As ``PagedAttentionPlan.plan``: with no ``page_budget`` every step is dense, so a ``top_p`` or a re-rank would
+    silently do nothing (a fault hunt found the config, the runtime and the HF cache accepting them)."""
+    with pytest.raises(ValueError, match="page_budget: expected an int .* got None"):
+        SparsityConfig(**kw)
+    assert SparsityConfig(page_budget=8, **kw).page_budget == 8
+
+
 def test_runtime_and_engine_take_the_default(model):  # noqa: F811
     from tinyattn.engine import Engine
 

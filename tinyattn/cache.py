@@ -498,10 +498,11 @@ the box every code of the page is relative to). Raises ``TypeError``/``ValueErro
         relative to (the page is coded again, whole). A page is partial when it is the last page of a sequence
         whose length ends inside it; pages of no sequence count as full. For a write with slots of the caller's
         (not :meth:`extend`'s): its range check has already read them on the host."""
-        S = self.page_size
-        partial = {p[-1] for sid, p in self._pages.items() if p and self._lens[sid] % S}
+        page_size = self.page_size
+        partial = {p[-1] for sid, p in self._pages.items() if p and self._lens[sid] % page_size}
         given = set(slots.tolist())
-        last = [pg * S + S - 1 for pg in sorted(set(pages.tolist())) if pg not in partial and pg * S + S - 1 not in given]
+        ends = ((pg + 1) * page_size - 1 for pg in sorted(set(pages.tolist())) if pg not in partial)
+        last = [slot for slot in ends if slot not in given]
         if not last:
             return slots
         return torch.cat([slots, torch.tensor(last, dtype=slots.dtype, device=slots.device)])

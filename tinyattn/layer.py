@@ -173,6 +173,10 @@ class SparsityConfig:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
         if self.page_budget is not None:
             check_selection_options(self.page_budget, self.num_sink_pages, self.num_recent_pages)
+        elif self.top_p is not None or self.rerank is not None:   # as plan(): a dense config would ignore them
+            set_ = ", ".join(f"{k}={v!r}" for k, v in (("top_p", self.top_p), ("rerank", self.rerank)) if v is not None)
+            raise ValueError(f"page_budget: expected an int (the capacity) with {set_}, got None (without it every "
+                             f"step is dense and they would do nothing)")
 
     @property
     def is_dense(self) -> bool:
