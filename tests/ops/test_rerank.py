@@ -763,7 +763,7 @@ def test_more_candidates_than_pages_are_every_page(backend):
     (dict(candidates=True), TypeError, "candidates"),
     (dict(candidates=None), TypeError, "candidates"),
     (dict(rerank=None, k_code=None, candidates=2.0), ValueError, "candidates: expected 1.0 without rerank"),
-    (dict(k_code=None), (TypeError, ValueError), "k_code"),
+    (dict(k_code=None), ValueError, r"k_code: .*key_codes=True.*got None"),
     (dict(k_code="wrong shape"), ValueError, "k_code"),
     (dict(k_code="wrong dtype"), TypeError, "k_code"),
 ])
@@ -826,6 +826,9 @@ def test_an_odd_head_dim_is_an_error_naming_it(backend):
     cand = torch.zeros(1, 1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="head_dim"):
         tinyattn.rerank_scores(p.q, code, p.k_cache, k_min, k_max, cand, p.block_table, p.seq_lens, backend=backend)
+    with pytest.raises(ValueError, match="rerank: expected an even head_dim .* got head_dim=7"):   # at plan, not run
+        tinyattn.PagedAttentionPlan(backend=backend).plan(p.block_table, p.seq_lens, num_q_heads=1, num_kv_heads=1,
+                                                          head_dim=7, page_size=4, page_budget=2, rerank="int4")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -200,6 +200,8 @@ class PagedAttentionPlan:
                 page_budget, num_sink_pages, num_recent_pages)
         gamma, top_p = float(V.check_gamma(gamma)), V.check_top_p(top_p)
         rerank, candidates = V.check_rerank(rerank, candidates)
+        if rerank is not None and head_dim % 2:
+            raise ValueError(f"rerank: expected an even head_dim (two 4-bit codes per byte), got head_dim={head_dim}")
         if page_budget is None:
             V.check_no_box_rules(gamma, top_p, "without page_budget", "pass page_budget, the capacity", rerank)
         backend = resolve_backend(self._backend_arg, block_table.device)

@@ -617,6 +617,9 @@ def check_key_codes(k_code, rerank, k_cache, q) -> None:
     D = q.shape[-1]
     if D % 2:
         raise ValueError(f"rerank: expected an even head_dim (two 4-bit codes per byte), got head_dim={D}")
+    if k_code is None:
+        raise ValueError("k_code: expected the pool's 4-bit key codes with rerank='int4' (a cache made with "
+                         "PagedKVCache(..., key_codes=True): its k_code[layer]), got None")
     expect_tensor("k_code", k_code)
     want = (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], D // 2)
     expect_shape("k_code", k_code, want, "[num_pages, page_size, Hkv, D/2]")
