@@ -735,6 +735,21 @@ def _small():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicate_and_huge_candidates_count_as_the_reference_does(backend):
+    """A page listed twice counts once and an int64 id past the row (2^40: beyond int32) is ignored, as in the
+    reference; the forms assume distinct in-range ids, so the op puts the list in canonical form first (a fault
+    hunt: torch and Triton counted a duplicate twice, Triton read 2^40 as page 0)."""
+    p, k_min, k_max, code = _small()
+    clean = torch.tensor([[[0, 2, -1, -1], [1, -1, -1, -1]], [[0, 3, 4, -1], [2, 4, -1, -1]]], dtype=torch.int64)
+    messy = torch.tensor([[[0, 0, 2, 2**40], [1, 1, 1, -1]], [[4, 0, 3, 4], [2**40, 2, 4, 2]]], dtype=torch.int64)
+    args = (p.block_table, p.seq_lens)
+    want = R.rerank_scores(p.q, code, p.k_cache, k_min, k_max, clean, *args)
+    assert torch.equal(R.rerank_scores(p.q, code, p.k_cache, k_min, k_max, messy, *args), want)
+    got = tinyattn.rerank_scores(p.q, code, p.k_cache, k_min, k_max, messy, *args, backend=backend)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_more_candidates_than_pages_are_every_page(backend):
     """``candidates`` beyond the table's width (1e6, the largest float) hands every page to the re-rank, as a
     covering multiple does: the same output, no kernel block or workspace sized by the huge count (a fault hunt:

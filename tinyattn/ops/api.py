@@ -371,8 +371,9 @@ def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq
         q: ``[B, Hq, D]`` or ``[B, Tq, Hq, D]``, ``D`` even. k_code: ``[num_pages, page_size, Hkv, D/2]`` uint8
             (:func:`encode_key_codes`). k_cache: the pool ``[num_pages, page_size, Hkv, D]`` (int8 / fp8 with
             ``k_scale``). k_min, k_max: its boxes ``[num_pages, Hkv, D]``.
-        candidates: ``[B, Hkv, C]`` int32 / int64 logical pages, ``-1`` padded, distinct (e.g. :func:`select_pages`
-            of :func:`page_scores`); ids past a row's end are ignored.
+        candidates: ``[B, Hkv, C]`` int32 / int64 logical pages, ``-1`` padded (e.g. :func:`select_pages`
+            of :func:`page_scores`); a page listed twice counts once and ids past a row's end are ignored (the
+            list is put in the canonical form of ``page_indices`` first).
         block_table, seq_lens, window_left, backend: as in :func:`paged_attention`. scale: default ``D ** -0.5``.
 
     Raises:
@@ -396,6 +397,8 @@ def rerank_scores(q, k_code, k_cache, k_min, k_max, candidates, block_table, seq
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         checks.check_kernel_page_size(page_size)
+    # distinct, in-range ids (the forms assume them: a duplicate would count twice, an id >= 2^31 wrap in int32)
+    candidates = selection.canonical_page_indices(candidates, seq_lens, page_size)
     if backend == "torch" or q4.dtype == torch.float64:
         return selection.rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, seq_lens,
                                        page_size=page_size, scale=scale, window_left=window_left,
