@@ -143,8 +143,10 @@ def rerank_kernel(
             b_shift = tl.where(b_new == float("-inf"), 0.0, b_new)
             b_sum = b_sum * tl.exp(b_max - b_shift) + tl.sum(tl.exp(b_l - b_shift[:, None]), axis=1)
             b_max = b_new
-        # a row that sees no candidate key: Z = 0 and its exps are all 0 (it adds nothing)
-        b_z = tl.where(b_sum > 0.0, b_max + tl.log(b_sum), 0.0)
+        # a row that sees no candidate key: Z = 0 and its exps are all 0 (it adds nothing); a +inf logit: Z = +inf
+        # as logsumexp's (b_sum is NaN then), so the +inf keys' shares are NaN, stored as -inf below, and the
+        # others' 0; a NaN logit: Z is NaN, every share NaN (the reference's rule)
+        b_z = tl.where(b_max == float("-inf"), 0.0, tl.where(b_max == float("inf"), b_max, b_max + tl.log(b_sum)))
         # pass 2: each candidate's share of every row's mass
         for c in range(0, C):
             b_l = _candidate_logits(b_qa, b_qb, o_qpos, o_qlo, m_m, cand, k_code, k_cache, k_min, k_max, k_scale,

@@ -354,7 +354,7 @@ def rerank_scores(q4, k_code, k_cache, k_min, k_max, candidates, block_table, se
     z = logits.logsumexp(dim=(2, 4))                                                 # [B, Hkv, M]
     z = torch.where(z == NEG_INF, 0.0, z)       # a query that sees no candidate: its exps are all 0 anyway
     mass = (logits - z[:, :, None, :, None]).exp().sum(dim=(3, 4))                  # [B, Hkv, C]
-    mu = torch.where(ok, mass.log(), NEG_INF)
+    mu = torch.where(ok & (mass > 0), mass.log(), NEG_INF)      # no mass, or an undefined one (NaN): none
     out.scatter_(2, torch.where(ok, cand, max_pages), mu)
     return out[..., :max_pages]
 
