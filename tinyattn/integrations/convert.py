@@ -402,6 +402,8 @@ EPILOG = ("examples:\n"
           "  python -m tinyattn convert --check                      # shipped stories260K -> out/stories260K-hf\n"
           "  python -m tinyattn convert --out /tmp/stories260K-hf --check\n"
           "  python -m tinyattn convert --model stories15M.bin --tokenizer tokenizer.bin --out /tmp/stories15M-hf\n"
+          "      (llama2.c's TinyStories model and tokenizer: huggingface.co/karpathy/tinyllamas, "
+          "github.com/karpathy/llama2.c)\n"
           "  python -m tinyattn convert --model hybrid.bin --out /tmp/hybrid-hf --nope-layers 2 --sliding-window 64 \\\n"
           "      --layer-types sliding_attention,sliding_attention,full_attention,sliding_attention")
 
