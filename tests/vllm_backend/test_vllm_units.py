@@ -44,8 +44,22 @@ def test_gamma_and_top_p_from_the_environment():
     s = settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_GAMMA": " 0.5 ", "TINYATTN_TOP_P": "0.9"})
     assert (s.page_budget, s.gamma, s.top_p) == (8, 0.5, 0.9)
     assert settings_from_env({"TINYATTN_GAMMA": "1"}).gamma == 1.0              # Quest's bound, asked for
-    assert settings_from_env({"TINYATTN_TOP_P": "1"}).top_p == 1.0
+    assert settings_from_env({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_TOP_P": "1"}).top_p == 1.0
     assert settings_from_env({"TINYATTN_GAMMA": "0"}).gamma == 0
+
+
+@pytest.mark.parametrize("env, named, need", [
+    ({"TINYATTN_TOP_P": "0.9"}, "TINYATTN_TOP_P", "TINYATTN_PAGE_BUDGET"),
+    ({"TINYATTN_PAGE_BUDGET": "0", "TINYATTN_RERANK": "int4"}, "TINYATTN_RERANK", "TINYATTN_PAGE_BUDGET"),
+    ({"TINYATTN_TOP_P": "0.9", "TINYATTN_RERANK": "int4", "TINYATTN_CANDIDATES": "2"},
+     "TINYATTN_TOP_P, TINYATTN_RERANK", "TINYATTN_PAGE_BUDGET"),
+    ({"TINYATTN_PAGE_BUDGET": "8", "TINYATTN_CANDIDATES": "2"}, "TINYATTN_CANDIDATES", "TINYATTN_RERANK=int4"),
+])
+def test_settings_nothing_would_read_name_the_variables(env, named, need):
+    """A dense run (no budget) would ignore top-p and the re-rank, a run without the re-rank its candidates: the
+    variables are named, as the library's own options are."""
+    with pytest.raises(ValueError, match=rf"^{named}: set without {need}"):
+        settings_from_env(env)
 
 
 @pytest.mark.parametrize("name, bad, bound", [

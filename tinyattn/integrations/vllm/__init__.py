@@ -93,8 +93,10 @@ def settings_from_env(environ=None):
 
     Raises:
         ValueError naming the variable and its allowed values, e.g. ``TINYATTN_PAGE_BUDGET: expected an
-        integer >= 0 ...``, ``TINYATTN_TOP_P: expected a number in (0, 1] ...``, or a budget too small for the
-        always-kept pages (``num_sink_pages + max(num_recent_pages, 1) <= page_budget``).
+        integer >= 0 ...``, ``TINYATTN_TOP_P: expected a number in (0, 1] ...``, a budget too small for the
+        always-kept pages (``num_sink_pages + max(num_recent_pages, 1) <= page_budget``), or a setting nothing
+        would read (``TINYATTN_TOP_P`` / ``TINYATTN_RERANK`` without ``TINYATTN_PAGE_BUDGET``,
+        ``TINYATTN_CANDIDATES`` without ``TINYATTN_RERANK``).
     """
     from tinyattn.layer import SparsityConfig
 
@@ -107,6 +109,13 @@ def settings_from_env(environ=None):
         from tinyattn.layer import default_num_sink_pages
 
         sinks = default_num_sink_pages(budget or None, recent)
+    unread = [name for name, v in (("TINYATTN_TOP_P", top_p), ("TINYATTN_RERANK", rerank)) if v is not None]
+    if candidates != 1.0 and rerank is None:
+        unread.append("TINYATTN_CANDIDATES")
+    if unread and (not budget or rerank is None and unread == ["TINYATTN_CANDIDATES"]):
+        need = "TINYATTN_RERANK=int4" if budget else "TINYATTN_PAGE_BUDGET (the capacity, > 0)"
+        raise ValueError(f"{', '.join(unread)}: set without {need}, so nothing would read "
+                         f"{'it' if len(unread) == 1 else 'them'} (a dense run passing for a sparse one)")
     if budget and sinks + max(recent, 1) > budget:
         raise ValueError(f"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES + max(TINYATTN_RECENT_PAGES, 1) "
                          f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
