@@ -180,8 +180,9 @@ def cells_for(args, task: str, context: int) -> list[dict]:
         elif task not in args.dense_only:
             from tinyattn.layer import SparsityConfig
 
-            # fail early on a bad name, argument or selection setting (SparsityConfig names it)
-            SparsityConfig(page_budget=None, policy=policy_from_label(label), **selection_from_label(label))
+            # fail early on a bad name, argument or selection setting (SparsityConfig names it; any budget will do:
+            # the cells' own are checked when they run)
+            SparsityConfig(page_budget=64, policy=policy_from_label(label), **selection_from_label(label))
             for f in args.budget_list:
                 cells.append({"policy": label, "budget": budget_label(f),
                               "page_budget": page_budget_for(context, args.page_size, f)})
