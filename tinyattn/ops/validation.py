@@ -409,17 +409,7 @@ def check_metadata_inputs(k_cache, block_table, seq_lens, k_min, k_max, k_scale=
     expect_dim("k_cache", k_cache, (4,), "[num_pages, page_size, Hkv, D]")
     expect_dtype("k_cache", k_cache, FLOAT_DTYPES + (torch.float64,) + QUANTIZED_DTYPES)
     num_pages, page_size, Hkv, D = k_cache.shape
-    if k_cache.dtype in QUANTIZED_DTYPES:
-        if k_scale is None:
-            raise ValueError(f"k_scale: expected a float32 [num_pages, Hkv] = {(num_pages, Hkv)} tensor of scales "
-                             f"for the {_dtype_name(k_cache.dtype)} pool, got None")
-        expect_tensor("k_scale", k_scale)
-        expect_dtype("k_scale", k_scale, (torch.float32,))
-        expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
-        expect_device("k_scale", k_scale, k_cache.device, "k_cache")
-    elif k_scale is not None:
-        raise ValueError(f"k_scale: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with int8 / "
-                         f"float8_e4m3fn pools only), got a tensor")
+    check_key_scale(k_cache, k_scale, k_cache.device, "k_cache")
     if page_size < 1:
         raise ValueError(f"k_cache: expected page_size >= 1 in dim 1, got {page_size}")
     check_tables(block_table, seq_lens, None, k_cache.device)
@@ -637,6 +627,13 @@ def check_rerank_pool(k_cache, k_scale, k_min, q4) -> None:
     expect_shape("k_cache", k_cache, (num_pages, k_cache.shape[1], Hkv, D),
                  "[num_pages, page_size, Hkv, D] (num_pages and Hkv of k_min, D of q)")
     expect_device("k_cache", k_cache, q4.device, "q")
+    check_key_scale(k_cache, k_scale, q4.device, "q")
+
+
+def check_key_scale(k_cache, k_scale, device, device_name: str) -> None:
+    """``k_scale`` of a pool ``k_cache`` ``[num_pages, page_size, Hkv, D]`` (already checked): fp32
+    ``[num_pages, Hkv]`` on ``device`` for an int8 / float8_e4m3fn pool, ``None`` for a float one."""
+    num_pages, _, Hkv, _ = k_cache.shape
     if k_cache.dtype not in QUANTIZED_DTYPES:
         if k_scale is not None:
             raise ValueError(f"k_scale: expected None for a {_dtype_name(k_cache.dtype)} pool (scales go with int8 / "
@@ -648,7 +645,7 @@ def check_rerank_pool(k_cache, k_scale, k_min, q4) -> None:
     expect_tensor("k_scale", k_scale)
     expect_dtype("k_scale", k_scale, (torch.float32,))
     expect_shape("k_scale", k_scale, (num_pages, Hkv), "[num_pages, Hkv]")
-    expect_device("k_scale", k_scale, q4.device, "q")
+    expect_device("k_scale", k_scale, device, device_name)
 
 
 def check_candidates(candidates, batch: int, num_kv_heads: int, device) -> None:
