@@ -368,8 +368,9 @@ class PagedAttention:
                          num_query_tokens=ctx.num_query_tokens, backend=self.backend)
             mass_scale = ctx.scale
             if s.rerank is not None:    # the plan's second stage, op by op: candidates, their log-mass
+                width = ctx.block_table.shape[1]
                 cand = api.select_pages(scores, ctx.seq_lens, page_size=ctx.page_size,
-                                        page_budget=num_candidates(s.page_budget, s.candidates, ctx.block_table.shape[1]), **rules)
+                                        page_budget=num_candidates(s.page_budget, s.candidates, width), **rules)
                 # the pool as the plan read it (a dequantized pool here: its codes are those of the same keys)
                 scores = api.rerank_scores(q, k_code, k_cache, k_min, k_max, cand, ctx.block_table, ctx.seq_lens,
                                            scale=ctx.scale, backend=self.backend)

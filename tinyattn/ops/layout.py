@@ -61,5 +61,5 @@ def num_candidates(page_budget: int, candidates: float, max_pages: int) -> int:
     ``max(page_budget, max_pages)`` (the table's width: more candidates than a row has pages select the same pages,
     and a kernel block or a workspace sized by a huge ``candidates`` would not fit)."""
     cap = max(page_budget, max_pages)
-    want = candidates * page_budget
-    return cap if want >= cap else min(cap, int(math.ceil(want - 1e-9)))
+    want = candidates * page_budget             # compared before ceil: a huge float would overflow int()
+    return cap if want >= cap else int(math.ceil(want - 1e-9))

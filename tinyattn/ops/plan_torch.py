@@ -237,8 +237,9 @@ class TorchPlan:
         if self._candidate_keys is None:
             self._candidate_keys = selection_torch.selection_keys(
                 self.seq_lens, self._num_pages, page_size=step.page_size,
-                page_budget=num_candidates(step.page_budget, step.candidates, self._num_pages), num_sink_pages=step.num_sink_pages,
-                num_recent_pages=step.num_recent_pages, num_query_tokens=step.num_query_tokens)
+                page_budget=num_candidates(step.page_budget, step.candidates, self._num_pages),
+                num_sink_pages=step.num_sink_pages, num_recent_pages=step.num_recent_pages,
+                num_query_tokens=step.num_query_tokens)
         with span("score", q=q4, k_min=k_min, block_table=self.block_table, seq_lens=self.seq_lens,
                   page_size=step.page_size):
             scores = selection_torch.page_bounds(qg.detach(), k_min, k_max, *self._phys, step.gamma)

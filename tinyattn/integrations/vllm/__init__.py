@@ -109,19 +109,23 @@ def settings_from_env(environ=None):
         from tinyattn.layer import default_num_sink_pages
 
         sinks = default_num_sink_pages(budget or None, recent)
+    # settings nothing would read: a dense run (no budget) ignores top-p and the re-rank, no re-rank its candidates
     unread = [name for name, v in (("TINYATTN_TOP_P", top_p), ("TINYATTN_RERANK", rerank)) if v is not None]
+    if unread and not budget:
+        _refuse_unread(unread, "TINYATTN_PAGE_BUDGET (the capacity, > 0)")
     if candidates != 1.0 and rerank is None:
-        unread.append("TINYATTN_CANDIDATES")
-    if unread and (not budget or rerank is None and unread == ["TINYATTN_CANDIDATES"]):
-        need = "TINYATTN_RERANK=int4" if budget else "TINYATTN_PAGE_BUDGET (the capacity, > 0)"
-        raise ValueError(f"{', '.join(unread)}: set without {need}, so nothing would read "
-                         f"{'it' if len(unread) == 1 else 'them'} (a dense run passing for a sparse one)")
+        _refuse_unread(["TINYATTN_CANDIDATES"], "TINYATTN_RERANK=int4")
     if budget and sinks + max(recent, 1) > budget:
         raise ValueError(f"TINYATTN_PAGE_BUDGET: expected at least TINYATTN_SINK_PAGES + max(TINYATTN_RECENT_PAGES, 1) "
                          f"= {sinks} + {max(recent, 1)} = {sinks + max(recent, 1)} (the pages always kept), or 0 for "
                          f"dense, got {budget}")
     return SparsityConfig(page_budget=budget or None, num_sink_pages=sinks, num_recent_pages=recent,
                           dense_layers=dense, gamma=gamma, top_p=top_p, rerank=rerank, candidates=candidates)
+
+
+def _refuse_unread(names: list[str], need: str) -> None:
+    raise ValueError(f"{', '.join(names)}: set without {need}, so nothing would read "
+                     f"{'it' if len(names) == 1 else 'them'} (a dense run passing for a sparse one)")
 
 
 def _rerank_settings(environ) -> tuple:
