@@ -92,17 +92,7 @@ def attn_fwd_kernel(
     if UPCAST or QUANT:
         b_q = b_q.to(tl.float32)
 
-    if SPARSE:
-        n_list = NUM_LIST
-        tok0 = 0
-    else:
-        # dense: valid pages, cut at the last page the block's newest query can see, and started at the page of
-        # the first key its earliest query's window holds
-        t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
-        n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
-        n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
-        tok0 = _window_first_token(seq_len - TQ + (i_mb * BLOCK_M) // G, WINDOW_LEFT, PAGE_SIZE)
-    n_tok = n_list * PAGE_SIZE
+    tok0, n_tok = _block_tokens(seq_len, i_mb, TQ, G, WINDOW_LEFT, NUM_LIST, BLOCK_M, PAGE_SIZE, SPARSE)
     n_it = tl.cdiv(tl.maximum(n_tok - tok0, 0), BLOCK_N)
     it_per_split = tl.cdiv(n_it, NUM_SPLITS)
     it_lo = i_s * it_per_split
@@ -156,11 +146,23 @@ def _window_start(o_qpos, WINDOW_LEFT):
 
 
 @triton.jit
-def _window_first_token(q_first, WINDOW_LEFT, PAGE_SIZE: tl.constexpr):
-    """Where a dense walk starts: the first token of the page holding the first key the query at position
-    ``q_first`` (a block's earliest) sees; 0 without a window."""
-    lo = tl.maximum(_window_start(q_first, WINDOW_LEFT), 0)  # no window: -1, so token 0
-    return ((lo // PAGE_SIZE) * PAGE_SIZE).to(tl.int32)
+def _block_tokens(seq_len, i_mb, TQ, G, WINDOW_LEFT, NUM_LIST, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  SPARSE: tl.constexpr):
+    """The stretch of the page list's token stream that query block ``i_mb`` (rows ``t * G + g``) walks:
+    ``(tok0, n_tok)``, tokens ``[tok0, n_tok)``. Sparse: the whole list (``NUM_LIST`` pages; the tile masks
+    invalid ids). Dense: the valid pages cut at the last page the block's newest query sees, started at the page
+    holding the first key its earliest query's window keeps (token 0 without a window). One copy for the forward
+    and backward kernels."""
+    if SPARSE:
+        tok0 = 0
+        n_list = NUM_LIST
+    else:
+        t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
+        n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
+        n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
+        lo = tl.maximum(_window_start(seq_len - TQ + (i_mb * BLOCK_M) // G, WINDOW_LEFT), 0)  # no window: token 0
+        tok0 = ((lo // PAGE_SIZE) * PAGE_SIZE).to(tl.int32)
+    return tok0, n_list * PAGE_SIZE
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import pad_head_dim
-from .attention import _LOG2E, _window_first_token, _window_start
+from .attention import _LOG2E, _block_tokens, _window_start
 
 
 @triton.jit(do_not_specialize=["WINDOW_LEFT"])  # one binary for every window
@@ -105,15 +105,7 @@ def attn_bwd_kernel(
     # a row that sees nothing has lse = -inf and every logit masked: shift by 0 so no inf - inf occurs
     b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * _LOG2E)  # [BM] base 2
 
-    if SPARSE:
-        n_list = NUM_LIST
-        tok0 = 0
-    else:
-        t_last = tl.minimum(TQ - 1, (i_mb * BLOCK_M + BLOCK_M - 1) // G)
-        n_seen = tl.maximum(seq_len - TQ + t_last + 1, 0)
-        n_list = (tl.minimum(seq_len, n_seen) + PAGE_SIZE - 1) // PAGE_SIZE
-        tok0 = _window_first_token(seq_len - TQ + (i_mb * BLOCK_M) // G, WINDOW_LEFT, PAGE_SIZE)
-    n_tok = n_list * PAGE_SIZE
+    tok0, n_tok = _block_tokens(seq_len, i_mb, TQ, G, WINDOW_LEFT, NUM_LIST, BLOCK_M, PAGE_SIZE, SPARSE)
     n_it = tl.cdiv(tl.maximum(n_tok - tok0, 0), BLOCK_N)
 
     b_dq = tl.zeros([BLOCK_M, BD], tl.float32)
