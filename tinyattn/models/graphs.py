@@ -41,6 +41,8 @@ from tinyattn.layer import PagedAttention, SparsityConfig
 from tinyattn.ops import quant, spans
 from tinyattn.ops.plan import resolve_backend
 
+from .step import ForwardStep
+
 __all__ = ["DecodeGraphs", "batch_buckets", "why_not_graphed"]
 
 
@@ -189,8 +191,6 @@ class DecodeGraphs:
 
     def body(self, b: int) -> torch.Tensor:
         """The captured part of a step of bucket ``b`` (after :meth:`prepare`): logits ``[b, V]`` fp32."""
-        from .llama import ForwardStep
-
         model, cache, cfg = self.model, self.cache, self.model.config
         no_boxes = [None] * cfg.n_layers
         step = ForwardStep(
