@@ -21,7 +21,7 @@
 # exceptiongroup, tomli and typing_extensions are only used on Python < 3.11). They are installed with
 # `pip install --no-index --find-links .whl --target .whl/site` and put on PYTHONPATH: the machine's own
 # environment is not changed. No interactive input; each step has its own time limit and a failed step does
-# not stop the others (the exit status is that of the first failure); the limits add up to 370 s. Commit the
+# not stop the others (the exit status is that of the first failure); the limits add up to 410 s. Commit the
 # CSV / PNG / summary.md it writes to docs/bench/gpu/ with the GPU named (docs/benchmarks.md, "GPU").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -102,6 +102,8 @@ step decode_attention 75 python bench/decode_attention.py --device cuda --out "$
 step kernel_breakdown 35 python bench/kernel_breakdown.py --device cuda --out "$DEST" \
   --contexts 4K,32K,128K --repeats "$REPEATS"
 step e2e_decode 35 python bench/e2e_decode.py --device cuda --out "$DEST" --contexts "$E2E_CONTEXTS" --steps 8
+# where the eager public op's host time goes (515-555 us per call on an H200 at the last run: not yet split)
+step host_profile 40 python bench/host_profile.py --device cuda --out "$DEST"
 
 {
   echo "# tinyattn GPU run, $(date -u +%Y-%m-%dT%H:%MZ), $(( $(date +%s) - START ))s"
@@ -112,6 +114,9 @@ step e2e_decode 35 python bench/e2e_decode.py --device cuda --out "$DEST" --cont
   echo
   echo "## decode step, eager and graphed, vs SDPA gqa (efficiency = speedup / bytes-ideal speedup)"
   grep -E '^\|' "$DEST/gpu_graphs.log" 2>/dev/null | grep -E '^\| (B|---|1 \| 32768|8 \| 32768)' || echo "(no table: see gpu_graphs.log)"
+  echo
+  echo "## host time of the eager public op (32K, budget 2048; by function and by torch op: host_profile.md)"
+  sed -n '/^## Per call/,/^## By function/p' "$DEST/host_profile.md" 2>/dev/null | grep -E '^\|' || echo "(none: see host_profile.log)"
   echo
   echo "## gpu_tests"
   tail -n 3 "$DEST/gpu_tests.log" 2>/dev/null

@@ -229,3 +229,24 @@ def test_long_text_merge_records_what_its_parts_ran(tmp_path, capsys):
     assert (meta["windows"], meta["buckets"], meta["page_sizes"], meta["seconds"]) == (2, "4096,5120", "8,16", 20.0)
     assert meta["policies"] == "quest:gamma=0.25" and meta["merged"] == parts
     assert len(merged["rows"]) == 8                          # 2 positions x (dense + sparse) x 2 page sizes
+
+
+def test_host_profile_splits_the_public_op(tmp_path, capsys, keep_threads):
+    """bench/host_profile.py: the per-call table times the public op, its unchecked form, a planned run and the dense
+    op; the cProfile table is rooted at the public op (called once per op call) and only lists tinyattn's files;
+    the torch.profiler table counts the aten ops of one call."""
+    assert load_bench("host_profile").main(["--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "host_profile.md").read_text()
+    assert text in capsys.readouterr().out
+    per_call, by_function, by_op = text.split("\n## ")[1:]
+    rows = [line.split(" | ") for line in per_call.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r[0].strip("| ") for r in rows] == ["sparse_paged_attention", "sparse, value_checks(False)",
+                                               "plan.run (planned once)", "paged_attention (dense)"]
+    assert all(float(r[1]) > 0 for r in rows) and rows[0][2].strip(" |") == "1.00"
+    functions = [line for line in by_function.splitlines() if line.startswith("| `")]
+    assert "tinyattn/ops/api.py" in functions[0] and "sparse_paged_attention`" in functions[0]
+    assert functions[0].endswith("| 1 |")
+    assert all(line.startswith("| `tinyattn/") for line in functions)
+    assert int(by_op.rsplit("aten ops per op call: ", 1)[1].split()[0]) > 0
+    import tinyattn
+    assert tinyattn.ops.validation.value_checks_active()           # the unchecked form left the checks on
