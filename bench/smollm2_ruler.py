@@ -678,6 +678,8 @@ def plot(cells: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(tasks), len(contexts), figsize=(4.2 * len(contexts), 3.4 * len(tasks)),
                              squeeze=False, sharey=True)
     colors = {"quest": "C0", "questmass": "C1", "oracle": "C2", "streaming": "C3", "h2o": "C4"}
+    others = sorted({c["policy"] for c in cells if c["budget"] is not None} - set(colors) - {DENSE}, key=_policy_order)
+    colors.update({policy: f"C{5 + k}" for k, policy in enumerate(others)})   # one color per label in every panel
     for i, task in enumerate(tasks):
         for j, context in enumerate(contexts):
             ax = axes[i][j]

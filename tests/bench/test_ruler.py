@@ -151,6 +151,28 @@ def test_report_tables_and_plot(run):
     assert len(cells) == 1 + len(scored) and len(scored) >= 2 + 3 * 2
 
 
+def test_plot_gives_each_policy_one_color_of_its_own(tmp_path, monkeypatch):
+    """Every label keeps one color in every panel, and no two labels share one (a label outside the five fixed
+    policies took matplotlib's cycle, whose first color is quest's)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from matplotlib.colors import to_hex
+    module = _runner()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    labels = ["quest", "oracle", "quest:gamma=0.25", "quest:top_p=0.9"]
+    cells = [dict(task=task, context=2048, policy=policy, budget=budget, score=0.5, ci_low=0.3, ci_high=0.7, samples=5)
+             for task in ("niah_single_1", "niah_single_2") for policy in labels[int(task[-1]) - 1:]
+             for budget in ("1/8", "1/16")]
+    module.plot(cells, tmp_path / "ruler.png")
+    seen = {}
+    for ax in figures[0].axes:
+        for bars in ax.containers:
+            seen.setdefault(bars.get_label(), set()).add(to_hex(bars.lines[0].get_color()))
+    assert sorted(seen) == sorted(labels)
+    assert all(len(colors) == 1 for colors in seen.values())
+    assert len({colors.pop() for colors in seen.values()}) == len(labels)
+
+
 def test_wilson_interval_matches_published_values():
     """Wilson's (1927) closed form worked by hand, z = 1.96: 0/10 -> [0, 0.2775], 5/10 -> [0.2366, 0.7634]."""
     from tinyattn.retrieval.ruler import mean_interval, wilson_interval
