@@ -29,6 +29,8 @@ A)
   R --tasks niah_single_1 --contexts 8192 --samples 20 --batch 4 --policies h2o --stock none
   R --tasks niah_single_2,niah_single_3 --contexts 8192 --samples 20 --batch 4 --policies $SEL --stock 5
   R --tasks $CEIL --contexts 2048 --samples 20 --batch 8 --policies dense --stock all
+  R --tasks niah_single_2,niah_single_3 --contexts 2048,4096 --samples 50 --batch 8 --policies dense --stock all
+  R --tasks niah_single_1,niah_single_2,niah_single_3 --contexts 8192 --samples 20 --batch 4 --policies dense --stock all
   ;;
 B)
   R --tasks niah_single_1 --contexts 4096 --samples 50 --batch 8 --policies $SEL --stock 20
