@@ -30,6 +30,8 @@ A)
   R --tasks niah_single_2,niah_single_3 --contexts 8192 --samples 20 --batch 4 --policies $SEL --stock 5
   R --tasks $CEIL --contexts 2048 --samples 20 --batch 8 --policies dense --stock all
   R --tasks niah_single_2,niah_single_3 --contexts 2048,4096 --samples 50 --batch 8 --policies dense --stock all
+  R --tasks niah_single_2 --contexts 2048 --samples 50 --diagnose 8 --budgets 1/8,1/16
+  R --tasks niah_single_3 --contexts 2048 --samples 50 --diagnose 8 --budgets 1/8,1/16
   R --tasks niah_single_1,niah_single_2,niah_single_3 --contexts 8192 --samples 20 --batch 4 --policies dense --stock all
   ;;
 B)
