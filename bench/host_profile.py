@@ -5,7 +5,8 @@ On a GPU an eager decode op is bound by its host time, not by its kernels (a 32K
 tens of microseconds; the eager op measured 515-555 us per call on an H200, docs/benchmarks.md). This script
 splits that time, in one run:
 
-1. **per call** (median of ``--calls`` calls, synchronized around the whole loop, not each call): the public op;
+1. **per call** (the mean over ``--calls`` back-to-back calls, synchronized around the loop, not each call, as a
+   decode loop runs; the median of ``--repeats`` such rounds, default 5, interleaved across the calls): the public op;
    the same op under ``tinyattn.value_checks(False)`` (no data-dependent checks, hence no host sync); and
    ``PagedAttentionPlan.run`` of a plan made once (what a model pays per layer: no checks, no planning);
 2. **by function**: ``cProfile`` over the op's calls, the tinyattn functions with the most cumulative time per
@@ -104,10 +105,10 @@ def by_function_table(fn, calls: int, top: int) -> str:
         fn()
     prof.disable()
     stats = pstats.Stats(prof).stats            # (file, line, name) -> (cc, nc, tt, ct, callers)
-    root = str(Path(tinyattn.__file__).resolve().parent.parent)
-    rows = [(ct, nc, f"{Path(f).resolve().relative_to(root)}:{line} {name}")
-            for (f, line, name), (cc, nc, tt, ct, callers) in stats.items()
-            if "tinyattn" in Path(f).parts and Path(f).resolve().is_relative_to(root)]
+    package = Path(tinyattn.__file__).resolve().parent
+    files = {f: Path(f).resolve() for f, _, _ in stats}
+    rows = [(ct, nc, f"{files[f].relative_to(package.parent)}:{line} {name}")
+            for (f, line, name), (cc, nc, tt, ct, callers) in stats.items() if files[f].is_relative_to(package)]
     rows.sort(reverse=True)
     lines = ["| function | us per op call (cumulative) | calls per op call |", "|---|---:|---:|"]
     for ct, nc, where in rows[:top]:
